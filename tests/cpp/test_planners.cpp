@@ -1,0 +1,365 @@
+// Tests of the torch-free headers (include/fdc): the planners against independent, naive implementations of the
+// algorithms their headers document, exact coverage of the work, the LPT bound, the closed-form causal cost, the
+// sort, the worker pool and the log-sum-exp merge. Fresh random cases from a seeded generator (the seed is printed;
+// pass one as argv[1] to replay), plus fixed edge cases. Exit code = number of failed checks (capped at 255).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <random>
+#include <tuple>
+#include <vector>
+
+#include "fdc/decode_plan.h"
+#include "fdc/head_layout.h"
+#include "fdc/lpt.h"
+#include "fdc/prefill_plan.h"
+#include "fdc/softmax_merge.h"
+
+namespace {
+
+int failures = 0;
+unsigned seed = 0;
+
+#define CHECK(cond, ...)                                                        \
+  do {                                                                          \
+    if (!(cond)) {                                                              \
+      ++failures;                                                               \
+      std::fprintf(stderr, "%s:%d: CHECK(%s) failed (seed %u): ", __FILE__,     \
+                   __LINE__, #cond, seed);                                      \
+      std::fprintf(stderr, __VA_ARGS__);                                        \
+      std::fprintf(stderr, "\n");                                               \
+    }                                                                           \
+  } while (0)
+
+struct Layout {
+  std::vector<int32_t> qk, v;  // offsets
+  int32_t group;
+  fdc::HeadLayoutView view() const {
+    return {qk.data(), v.data(), static_cast<int32_t>(qk.size()) - 1, group};
+  }
+};
+
+Layout random_layout(std::mt19937& rng) {
+  std::uniform_int_distribution<int> heads(1, 8), group(1, 8), width(1, 32);
+  Layout layout;
+  const int hkv = heads(rng);
+  layout.group = group(rng);
+  layout.qk = {0};
+  layout.v = {0};
+  for (int j = 0; j < hkv; ++j) {
+    layout.qk.push_back(layout.qk.back() + 8 * width(rng));
+    layout.v.push_back(layout.v.back() + 8 * width(rng));
+  }
+  return layout;
+}
+
+// LPT done plainly: tasks sorted by cost descending (stable), each to the least-loaded worker, lowest index on ties.
+std::vector<int64_t> naive_lpt_loads(std::vector<int64_t> costs, int32_t workers) {
+  std::stable_sort(costs.begin(), costs.end(), [](int64_t a, int64_t b) { return a > b; });
+  std::vector<int64_t> loads(workers, 0);
+  for (int64_t c : costs) {
+    int32_t best = 0;
+    for (int32_t w = 1; w < workers; ++w)
+      if (loads[w] < loads[best]) best = w;
+    loads[best] += c;
+  }
+  return loads;
+}
+
+// The shortest makespan over all assignments of a few tasks (exhaustive search).
+int64_t optimal_makespan(const std::vector<int64_t>& costs, int32_t workers) {
+  std::vector<int64_t> loads(workers, 0);
+  int64_t best = INT64_MAX;
+  auto place = [&](auto&& self, size_t i, int64_t current) -> void {
+    if (current >= best) return;
+    if (i == costs.size()) {
+      best = current;
+      return;
+    }
+    for (int32_t w = 0; w < workers; ++w) {
+      loads[w] += costs[i];
+      self(self, i + 1, std::max(current, loads[w]));
+      loads[w] -= costs[i];
+      if (loads[w] == 0) break;  // empty workers are interchangeable
+    }
+  };
+  place(place, 0, 0);
+  return best;
+}
+
+// LPT's guarantees: at most the average load plus the largest task; within 4/3 of max(average, largest) whenever no
+// task exceeds a third of that lower bound (the chunking aims for this); and, for few tasks, within
+// (4/3 - 1/(3N)) of the optimal makespan, found by exhaustive search.
+void check_lpt_bounds(const std::vector<int64_t>& costs, int64_t makespan, int32_t workers) {
+  if (costs.empty()) return;
+  int64_t total = 0, largest = 0;
+  for (int64_t c : costs) total += c, largest = std::max(largest, c);
+  const double average = double(total) / workers, lower = std::max(average, double(largest));
+  CHECK(makespan <= average + largest + 1e-9, "makespan %lld above average %.1f + largest %lld",
+        static_cast<long long>(makespan), average, static_cast<long long>(largest));
+  if (3 * largest <= lower)
+    CHECK(makespan <= 4.0 / 3.0 * lower + 1e-9, "makespan %lld above 4/3 of %.1f", static_cast<long long>(makespan),
+          lower);
+  if (costs.size() <= 9 && workers <= 4) {
+    const int64_t optimal = optimal_makespan(costs, workers);
+    CHECK(makespan <= (4.0 / 3.0 - 1.0 / (3.0 * workers)) * optimal + 1e-9, "makespan %lld vs optimal %lld",
+          static_cast<long long>(makespan), static_cast<long long>(optimal));
+  }
+}
+
+void test_decode_plan(const Layout& layout, const std::vector<int32_t>& lens, int32_t workers) {
+  const int32_t batch = static_cast<int32_t>(lens.size());
+  const fdc::HeadLayoutView view = layout.view();
+  const int32_t hkv = view.num_kv_heads;
+  std::vector<int32_t> plan(fdc::decode_plan_size(batch, hkv, workers), 12345);
+  std::vector<int64_t> ws(fdc::ceil_div(fdc::decode_plan_workspace_bytes(batch, hkv, workers), 8));
+  const fdc::Status status = fdc::build_decode_plan(lens.data(), batch, view, workers, plan.data(), ws.data());
+  CHECK(status == fdc::Status::kOk, "decode status %d", static_cast<int>(status));
+  if (status != fdc::Status::kOk) return;
+  const fdc::DecodePlanView p{plan.data()};
+  CHECK(p.num_tasks() <= p.capacity(), "tasks %d > capacity %d", p.num_tasks(), p.capacity());
+
+  // The documented chunking, recomputed: total cost, target, chunk length per KV head.
+  int64_t total = 0;
+  for (int32_t b = 0; b < batch; ++b)
+    for (int32_t j = 0; j < hkv; ++j) total += int64_t(lens[b]) * view.d_sum(j);
+  const int64_t target = std::max<int64_t>(1, (total + 3 * workers - 1) / (3 * workers));
+  std::vector<int64_t> costs;
+  for (int32_t b = 0; b < batch; ++b) {
+    for (int32_t j = 0; j < hkv; ++j) {
+      const int64_t need = (target + view.d_sum(j) - 1) / view.d_sum(j);
+      const int64_t chunk = std::max<int64_t>(256, (need + 15) / 16 * 16);
+      const int64_t count = (lens[b] + chunk - 1) / chunk;
+      CHECK(p.split_offsets()[b * hkv + j + 1] - p.split_offsets()[b * hkv + j] == count,
+            "request %d head %d: %d chunks, expected %lld", b, j,
+            p.split_offsets()[b * hkv + j + 1] - p.split_offsets()[b * hkv + j], static_cast<long long>(count));
+      for (int64_t c = 0; c < count; ++c) costs.push_back((std::min<int64_t>(lens[b], (c + 1) * chunk) - c * chunk) *
+                                                         view.d_sum(j));
+    }
+  }
+
+  // Coverage: every (request, head, key) exactly once; records per worker in non-increasing cost.
+  std::vector<std::vector<int>> seen(batch * hkv);
+  for (int32_t b = 0; b < batch; ++b)
+    for (int32_t j = 0; j < hkv; ++j) seen[b * hkv + j].assign(lens[b], 0);
+  std::vector<int64_t> loads(workers, 0);
+  for (int32_t w = 0; w < workers; ++w) {
+    int64_t previous = INT64_MAX;
+    for (int32_t r = p.worker_offsets()[w]; r < p.worker_offsets()[w + 1]; ++r) {
+      const int32_t* rec = p.records() + 4 * r;
+      const int32_t bj = rec[0];
+      const int64_t cost = int64_t(rec[3] - rec[2]) * view.d_sum(bj % hkv);
+      CHECK(cost <= previous, "worker %d runs a costlier task after a cheaper one", w);
+      previous = cost;
+      loads[w] += cost;
+      for (int32_t t = rec[2]; t < rec[3]; ++t) ++seen[bj][t];
+    }
+  }
+  for (const auto& keys : seen)
+    for (int count : keys) CHECK(count == 1, "a key covered %d times", count);
+
+  // The same loads as a plain LPT over the same tasks, and LPT's bounds.
+  const std::vector<int64_t> expected = naive_lpt_loads(costs, workers);
+  CHECK(loads == expected, "decode worker loads differ from a plain LPT");
+  const int64_t makespan = loads.empty() ? 0 : *std::max_element(loads.begin(), loads.end());
+  check_lpt_bounds(costs, makespan, workers);
+}
+
+// The documented prefill algorithm, written plainly: returns each worker's load and the records (b, h, r0, r1).
+std::vector<int64_t> naive_prefill_loads(const Layout& layout, const std::vector<int32_t>& cu_q,
+                                         const std::vector<int32_t>& cu_k, bool causal, int32_t row_block,
+                                         int32_t workers) {
+  const fdc::HeadLayoutView view = layout.view();
+  auto row_cost = [&](int32_t b, int64_t r, int64_t d_sum) {
+    const int64_t s_q = cu_q[b + 1] - cu_q[b], s_k = cu_k[b + 1] - cu_k[b];
+    const int64_t keys = causal ? std::clamp<int64_t>(r + s_k - s_q + 1, 0, s_k) : s_k;
+    return keys * d_sum;
+  };
+  int32_t max_d_sum = 0;
+  for (int32_t j = 0; j < view.num_kv_heads; ++j) max_d_sum = std::max(max_d_sum, view.d_sum(j));
+  struct Task { int32_t b, h; int64_t r0, r1, cost; };
+  std::vector<Task> tasks;
+  for (int32_t b = 0; b + 1 < static_cast<int32_t>(cu_q.size()); ++b) {
+    const int64_t s_q = cu_q[b + 1] - cu_q[b];
+    for (int32_t h = 0; h < view.num_heads(); ++h) {
+      const int64_t d_sum = view.d_sum(h / view.group);
+      const int64_t rows = std::max<int64_t>(16, int64_t(row_block) * max_d_sum / d_sum / 16 * 16);
+      for (int64_t r0 = 0; r0 < s_q; r0 += rows) {
+        Task t{b, h, r0, std::min(s_q, r0 + rows), 0};
+        for (int64_t r = t.r0; r < t.r1; ++r) t.cost += row_cost(b, r, d_sum);
+        tasks.push_back(t);
+      }
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  std::vector<int64_t> loads(workers, 0);
+  auto give = [&](int64_t cost) {
+    int32_t best = 0;
+    for (int32_t w = 1; w < workers; ++w)
+      if (loads[w] < loads[best]) best = w;
+    loads[best] += cost;
+  };
+  const size_t full = tasks.size() / workers * workers;
+  int64_t last = 0;
+  for (size_t i = 0; i < tasks.size(); ++i) (i < full ? give(tasks[i].cost) : void(last += tasks[i].cost));
+  const int64_t wl = (last + workers - 1) / workers;
+  for (size_t i = full; i < tasks.size(); ++i) {
+    const Task& t = tasks[i];
+    const int64_t d_sum = view.d_sum(t.h / view.group);
+    int64_t piece = 0, steps = 0;
+    for (int64_t r0 = t.r0; r0 < t.r1; r0 += 16) {
+      int64_t step = 0;
+      for (int64_t r = r0; r < std::min(t.r1, r0 + 16); ++r) step += row_cost(t.b, r, d_sum);
+      if (steps > 0 && piece + step > wl) {
+        give(piece);
+        piece = 0;
+        steps = 0;
+      }
+      piece += step;
+      ++steps;
+    }
+    if (steps > 0) give(piece);
+  }
+  return loads;
+}
+
+void test_prefill_plan(const Layout& layout, const std::vector<int32_t>& lens_q, const std::vector<int32_t>& lens_k,
+                       bool causal, int32_t row_block, int32_t workers) {
+  const int32_t batch = static_cast<int32_t>(lens_q.size());
+  std::vector<int32_t> cu_q{0}, cu_k{0};
+  for (int32_t b = 0; b < batch; ++b) {
+    cu_q.push_back(cu_q.back() + lens_q[b]);
+    cu_k.push_back(cu_k.back() + lens_k[b]);
+  }
+  const fdc::HeadLayoutView view = layout.view();
+  const int64_t capacity = fdc::prefill_plan_capacity(cu_q.back(), batch, view.num_heads());
+  std::vector<int32_t> plan(fdc::prefill_plan_size(workers, capacity), 777);
+  std::vector<int64_t> ws(fdc::ceil_div(fdc::prefill_plan_workspace_bytes(capacity, workers), 8));
+  const fdc::Status status = fdc::build_prefill_plan(cu_q.data(), cu_k.data(), batch, view, causal, row_block,
+                                                     workers, capacity, plan.data(), ws.data());
+  CHECK(status == fdc::Status::kOk, "prefill status %d", static_cast<int>(status));
+  if (status != fdc::Status::kOk) return;
+  const fdc::PrefillPlanView p{plan.data()};
+  CHECK(p.num_records() <= capacity, "records %d > capacity %lld", p.num_records(), static_cast<long long>(capacity));
+
+  std::map<std::tuple<int, int, int>, int> seen;
+  std::vector<int64_t> loads(workers, 0);
+  for (int32_t w = 0; w < workers; ++w) {
+    for (int32_t r = p.worker_offsets()[w]; r < p.worker_offsets()[w + 1]; ++r) {
+      const int32_t* rec = p.records() + 4 * r;
+      const int32_t b = rec[0], h = rec[1];
+      CHECK(rec[2] % 16 == 0 && (rec[3] % 16 == 0 || rec[3] == lens_q[b]), "piece [%d, %d) is not 16-row aligned",
+            rec[2], rec[3]);
+      loads[w] += view.d_sum(h / view.group) * fdc::visible_keys(rec[2], rec[3], lens_q[b], lens_k[b], causal);
+      for (int32_t row = rec[2]; row < rec[3]; ++row) ++seen[{b, h, row}];
+    }
+  }
+  int64_t rows = 0;
+  for (int32_t b = 0; b < batch; ++b) rows += int64_t(lens_q[b]) * view.num_heads();
+  CHECK(static_cast<int64_t>(seen.size()) == rows, "%zu rows covered of %lld", seen.size(),
+        static_cast<long long>(rows));
+  for (const auto& entry : seen) CHECK(entry.second == 1, "a query row covered %d times", entry.second);
+  const std::vector<int64_t> expected = naive_prefill_loads(layout, cu_q, cu_k, causal, row_block, workers);
+  CHECK(loads == expected, "prefill worker loads differ from the plain algorithm");
+}
+
+void test_visible_keys(std::mt19937& rng) {
+  std::uniform_int_distribution<int> len(0, 70);
+  for (int trial = 0; trial < 2000; ++trial) {
+    const int64_t s_q = len(rng), s_k = len(rng);
+    const int64_t r0 = s_q ? rng() % (s_q + 1) : 0;
+    const int64_t r1 = r0 + (s_q - r0 ? rng() % (s_q - r0 + 1) : 0);
+    for (bool causal : {false, true}) {
+      int64_t brute = 0;
+      for (int64_t r = r0; r < r1; ++r) brute += causal ? std::clamp<int64_t>(r + s_k - s_q + 1, 0, s_k) : s_k;
+      CHECK(fdc::visible_keys(r0, r1, s_q, s_k, causal) == brute, "visible_keys(%lld, %lld, %lld, %lld, %d)",
+            static_cast<long long>(r0), static_cast<long long>(r1), static_cast<long long>(s_q),
+            static_cast<long long>(s_k), causal);
+    }
+  }
+}
+
+void test_building_blocks(std::mt19937& rng) {
+  std::vector<int64_t> cost(300);
+  for (auto& c : cost) c = rng() % 7;
+  std::vector<int32_t> order(cost.size()), scratch(cost.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int32_t>(i);
+  fdc::sort_by_cost_desc(order.data(), scratch.data(), cost.data(), static_cast<int32_t>(order.size()));
+  for (size_t i = 1; i < order.size(); ++i) {
+    CHECK(cost[order[i - 1]] > cost[order[i]] || (cost[order[i - 1]] == cost[order[i]] && order[i - 1] < order[i]),
+          "sort is not a stable descending sort at %zu", i);
+  }
+
+  std::vector<int64_t> load(5);
+  std::vector<int32_t> heap(5);
+  fdc::WorkerPool pool(load.data(), heap.data(), 5);
+  CHECK(pool.take(10) == 0 && pool.take(3) == 1 && pool.take(3) == 2 && pool.take(1) == 3 && pool.take(1) == 4,
+        "first round goes to workers in index order");
+  CHECK(pool.take(2) == 3, "least-loaded worker (3, load 1; 4 ties it and has the higher index)");
+
+  const float lse[3] = {1.f, -INFINITY, 1.f + std::log(3.f)};
+  float weight[3];
+  const float total = fdc::merge_weights(lse, 3, weight);
+  CHECK(std::fabs(weight[0] - 0.25f) < 1e-6f && weight[1] == 0.f && std::fabs(weight[2] - 0.75f) < 1e-6f,
+        "merge weights %g %g %g", weight[0], weight[1], weight[2]);
+  CHECK(std::fabs(total - (1.f + std::log(4.f))) < 1e-6f, "merged lse %g", total);
+  const float empty[2] = {-INFINITY, -INFINITY};
+  CHECK(fdc::merge_weights(empty, 2, weight) == -INFINITY && weight[0] == 0.f && weight[1] == 0.f,
+        "all-empty merge gives zero weights");
+
+  fdc::OnlineSoftmax softmax;
+  CHECK(softmax.rescale_for(2.f) == 0.f && softmax.max == 2.f, "first block sets the max");
+  softmax.sum = 1.f;
+  const float factor = softmax.rescale_for(3.f);
+  CHECK(std::fabs(factor - std::exp(-1.f)) < 1e-6f && std::fabs(softmax.sum - std::exp(-1.f)) < 1e-6f,
+        "rescaling to a larger max");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  seed = argc > 1 ? static_cast<unsigned>(std::strtoul(argv[1], nullptr, 10)) : std::random_device{}();
+  std::printf("test_planners seed %u\n", seed);
+  std::mt19937 rng(seed);
+  test_building_blocks(rng);
+  test_visible_keys(rng);
+
+  const Layout fixed{{0, 64, 80}, {0, 32, 96}, 2};
+  test_decode_plan(fixed, {}, 4);                                    // empty batch
+  test_decode_plan(fixed, {0, 0, 0}, 3);                             // only empty requests
+  test_decode_plan(fixed, {100000, 3, 1, 7, 0, 2}, 16);              // one huge request among short ones
+  test_decode_plan(fixed, {5000}, 1);                                // one worker
+  test_prefill_plan(fixed, {}, {}, true, 64, 4);
+  test_prefill_plan(fixed, {0, 1, 17}, {0, 1, 17}, true, 64, 200);        // more workers than rows
+  test_prefill_plan(fixed, {40, 300}, {10, 900}, true, 16, 7);            // s_q > s_k and s_q < s_k
+  test_prefill_plan(fixed, {513}, {513}, false, 128, 1);
+
+  for (int trial = 0; trial < 300; ++trial) {  // LPT alone, on small task sets where the optimum is searchable
+    std::vector<int64_t> costs(1 + rng() % 9);
+    for (auto& c : costs) c = 1 + rng() % 20;
+    const int32_t workers = 1 + rng() % 4;
+    const std::vector<int64_t> loads = naive_lpt_loads(costs, workers);
+    check_lpt_bounds(costs, *std::max_element(loads.begin(), loads.end()), workers);
+  }
+
+  std::uniform_int_distribution<int> batch_size(0, 7), workers(1, 40), coin(0, 1);
+  const int32_t lengths[] = {0, 1, 2, 15, 16, 17, 64, 255, 256, 257, 1000, 4096, 30000};
+  for (int trial = 0; trial < 400; ++trial) {
+    const Layout layout = random_layout(rng);
+    const int batch = batch_size(rng);
+    std::vector<int32_t> lens_q, lens_k;
+    for (int b = 0; b < batch; ++b) {
+      lens_q.push_back(lengths[rng() % 11]);
+      lens_k.push_back(coin(rng) ? lens_q.back() : lengths[rng() % 11]);
+    }
+    test_prefill_plan(layout, lens_q, lens_k, coin(rng), 16 * (1 + rng() % 8), workers(rng));
+    std::vector<int32_t> cache;
+    for (int b = 0; b < batch; ++b) cache.push_back(lengths[rng() % 13]);
+    test_decode_plan(layout, cache, workers(rng));
+  }
+  std::printf("%d failed checks\n", failures);
+  return std::min(failures, 255);
+}
