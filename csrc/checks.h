@@ -1,0 +1,259 @@
+// The one place input validation lives, shared by the CPU and CUDA implementations of every op.
+// Every message starts with the op name and names the argument: "fdc::decode_attention: k_cache must be ...".
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "fdc/common.h"
+#include "fdc/decode_plan.h"
+#include "fdc/head_layout.h"
+#include "fdc/prefill_plan.h"
+
+#define FDC_CHECK(cond, op, ...) TORCH_CHECK(cond, "fdc::", op, ": ", __VA_ARGS__)
+
+namespace fdc::checks {
+
+// A validated head layout, copied to host memory (the offsets always live on the CPU: they are static metadata of a
+// layer, read on the host to size outputs without a device round trip).
+struct HostLayout {
+  std::vector<int32_t> qk_offsets;  // (H_kv + 1)
+  std::vector<int32_t> v_offsets;   // (H_kv + 1), empty for ops that take only qk offsets
+  int32_t group = 1;
+
+  int32_t num_kv_heads() const { return static_cast<int32_t>(qk_offsets.size()) - 1; }
+  int32_t num_heads() const { return num_kv_heads() * group; }
+  int32_t qk_width() const { return qk_offsets.back(); }
+  int32_t v_width() const { return v_offsets.back(); }
+  int32_t max_v_dim() const {
+    int32_t m = 0;
+    for (size_t j = 0; j + 1 < v_offsets.size(); ++j) m = std::max(m, v_offsets[j + 1] - v_offsets[j]);
+    return m;
+  }
+  HeadLayoutView view() const {
+    return HeadLayoutView{qk_offsets.data(), v_offsets.empty() ? qk_offsets.data() : v_offsets.data(),
+                          num_kv_heads(), group};
+  }
+};
+
+inline const char* dtype_name(at::ScalarType t) { return c10::toString(t); }
+
+// A floating-point activation or cache tensor: float32, float16 or bfloat16, of the given rank.
+inline void check_float(const char* op, const char* name, const at::Tensor& t, int64_t ndim) {
+  FDC_CHECK(t.defined(), op, name, " must be a tensor but got None");
+  FDC_CHECK(t.dim() == ndim, op, name, " must have ", ndim, " dimensions but got shape ", t.sizes());
+  const auto st = t.scalar_type();
+  FDC_CHECK(st == at::kFloat || st == at::kHalf || st == at::kBFloat16, op, name,
+            " must be float32, float16 or bfloat16 but got ", dtype_name(st));
+}
+
+inline void check_same_dtype(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
+                             const at::Tensor& ref) {
+  FDC_CHECK(t.scalar_type() == ref.scalar_type(), op, name, " must have the dtype of ", ref_name, " (",
+            dtype_name(ref.scalar_type()), ") but got ", dtype_name(t.scalar_type()));
+}
+
+inline void check_same_device(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
+                              const at::Tensor& ref) {
+  FDC_CHECK(t.device() == ref.device(), op, name, " must be on the device of ", ref_name, " (", ref.device(),
+            ") but is on ", t.device());
+}
+
+inline void check_shape(const char* op, const char* name, const at::Tensor& t, at::IntArrayRef expected) {
+  FDC_CHECK(t.sizes() == expected, op, name, " must have shape ", expected, " but got ", t.sizes());
+}
+
+inline void check_int32_vector(const char* op, const char* name, const at::Tensor& t, int64_t length) {
+  FDC_CHECK(t.defined(), op, name, " must be a tensor but got None");
+  FDC_CHECK(t.scalar_type() == at::kInt, op, name, " must be int32 but got ", dtype_name(t.scalar_type()));
+  FDC_CHECK(t.dim() == 1, op, name, " must be 1-D but got shape ", t.sizes());
+  if (length >= 0) FDC_CHECK(t.size(0) == length, op, name, " must have length ", length, " but got ", t.size(0));
+}
+
+// A caller's output/cache tensor written in place cannot be copied to fix its layout: rows must be unit-stride.
+inline void check_unit_last_stride(const char* op, const char* name, const at::Tensor& t) {
+  FDC_CHECK(t.stride(-1) == 1 || t.size(-1) <= 1, op, name,
+            " must have unit stride in its last dimension but got strides ", t.strides());
+}
+
+// Returns t if its rows are unit-stride (any other strides are fine for the kernels), else a contiguous copy.
+inline at::Tensor unit_last_stride(const at::Tensor& t) {
+  return (t.stride(-1) == 1 || t.size(-1) <= 1) ? t : t.contiguous();
+}
+
+inline std::vector<int32_t> read_offsets(const char* op, const char* name, const at::Tensor& offsets) {
+  check_int32_vector(op, name, offsets, -1);
+  FDC_CHECK(offsets.device().is_cpu(), op, name,
+            " must be a CPU tensor (head layouts are host metadata) but is on ", offsets.device());
+  FDC_CHECK(offsets.size(0) >= 2, op, name, " must have at least 2 entries (H_kv + 1) but got ", offsets.size(0));
+  const at::Tensor c = offsets.contiguous();
+  std::vector<int32_t> v(c.data_ptr<int32_t>(), c.data_ptr<int32_t>() + c.size(0));
+  FDC_CHECK(v[0] == 0, op, name, " must start at 0 but got ", v[0]);
+  for (size_t j = 0; j + 1 < v.size(); ++j) {
+    const int32_t width = v[j + 1] - v[j];
+    FDC_CHECK(width > 0, op, name, " must be strictly increasing but entry ", j + 1, " (", v[j + 1],
+              ") is not above entry ", j, " (", v[j], ")");
+    FDC_CHECK(width % kDimMultiple == 0, op, name, " widths must be multiples of ", kDimMultiple,
+              " but head ", j, " has width ", width);
+    FDC_CHECK(width <= kMaxHeadDim, op, name, " widths must be at most ", kMaxHeadDim, " but head ", j,
+              " has width ", width);
+  }
+  return v;
+}
+
+inline void check_group(const char* op, int64_t group) {
+  FDC_CHECK(group >= 1, op, "group must be at least 1 but got ", group);
+}
+
+// Reads and validates qk_offsets (and v_offsets, when given) and the group size.
+inline HostLayout read_layout(const char* op, const at::Tensor& qk_offsets, const at::Tensor* v_offsets,
+                              int64_t group) {
+  check_group(op, group);
+  HostLayout layout;
+  layout.group = static_cast<int32_t>(group);
+  layout.qk_offsets = read_offsets(op, "qk_offsets", qk_offsets);
+  if (v_offsets != nullptr) {
+    layout.v_offsets = read_offsets(op, "v_offsets", *v_offsets);
+    FDC_CHECK(layout.v_offsets.size() == layout.qk_offsets.size(), op,
+              "v_offsets must have the length of qk_offsets (H_kv + 1 = ", layout.qk_offsets.size(), ") but got ",
+              layout.v_offsets.size());
+  }
+  return layout;
+}
+
+// A packed tensor's last dimension must equal the layout width; a mismatch also catches a group that does not
+// divide the head count of the caller's projection.
+inline void check_width(const char* op, const char* name, const at::Tensor& t, int64_t width, const char* formula) {
+  FDC_CHECK(t.size(-1) == width, op, name, " must have ", width, " columns (", formula, ") but got shape ",
+            t.sizes());
+}
+
+// cu_seqlens: int32 (B + 1), non-decreasing, cu[0] >= 0, cu[B] <= total rows. Values are read on the host: callers
+// pass CPU tensors to CPU kernels; device kernels validate on the device.
+inline std::vector<int32_t> read_cu_seqlens(const char* op, const char* name, const at::Tensor& cu, int64_t batch,
+                                            int64_t total_rows, const char* rows_name) {
+  check_int32_vector(op, name, cu, batch < 0 ? -1 : batch + 1);
+  FDC_CHECK(cu.size(0) >= 1, op, name, " must have at least 1 entry (B + 1) but got 0");
+  const at::Tensor c = cu.to(at::kCPU).contiguous();
+  std::vector<int32_t> v(c.data_ptr<int32_t>(), c.data_ptr<int32_t>() + c.size(0));
+  FDC_CHECK(v[0] >= 0, op, name, " must start at a non-negative row but got ", v[0]);
+  for (size_t b = 0; b + 1 < v.size(); ++b) {
+    FDC_CHECK(v[b + 1] >= v[b], op, name, " must be non-decreasing but entry ", b + 1, " (", v[b + 1],
+              ") is below entry ", b, " (", v[b], ")");
+  }
+  FDC_CHECK(v.back() <= total_rows, op, name, " must end at most at the ", total_rows, " rows of ", rows_name,
+            " but ends at ", v.back());
+  return v;
+}
+
+// cache_seqlens: int32 (B), each in [0, capacity].
+inline std::vector<int32_t> read_cache_seqlens(const char* op, const at::Tensor& seqlens, int64_t batch,
+                                               int64_t capacity) {
+  check_int32_vector(op, "cache_seqlens", seqlens, batch);
+  const at::Tensor c = seqlens.to(at::kCPU).contiguous();
+  std::vector<int32_t> v(c.data_ptr<int32_t>(), c.data_ptr<int32_t>() + c.size(0));
+  for (size_t b = 0; b < v.size(); ++b) {
+    FDC_CHECK(v[b] >= 0, op, "cache_seqlens must be non-negative but entry ", b, " is ", v[b]);
+    FDC_CHECK(v[b] <= capacity, op, "cache_seqlens must be at most the cache capacity ", capacity,
+              " but entry ", b, " is ", v[b]);
+  }
+  return v;
+}
+
+inline void check_scale(const char* op, double scale) {
+  FDC_CHECK(std::isfinite(scale) && scale > 0, op, "scale must be a positive finite number but got ", scale);
+}
+
+inline int32_t read_num_workers(const char* op, std::optional<int64_t> num_workers, int64_t backend_default) {
+  const int64_t n = num_workers.value_or(backend_default);
+  FDC_CHECK(n >= 1 && n <= (1 << 20), op, "num_workers must be in [1, 2^20] but got ", n);
+  return static_cast<int32_t>(n);
+}
+
+// A paged cache: block_table int32 (B, max_pages), caches (num_pages, width, page_size) with contiguous pages.
+struct PagedCache {
+  int64_t page_size = 0;
+  int64_t max_pages = 0;
+  int64_t num_pages = 0;
+};
+
+inline PagedCache check_paged(const char* op, const at::Tensor& block_table, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache, int64_t batch, const HostLayout& layout) {
+  FDC_CHECK(block_table.scalar_type() == at::kInt, op, "block_table must be int32 but got ",
+            dtype_name(block_table.scalar_type()));
+  FDC_CHECK(block_table.dim() == 2 && block_table.size(0) == batch, op,
+            "block_table must have shape (B=", batch, ", max_pages) but got ", block_table.sizes());
+  check_same_device(op, "block_table", block_table, "k_cache", k_cache);
+  FDC_CHECK(k_cache.dim() == 3 && k_cache.size(1) == layout.qk_width(), op,
+            "k_cache must have shape (num_pages, ", layout.qk_width(), ", page_size) with a block_table but got ",
+            k_cache.sizes());
+  FDC_CHECK(v_cache.dim() == 3 && v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == layout.v_width() &&
+                v_cache.size(2) == k_cache.size(2),
+            op, "v_cache must have shape (", k_cache.size(0), ", ", layout.v_width(), ", ", k_cache.size(2),
+            ") with a block_table but got ", v_cache.sizes());
+  FDC_CHECK(k_cache.size(2) >= 1, op, "page_size (k_cache.size(2)) must be at least 1 but got ", k_cache.size(2));
+  FDC_CHECK(k_cache.stride(2) == 1 && k_cache.stride(1) == k_cache.size(2) && v_cache.stride(2) == 1 &&
+                v_cache.stride(1) == v_cache.size(2),
+            op, "paged k_cache and v_cache must have contiguous pages but got strides ", k_cache.strides(),
+            " and ", v_cache.strides());
+  PagedCache paged;
+  paged.page_size = k_cache.size(2);
+  paged.max_pages = block_table.size(1);
+  paged.num_pages = k_cache.size(0);
+  return paged;
+}
+
+// Block-table entries are read lazily by kernels; this checks the ones a sequence of length seqlen will touch.
+inline void check_block_table_entries(const char* op, const int32_t* row, int64_t batch_index, int64_t pages_used,
+                                      int64_t num_pages) {
+  for (int64_t p = 0; p < pages_used; ++p) {
+    FDC_CHECK(row[p] >= 0 && row[p] < num_pages, op, "block_table[", batch_index, "][", p, "] = ", row[p],
+              " is not a page index in [0, ", num_pages, ")");
+  }
+}
+
+}  // namespace fdc::checks
+
+namespace fdc::checks {
+
+inline void check_plan_tensor(const char* op, const at::Tensor& plan, const at::Tensor& data, int64_t min_size) {
+  check_int32_vector(op, "plan", plan, -1);
+  check_same_device(op, "plan", plan, "the attention inputs", data);
+  FDC_CHECK(plan.is_contiguous(), op, "plan must be contiguous");
+  FDC_CHECK(plan.size(0) >= min_size, op, "plan must have at least ", min_size, " entries but got ", plan.size(0));
+}
+
+// A decode plan must come from fdc::decode_plan for the same batch, KV heads and group. `header` is the plan's
+// first kDecodeHeader entries, read on the host.
+inline void check_decode_plan_header(const char* op, const int32_t* header, int64_t plan_size, int64_t batch,
+                                     const HostLayout& layout) {
+  FDC_CHECK(header[0] == kDecodePlanTag, op, "plan is not a decode plan (made by fdc::decode_plan)");
+  FDC_CHECK(header[1] == batch && header[2] == layout.num_kv_heads() && header[6] == layout.group, op,
+            "plan was made for B=", header[1], ", H_kv=", header[2], ", group=", header[6], " but the inputs have B=",
+            batch, ", H_kv=", layout.num_kv_heads(), ", group=", layout.group);
+  FDC_CHECK(header[3] >= 1 && plan_size == decode_plan_size(batch, layout.num_kv_heads(), header[3]), op,
+            "plan has ", plan_size, " entries, which does not match its own header (", header[3], " workers)");
+}
+
+// A prefill plan must come from fdc::prefill_plan for the same batch, heads, group and causal flag.
+inline void check_prefill_plan_header(const char* op, const int32_t* header, int64_t plan_size, int64_t batch,
+                                      const HostLayout& layout, bool causal) {
+  FDC_CHECK(header[0] == kPrefillPlanTag, op, "plan is not a prefill plan (made by fdc::prefill_plan)");
+  FDC_CHECK(header[1] == batch && header[2] == layout.num_heads() && header[7] == layout.group, op,
+            "plan was made for B=", header[1], ", H=", header[2], ", group=", header[7], " but the inputs have B=",
+            batch, ", H=", layout.num_heads(), ", group=", layout.group);
+  FDC_CHECK((header[5] != 0) == causal, op, "plan was made with causal=", header[5] != 0 ? "True" : "False",
+            " but causal=", causal ? "True" : "False");
+  FDC_CHECK(header[3] >= 1 && header[4] >= 0 && plan_size == prefill_plan_size(header[3], header[4]), op,
+            "plan has ", plan_size, " entries, which does not match its own header (", header[3], " workers, ",
+            header[4], " records)");
+}
+
+}  // namespace fdc::checks

@@ -1,0 +1,47 @@
+// Helpers shared by the CPU kernels: plan entry points (each plan op is also run inside its attention op when no
+// plan is passed), dtype dispatch, and the float conversions of the hot loops.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <optional>
+
+#include "checks.h"
+
+// Hot float loops are compiled twice, for x86-64-v3 (AVX2+FMA) and for the baseline x86-64, and picked when the library loads
+// (GCC function multi-versioning): the wheel stays runnable on any x86-64 while current CPUs get 8-wide FMA.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define FDC_CPU_SIMD __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define FDC_CPU_SIMD
+#endif
+
+namespace fdc::cpu {
+
+at::Tensor prefill_plan_cpu(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                            const at::Tensor& qk_offsets, const at::Tensor& v_offsets, int64_t group, bool causal,
+                            std::optional<int64_t> num_workers, int64_t row_block);
+
+at::Tensor decode_plan_cpu(const at::Tensor& cache_seqlens, const at::Tensor& qk_offsets, const at::Tensor& v_offsets,
+                           int64_t group, std::optional<int64_t> num_workers);
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+
+// Converts n elements at src (stride `stride` elements) to float at dst (contiguous).
+template <typename T>
+inline void load_floats(const T* src, int64_t stride, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i * stride]);
+}
+
+}  // namespace fdc::cpu
+
+// Dispatch over the three activation dtypes; anything else was rejected by checks.h before.
+// Its default case raises with the dtype it could not handle.
+#define FDC_DISPATCH_FLOAT_TYPES(TYPE, NAME, ...)                                                  \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)                         \
+                                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)                      \
+                                         AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))

@@ -1,0 +1,252 @@
+#include "cpu/vec_math.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "cpu/cpu_common.h"
+
+namespace fdc::cpu {
+namespace {
+
+// Reductions keep kLanes independent partial results, which the compiler maps to vector lanes without having to
+// reassociate a single running sum (it may not, without -ffast-math); 16 covers two AVX2 registers.
+constexpr int64_t kLanes = 16;
+
+// exp(x) to about 2 ulp: x = n ln2 + r with |r| <= ln2/2 (Cody-Waite split of ln2), exp(r) by its degree-6 Taylor
+// polynomial (error below 2^-24 on that interval), times 2^n built in the exponent bits. Branch-free, so a loop
+// over it vectorises. Always inlined: otherwise GCC calls one baseline copy from the AVX2 clones, unvectorised.
+[[gnu::always_inline]] inline float exp_approx(float x) {
+  constexpr float kLog2e = 1.44269504088896341f;
+  constexpr float kLn2Hi = 0.693359375f;       // ln2 rounded to 10 bits: n * kLn2Hi is exact
+  constexpr float kLn2Lo = -2.12194440e-4f;    // ln2 - kLn2Hi
+  constexpr float kMinArg = -87.3365447f;      // log(FLT_MIN): below it the result is flushed to 0
+  constexpr float kMaxArg = 88.7228391f;       // log(FLT_MAX)
+  const bool underflow = x < kMinArg;
+  // Comparisons, not fmin/fmax, so a NaN argument stays NaN and poisons the result as it should.
+  x = x < kMinArg ? kMinArg : x;
+  x = x > kMaxArg ? kMaxArg : x;
+  // Round to nearest by the 1.5 * 2^23 trick (|x * log2e| < 2^22 here): plain arithmetic, unlike nearbyint.
+  constexpr float kRound = 12582912.f;
+  const float n = (x * kLog2e + kRound) - kRound;
+  const float r = (x - n * kLn2Hi) - n * kLn2Lo;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const float scale = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+  return underflow ? 0.f : p * scale;
+}
+
+}  // namespace
+
+FDC_CPU_SIMD float max_of(const float* x, int64_t n) {
+  float lanes[kLanes];
+  for (int64_t l = 0; l < kLanes; ++l) lanes[l] = -INFINITY;
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int64_t l = 0; l < kLanes; ++l) lanes[l] = lanes[l] > x[i + l] ? lanes[l] : x[i + l];
+  for (; i < n; ++i) lanes[0] = lanes[0] > x[i] ? lanes[0] : x[i];
+  float m = -INFINITY;
+  for (int64_t l = 0; l < kLanes; ++l) m = m > lanes[l] ? m : lanes[l];
+  return m;
+}
+
+FDC_CPU_SIMD float exp_and_sum(float* x, int64_t n, float scale, float shift) {
+  float lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) {
+      x[i + l] = exp_approx(x[i + l] * scale - shift);
+      lanes[l] += x[i + l];
+    }
+  }
+  for (; i < n; ++i) {
+    x[i] = exp_approx(x[i] * scale - shift);
+    lanes[0] += x[i];
+  }
+  float sum = 0.f;
+  for (int64_t l = 0; l < kLanes; ++l) sum += lanes[l];
+  return sum;
+}
+
+FDC_CPU_SIMD void scale_in_place(float* x, int64_t n, float factor) {
+  for (int64_t i = 0; i < n; ++i) x[i] *= factor;
+}
+
+namespace {
+
+// Eight floats, one AVX2 register (two SSE registers in the baseline clone): GCC's vector extension, so the
+// register blocking below is explicit rather than left to the auto-vectoriser.
+using f32x8 = float __attribute__((vector_size(32)));
+constexpr int64_t kVec = 8;
+
+[[gnu::always_inline]] inline f32x8 load8(const float* p) {
+  f32x8 v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+[[gnu::always_inline]] inline void store8(float* p, f32x8 v) { __builtin_memcpy(p, &v, sizeof(v)); }
+
+[[gnu::always_inline]] inline float sum8(f32x8 v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+// Loads 8 consecutive elements as float: bfloat16 by a 16-bit shift (it is the upper half of a float32), float16
+// through the compiler's _Float16 (F16C's vcvtph2ps in the AVX2 clone).
+[[gnu::always_inline]] inline f32x8 load8(const c10::BFloat16* p) {
+  using u16x8 = uint16_t __attribute__((vector_size(16)));
+  using u32x8 = uint32_t __attribute__((vector_size(32)));
+  u16x8 h;
+  __builtin_memcpy(&h, p, sizeof(h));
+  return reinterpret_cast<f32x8>(__builtin_convertvector(h, u32x8) << 16);
+}
+
+[[gnu::always_inline]] inline f32x8 load8(const c10::Half* p) {
+  using f16x8 = _Float16 __attribute__((vector_size(16)));
+  f16x8 h;
+  __builtin_memcpy(&h, p, sizeof(h));
+  return __builtin_convertvector(h, f32x8);
+}
+
+[[gnu::always_inline]] inline float load1(const float* p) { return *p; }
+[[gnu::always_inline]] inline float load1(const c10::BFloat16* p) {
+  return __builtin_bit_cast(float, static_cast<uint32_t>(p->x) << 16);
+}
+[[gnu::always_inline]] inline float load1(const c10::Half* p) {
+  return static_cast<float>(__builtin_bit_cast(_Float16, p->x));
+}
+
+// The eight horizontal sums of v[0..7] as one vector: three rounds of pairing lanes and adding, instead of a
+// separate shuffle-and-add tree per vector.
+[[gnu::always_inline]] inline f32x8 sum8x8(const f32x8* v) {
+  f32x8 pairs[4];
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    pairs[k] = __builtin_shufflevector(v[2 * k], v[2 * k + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+               __builtin_shufflevector(v[2 * k], v[2 * k + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+  }
+  const f32x8 quads0 = __builtin_shufflevector(pairs[0], pairs[1], 0, 1, 8, 9, 4, 5, 12, 13) +
+                       __builtin_shufflevector(pairs[0], pairs[1], 2, 3, 10, 11, 6, 7, 14, 15);
+  const f32x8 quads1 = __builtin_shufflevector(pairs[2], pairs[3], 0, 1, 8, 9, 4, 5, 12, 13) +
+                       __builtin_shufflevector(pairs[2], pairs[3], 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(quads0, quads1, 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(quads0, quads1, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// out[k] = a . rows[k] for kRows rows (8 or 1), 8 columns at a time with one accumulator per row: the chains are
+// independent, so consecutive FMAs do not wait on each other, each chunk of `a` is loaded once for all rows, and
+// with 8 rows the final sums come out together (sum8x8).
+template <int kRows>
+[[gnu::always_inline]] inline void dot_block(const float* a, const float* row, int64_t row_stride, int64_t dim,
+                                             float* out) {
+  f32x8 acc[kRows] = {};
+  const int64_t dim8 = dim / kVec * kVec;
+  for (int64_t c = 0; c < dim8; c += kVec) {
+    const f32x8 av = load8(a + c);
+#pragma GCC unroll 8
+    for (int k = 0; k < kRows; ++k) acc[k] += av * load8(row + k * row_stride + c);
+  }
+  float tails[kRows] = {};
+  for (int64_t c = dim8; c < dim; ++c) {
+#pragma GCC unroll 8
+    for (int k = 0; k < kRows; ++k) tails[k] += a[c] * row[k * row_stride + c];
+  }
+  if constexpr (kRows == 8) {
+    f32x8 tail;
+    __builtin_memcpy(&tail, tails, sizeof(tail));
+    store8(out, sum8x8(acc) + tail);
+  } else {
+    for (int k = 0; k < kRows; ++k) out[k] = sum8(acc[k]) + tails[k];
+  }
+}
+
+[[gnu::always_inline]] inline f32x8 splat8(float x) { return f32x8{x, x, x, x, x, x, x, x}; }
+
+// acc[0, 8 * kVecs) += sum_r w[r] * rows[r * row_stride + (0, 8 * kVecs)]: kVecs accumulators held in registers
+// across all n rows, so the accumulator is loaded and stored once, and kVecs independent FMA chains hide latency.
+template <int kVecs>
+[[gnu::always_inline]] inline void axpy_slice(const float* w, const float* rows, int64_t row_stride, int64_t n,
+                                              float* acc) {
+  f32x8 slice[kVecs];
+#pragma GCC unroll 8
+  for (int v = 0; v < kVecs; ++v) slice[v] = load8(acc + v * kVec);
+  for (int64_t r = 0; r < n; ++r) {
+    const f32x8 weight = splat8(w[r]);
+    const float* row = rows + r * row_stride;
+#pragma GCC unroll 8
+    for (int v = 0; v < kVecs; ++v) slice[v] += weight * load8(row + v * kVec);
+  }
+#pragma GCC unroll 8
+  for (int v = 0; v < kVecs; ++v) store8(acc + v * kVec, slice[v]);
+}
+
+}  // namespace
+
+FDC_CPU_SIMD void dot_rows(const float* a, int64_t a_ld, int64_t group, const float* rows, int64_t row_stride,
+                           int64_t n, int64_t dim, float* out, int64_t out_ld, bool accumulate) {
+  constexpr int64_t kRowBlock = 8;  // rows per dot_block: 8 accumulators plus operands fit the 16 AVX2 registers
+  float sums[kRowBlock];
+  for (int64_t r = 0; r < n; r += kRowBlock) {
+    const int64_t count = std::min(kRowBlock, n - r);
+    for (int64_t i = 0; i < group; ++i) {
+      if (count == kRowBlock) {
+        dot_block<kRowBlock>(a + i * a_ld, rows + r * row_stride, row_stride, dim, sums);
+      } else {
+        for (int64_t k = 0; k < count; ++k)
+          dot_block<1>(a + i * a_ld, rows + (r + k) * row_stride, row_stride, dim, sums + k);
+      }
+      float* o = out + i * out_ld + r;
+      for (int64_t k = 0; k < count; ++k) o[k] = (accumulate ? o[k] : 0.f) + sums[k];
+    }
+  }
+}
+
+FDC_CPU_SIMD void axpy_rows(const float* w, int64_t w_ld, int64_t group, const float* rows, int64_t row_stride,
+                            int64_t n, int64_t dim, float* acc, int64_t acc_ld) {
+  // Columns go in slices of 64 (eight registers), the rest (fewer than 64) as one narrower slice, then one by one.
+  constexpr int kSliceVecs = 8;
+  for (int64_t i = 0; i < group; ++i) {
+    const float* wi = w + i * w_ld;
+    float* ai = acc + i * acc_ld;
+    int64_t c0 = 0;
+    for (; c0 + kSliceVecs * kVec <= dim; c0 += kSliceVecs * kVec)
+      axpy_slice<kSliceVecs>(wi, rows + c0, row_stride, n, ai + c0);
+    const int64_t rest_vecs = (dim - c0) / kVec;
+    switch (rest_vecs) {
+      case 0: break;
+      case 1: axpy_slice<1>(wi, rows + c0, row_stride, n, ai + c0); break;
+      case 2: axpy_slice<2>(wi, rows + c0, row_stride, n, ai + c0); break;
+      case 3: axpy_slice<3>(wi, rows + c0, row_stride, n, ai + c0); break;
+      case 4: axpy_slice<4>(wi, rows + c0, row_stride, n, ai + c0); break;
+      case 5: axpy_slice<5>(wi, rows + c0, row_stride, n, ai + c0); break;
+      case 6: axpy_slice<6>(wi, rows + c0, row_stride, n, ai + c0); break;
+      case 7: axpy_slice<7>(wi, rows + c0, row_stride, n, ai + c0); break;
+      default: TORCH_CHECK(false, "fdc: axpy_rows has ", rest_vecs, " leftover vectors, at most 7 are possible");
+    }
+    for (c0 += rest_vecs * kVec; c0 < dim; ++c0) {
+      float part = ai[c0];
+      for (int64_t r = 0; r < n; ++r) part += wi[r] * rows[r * row_stride + c0];
+      ai[c0] = part;
+    }
+  }
+}
+
+#define FDC_DEFINE_ROWS_TO_FLOAT(T)                                                                             \
+  FDC_CPU_SIMD void rows_to_float(const T* src, int64_t src_stride, int64_t rows, int64_t cols, float* dst) {   \
+    const int64_t cols8 = cols / kVec * kVec;                                                                   \
+    for (int64_t r = 0; r < rows; ++r) {                                                                        \
+      const T* s = src + r * src_stride;                                                                        \
+      float* d = dst + r * cols;                                                                                \
+      for (int64_t c = 0; c < cols8; c += kVec) store8(d + c, load8(s + c));                                    \
+      for (int64_t c = cols8; c < cols; ++c) d[c] = load1(s + c);                                               \
+    }                                                                                                           \
+  }
+
+FDC_DEFINE_ROWS_TO_FLOAT(c10::BFloat16)
+FDC_DEFINE_ROWS_TO_FLOAT(c10::Half)
+
+}  // namespace fdc::cpu

@@ -1,0 +1,37 @@
+// Vectorisable float loops of the softmax, shared by the CPU attention kernels. Each is compiled for AVX2+FMA and
+// for baseline x86-64 and picked at load time (FDC_CPU_SIMD in cpu_common.h).
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+
+namespace fdc::cpu {
+
+// Largest of x[0, n); -inf when n == 0.
+float max_of(const float* x, int64_t n);
+
+// x[i] = exp(x[i] * scale - shift) for i < n; returns the sum of the results. Arguments below the smallest
+// normal float's log give exactly 0 (so a -inf score contributes nothing).
+float exp_and_sum(float* x, int64_t n, float scale, float shift);
+
+// x[i] *= factor for i < n.
+void scale_in_place(float* x, int64_t n, float factor);
+
+// Widens half-precision rows once, so the row kernels below read each element as float for all G query heads:
+// dst[r * cols + c] = float(src[r * src_stride + c]) for r < rows, c < cols.
+void rows_to_float(const c10::BFloat16* src, int64_t src_stride, int64_t rows, int64_t cols, float* dst);
+void rows_to_float(const c10::Half* src, int64_t src_stride, int64_t rows, int64_t cols, float* dst);
+
+// Dot products along rows: out[i * out_ld + r] = sum_c a[i * a_ld + c] * rows[r * row_stride + c], for i < group,
+// r < n, c < dim; added to out when `accumulate`.
+void dot_rows(const float* a, int64_t a_ld, int64_t group, const float* rows, int64_t row_stride, int64_t n,
+              int64_t dim, float* out, int64_t out_ld, bool accumulate);
+
+// Weighted row sums: acc[i * acc_ld + c] += sum_r w[i * w_ld + r] * rows[r * row_stride + c], for i < group, r < n,
+// c < dim.
+void axpy_rows(const float* w, int64_t w_ld, int64_t group, const float* rows, int64_t row_stride, int64_t n,
+               int64_t dim, float* acc, int64_t acc_ld);
+
+}  // namespace fdc::cpu

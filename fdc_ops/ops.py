@@ -1,0 +1,261 @@
+"""Typed Python entry points of the ``torch.ops.fdc`` operators, with their shapes, and their fake implementations.
+
+Packed head layout (DESIGN.md section 3). A layer has ``H_kv`` KV heads; KV head ``j`` has a query/key width
+``qk_dim[j]`` and a value width ``v_dim[j]`` (positive multiples of 8, at most 256), given as int32 prefix sums
+``qk_offsets`` and ``v_offsets`` of length ``H_kv + 1`` that live on the CPU (they are static metadata of the layer).
+``group`` (G) query heads share each KV head; query head ``h`` uses KV head ``h // G``. Tensors put heads side by
+side along their last dimension:
+
+- keys ``(T, qk_offsets[-1])`` and values ``(T, v_offsets[-1])``: KV head ``j`` at ``[offsets[j], offsets[j+1])``;
+- queries ``(T, G * qk_offsets[-1])`` and outputs ``(T, G * v_offsets[-1])``: query head ``h = j*G + i`` at
+  ``G * offsets[j] + i * dim[j] + [0, dim[j])``.
+
+Floating-point tensors are float32, float16 or bfloat16 (accumulation is float32); rows may be strided, anything else
+non-contiguous is copied. Sequence boundaries (``cu_seqlens``) and cache lengths are int32 on the device of the data.
+
+KV caches are either contiguous, ``(B, S_max, width)`` with ``cache_seqlens`` (B), or paged: ``(num_pages, width,
+page_size)`` with ``block_table`` int32 ``(B, max_pages)``; token ``t`` of request ``b`` lives in page
+``block_table[b, t // page_size]`` at position ``t % page_size`` of the last dimension. A page stores each column's
+``page_size`` tokens contiguously, so KV head ``j`` owns one contiguous ``(dim[j], page_size)`` block (rows
+``offsets[j] .. offsets[j+1]``): a decode task reading one head streams contiguous memory, and a score or value loop
+runs along contiguous tokens.
+
+Schedules are int32 tensors whose format is documented in include/fdc/prefill_plan.h and decode_plan.h.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _C  # noqa: F401  (loads the op registrations)
+
+__all__ = [
+    "rotate_compress",
+    "prefill_plan",
+    "prefill_attention",
+    "decode_plan",
+    "decode_attention",
+    "append_kv",
+    "DEFAULT_ROW_BLOCK",
+    "decode_plan_size",
+]
+
+#: Base row block B_r of the widest head in the prefill plan (include/fdc/prefill_plan.h, kDefaultRowBlock).
+DEFAULT_ROW_BLOCK = 64
+# Mirrors of include/fdc/decode_plan.h, used to size the decode plan without running it.
+_DECODE_HEADER = 8
+_DECODE_RECORD_FIELDS = 4
+_DECODE_CHUNKS_PER_WORKER = 3
+_PREFILL_HEADER = 8
+
+
+def decode_plan_size(batch: int, num_kv_heads: int, num_workers: int) -> int:
+    """Length of the int32 decode plan for ``batch`` requests, ``num_kv_heads`` KV heads and ``num_workers``."""
+    capacity = batch * num_kv_heads + _DECODE_CHUNKS_PER_WORKER * num_workers
+    return _DECODE_HEADER + (batch * num_kv_heads + 1) + (num_workers + 1) + _DECODE_RECORD_FIELDS * capacity
+
+
+def rotate_compress(x: torch.Tensor, rot: torch.Tensor, qk_offsets: torch.Tensor, group: int) -> torch.Tensor:
+    """Rotates post-RoPE queries or keys per head and keeps each head's leading ``qk_dim`` columns, packed.
+
+    Args:
+        x: ``(T, G * H_kv, D)`` post-RoPE queries (``group=G``) or keys (``group=1``).
+        rot: ``(H_kv, D, R_max)`` truncated rotations, ``R_max >= max(qk_dim)``, dtype of ``x``.
+        qk_offsets: ``(H_kv + 1,)`` int32 CPU prefix sums of the per-KV-head widths.
+        group: query heads per KV head in ``x`` (1 for keys).
+
+    Returns:
+        ``(T, group * qk_offsets[-1])``: head ``h``'s segment is ``x[:, h, :] @ rot[h // group, :, :qk_dim]``.
+    """
+    return torch.ops.fdc.rotate_compress(x, rot, qk_offsets, group)
+
+
+def prefill_plan(
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    qk_offsets: torch.Tensor,
+    v_offsets: torch.Tensor,
+    group: int,
+    causal: bool,
+    num_workers: int | None = None,
+    row_block: int = DEFAULT_ROW_BLOCK,
+) -> torch.Tensor:
+    """The prefill schedule: row blocks rescaled per head, full rounds by least load, the last round split evenly.
+
+    Args:
+        cu_seqlens_q: ``(B + 1,)`` int32 query sequence boundaries.
+        cu_seqlens_k: ``(B + 1,)`` int32 key sequence boundaries.
+        qk_offsets, v_offsets: ``(H_kv + 1,)`` int32 CPU prefix sums of the head widths.
+        group: query heads per KV head.
+        causal: whether the attention is causal (bottom-right aligned); changes the cost of each row block.
+        num_workers: workers to balance over; default the backend's (CPU: intra-op threads).
+        row_block: rows per task of the widest head, a multiple of 16.
+
+    Returns:
+        int32 ``(8 + num_workers + 1 + 4 * records,)``: see include/fdc/prefill_plan.h.
+    """
+    return torch.ops.fdc.prefill_plan(
+        cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group, causal, num_workers, row_block
+    )
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    qk_offsets: torch.Tensor,
+    v_offsets: torch.Tensor,
+    group: int,
+    scale: float,
+    causal: bool,
+    plan: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Varlen attention over packed heads of different widths, GQA.
+
+    Args:
+        q: ``(T_q, G * qk_offsets[-1])`` compressed queries.
+        k: ``(T_k, qk_offsets[-1])`` compressed keys.
+        v: ``(T_k, v_offsets[-1])`` compressed values.
+        cu_seqlens_q, cu_seqlens_k: ``(B + 1,)`` int32 sequence boundaries in ``q`` and in ``k``/``v``.
+        qk_offsets, v_offsets: ``(H_kv + 1,)`` int32 CPU prefix sums of the head widths.
+        group: query heads per KV head.
+        scale: softmax scale, ``1 / sqrt(original head dim)`` for FDC (not of the compressed width).
+        causal: causal mask aligned bottom-right: query ``i`` of a sequence with ``s_q`` queries and ``s_k`` keys
+            sees keys ``0 .. i + s_k - s_q``; a row that sees no key returns zeros.
+        plan: a schedule from :func:`prefill_plan` for the same boundaries, layout and ``causal``; computed when None.
+
+    Returns:
+        ``(T_q, G * v_offsets[-1])``, dtype of ``q``. Rows of ``q`` outside every sequence are zero.
+    """
+    return torch.ops.fdc.prefill_attention(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group, scale, causal, plan
+    )
+
+
+def decode_plan(
+    cache_seqlens: torch.Tensor,
+    qk_offsets: torch.Tensor,
+    v_offsets: torch.Tensor,
+    group: int,
+    num_workers: int | None = None,
+) -> torch.Tensor:
+    """The decode schedule: (request, KV head, KV chunk) tasks, long sequences split, greedy LPT over workers.
+
+    Args:
+        cache_seqlens: ``(B,)`` int32 cache lengths.
+        qk_offsets, v_offsets: ``(H_kv + 1,)`` int32 CPU prefix sums of the head widths.
+        group: query heads per KV head.
+        num_workers: workers to balance over; default the backend's (CPU: intra-op threads).
+
+    Returns:
+        int32 ``(decode_plan_size(B, H_kv, num_workers),)``: see include/fdc/decode_plan.h. Its size depends on
+        shapes only, so a decode step with its plan can be captured in a CUDA graph.
+    """
+    return torch.ops.fdc.decode_plan(cache_seqlens, qk_offsets, v_offsets, group, num_workers)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    qk_offsets: torch.Tensor,
+    v_offsets: torch.Tensor,
+    group: int,
+    scale: float,
+    plan: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query token per request against its compressed KV cache, GQA, split-KV with a log-sum-exp merge.
+
+    Args:
+        q: ``(B, G * qk_offsets[-1])`` compressed queries.
+        k_cache: ``(B, S_max, qk_offsets[-1])``, or paged ``(num_pages, qk_offsets[-1], page_size)``.
+        v_cache: ``(B, S_max, v_offsets[-1])``, or paged ``(num_pages, v_offsets[-1], page_size)``.
+        cache_seqlens: ``(B,)`` int32; slots at or past ``cache_seqlens[b]`` are never read, and a request of
+            length 0 returns zeros.
+        qk_offsets, v_offsets: ``(H_kv + 1,)`` int32 CPU prefix sums of the head widths.
+        group: query heads per KV head.
+        scale: softmax scale.
+        plan: a schedule from :func:`decode_plan` for the same lengths and layout; computed when None.
+        block_table: ``(B, max_pages)`` int32 page indices for a paged cache, None for a contiguous one.
+
+    Returns:
+        ``(B, G * v_offsets[-1])``, dtype of ``q``.
+    """
+    return torch.ops.fdc.decode_attention(
+        q, k_cache, v_cache, cache_seqlens, qk_offsets, v_offsets, group, scale, plan, block_table
+    )
+
+
+def append_kv(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    qk_offsets: torch.Tensor,
+    v_offsets: torch.Tensor,
+    block_table: torch.Tensor | None = None,
+) -> None:
+    """Writes new compressed K/V rows into a cache, in place, after each request's current rows.
+
+    Rows ``cu_seqlens[b] .. cu_seqlens[b+1]`` of ``k``/``v`` go to positions ``cache_seqlens[b] ...`` of request
+    ``b``. ``cache_seqlens`` is not changed (the caller advances it). Every write is checked before any is made:
+    a request that would overflow its cache (or its pages) raises and leaves the cache untouched.
+
+    Args:
+        k_cache, v_cache: contiguous ``(B, S_max, width)`` caches with unit-stride rows, or paged
+            ``(num_pages, width, page_size)`` caches with contiguous pages; written in place.
+        k: ``(T, qk_offsets[-1])`` new compressed keys, dtype of the cache.
+        v: ``(T, v_offsets[-1])`` new compressed values.
+        cu_seqlens: ``(B + 1,)`` int32 boundaries of each request's new rows in ``k``/``v``.
+        cache_seqlens: ``(B,)`` int32 current cache lengths.
+        qk_offsets, v_offsets: ``(H_kv + 1,)`` int32 CPU prefix sums of the head widths.
+        block_table: ``(B, max_pages)`` int32 for a paged cache, None for a contiguous one.
+    """
+    torch.ops.fdc.append_kv(k_cache, v_cache, k, v, cu_seqlens, cache_seqlens, qk_offsets, v_offsets, block_table)
+
+
+@torch.library.register_fake("fdc::rotate_compress")
+def _rotate_compress_fake(x, rot, qk_offsets, group):
+    # The packed width is the data qk_offsets[-1], which fake tensors do not carry: it is a dynamic size.
+    width = torch.library.get_ctx().new_dynamic_size()
+    return x.new_empty((x.shape[0], width))
+
+
+@torch.library.register_fake("fdc::prefill_plan")
+def _prefill_plan_fake(cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group, causal, num_workers=None,
+                       row_block=DEFAULT_ROW_BLOCK):
+    # The record count depends on the sequence lengths (data), so the whole length is one dynamic size.
+    workers = num_workers if num_workers is not None else torch.get_num_threads()
+    size = torch.library.get_ctx().new_dynamic_size(min=_PREFILL_HEADER + workers + 1)
+    return cu_seqlens_q.new_empty((size,), dtype=torch.int32)
+
+
+@torch.library.register_fake("fdc::prefill_attention")
+def _prefill_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group, scale, causal,
+                            plan=None):
+    return q.new_empty((q.shape[0], group * v.shape[-1]))
+
+
+@torch.library.register_fake("fdc::decode_plan")
+def _decode_plan_fake(cache_seqlens, qk_offsets, v_offsets, group, num_workers=None):
+    workers = num_workers if num_workers is not None else torch.get_num_threads()
+    size = decode_plan_size(cache_seqlens.shape[0], qk_offsets.shape[0] - 1, workers)
+    return cache_seqlens.new_empty((size,), dtype=torch.int32)
+
+
+@torch.library.register_fake("fdc::decode_attention")
+def _decode_attention_fake(q, k_cache, v_cache, cache_seqlens, qk_offsets, v_offsets, group, scale, plan=None,
+                           block_table=None):
+    v_width = v_cache.shape[1] if block_table is not None else v_cache.shape[2]
+    return q.new_empty((q.shape[0], group * v_width))
+
+
+@torch.library.register_fake("fdc::append_kv")
+def _append_kv_fake(k_cache, v_cache, k, v, cu_seqlens, cache_seqlens, qk_offsets, v_offsets, block_table=None):
+    return None

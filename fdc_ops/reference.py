@@ -1,0 +1,123 @@
+"""Pure-PyTorch references of every fdc op, written for clarity, computed in float64: the oracle of the tests.
+
+Semantics are those documented in fdc_ops/ops.py. Loops over sequences and heads are deliberate: each output
+segment is computed from exactly the rows it may read, so unused cache slots (NaN-poisoned in the tests) are never
+touched, as the kernels promise. `compute_dtype` (float64 by default) lets the tests measure what PyTorch's own
+arithmetic loses at a lower precision on the same inputs, which sets their tolerances.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _dims(offsets: torch.Tensor) -> list[int]:
+    values = offsets.tolist()
+    return [values[j + 1] - values[j] for j in range(len(values) - 1)]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, visible: torch.Tensor | None):
+    """softmax(scale * q k^T, masked to `visible`) v in q's dtype; rows that see no key give zeros.
+
+    q (s_q, d_qk), k (s_k, d_qk), v (s_k, d_v), visible (s_q, s_k) bool or None (all visible).
+    """
+    scores = scale * (q @ k.T)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    if scores.shape[1] == 0:
+        return q.new_zeros((q.shape[0], v.shape[1]))
+    weights = torch.softmax(scores, dim=1)
+    if visible is not None:
+        weights = torch.where(visible.any(dim=1, keepdim=True), weights, torch.zeros_like(weights))
+    return weights @ v
+
+
+def rotate_compress_ref(x: torch.Tensor, rot: torch.Tensor, qk_offsets: torch.Tensor, group: int,
+                        compute_dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """x (T, G * H_kv, D), rot (H_kv, D, R_max) -> (T, G * qk_offsets[-1]) in compute_dtype."""
+    x, rot = x.to(compute_dtype), rot.to(compute_dtype)
+    segments = []
+    for j, dim in enumerate(_dims(qk_offsets)):
+        for i in range(group):
+            segments.append(x[:, j * group + i, :] @ rot[j, :, :dim])
+    return torch.cat(segments, dim=1)
+
+
+def prefill_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group, scale, causal,
+                          compute_dtype: torch.dtype = torch.float64):
+    """q (T_q, G * W_qk), k (T_k, W_qk), v (T_k, W_v) -> (T_q, G * W_v) (see ops.prefill_attention)."""
+    q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
+    qk_dims, v_dims = _dims(qk_offsets), _dims(v_offsets)
+    qk_off, v_off = qk_offsets.tolist(), v_offsets.tolist()
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    out = q.new_zeros((q.shape[0], group * v_off[-1]))
+    for b in range(len(cu_q) - 1):
+        s_q, s_k = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        if s_q == 0:
+            continue
+        visible = None
+        if causal:
+            rows = torch.arange(s_q)[:, None]
+            cols = torch.arange(s_k)[None, :]
+            visible = cols <= rows + (s_k - s_q)
+        for j in range(len(qk_dims)):
+            keys = k[cu_k[b]:cu_k[b + 1], qk_off[j]:qk_off[j + 1]]
+            values = v[cu_k[b]:cu_k[b + 1], v_off[j]:v_off[j + 1]]
+            for i in range(group):
+                q_col = group * qk_off[j] + i * qk_dims[j]
+                o_col = group * v_off[j] + i * v_dims[j]
+                queries = q[cu_q[b]:cu_q[b + 1], q_col:q_col + qk_dims[j]]
+                out[cu_q[b]:cu_q[b + 1], o_col:o_col + v_dims[j]] = _attend(queries, keys, values, scale, visible)
+    return out
+
+
+def _cache_rows(cache: torch.Tensor, b: int, length: int, col: int, dim: int, block_table: torch.Tensor | None):
+    """Rows [0, length) of request b, columns [col, col + dim) of a contiguous or paged cache, as (length, dim)."""
+    if block_table is None:
+        return cache[b, :length, col:col + dim]
+    page_size = cache.shape[2]
+    pages = block_table[b, : -(-length // page_size)].tolist() if length else []
+    if not pages:
+        return cache.new_zeros((0, dim))
+    # Each page is (width, page_size): its columns [col, col + dim) are rows of the transposed token-major view.
+    rows = torch.cat([cache[p, col:col + dim, :].T for p in pages], dim=0)
+    return rows[:length]
+
+
+def decode_attention_ref(q, k_cache, v_cache, cache_seqlens, qk_offsets, v_offsets, group, scale, block_table=None,
+                         compute_dtype: torch.dtype = torch.float64):
+    """q (B, G * W_qk) -> (B, G * W_v) (see ops.decode_attention); contiguous or paged caches."""
+    q = q.to(compute_dtype)
+    qk_dims, v_dims = _dims(qk_offsets), _dims(v_offsets)
+    qk_off, v_off = qk_offsets.tolist(), v_offsets.tolist()
+    out = q.new_zeros((q.shape[0], group * v_off[-1]))
+    for b, length in enumerate(cache_seqlens.tolist()):
+        if length == 0:
+            continue
+        for j in range(len(qk_dims)):
+            keys = _cache_rows(k_cache, b, length, qk_off[j], qk_dims[j], block_table).to(compute_dtype)
+            values = _cache_rows(v_cache, b, length, v_off[j], v_dims[j], block_table).to(compute_dtype)
+            for i in range(group):
+                q_col = group * qk_off[j] + i * qk_dims[j]
+                o_col = group * v_off[j] + i * v_dims[j]
+                out[b:b + 1, o_col:o_col + v_dims[j]] = _attend(q[b:b + 1, q_col:q_col + qk_dims[j]], keys, values,
+                                                               scale, None)
+    return out
+
+
+def append_kv_ref(k_cache, v_cache, k, v, cu_seqlens, cache_seqlens, block_table=None):
+    """New (k_cache, v_cache) with request b's rows k[cu[b]:cu[b+1]] written from position cache_seqlens[b] on."""
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    cu = cu_seqlens.tolist()
+    for b, start in enumerate(cache_seqlens.tolist()):
+        for i in range(cu[b + 1] - cu[b]):
+            t = start + i
+            if block_table is None:
+                k_cache[b, t] = k[cu[b] + i]
+                v_cache[b, t] = v[cu[b] + i]
+            else:
+                page_size = k_cache.shape[2]
+                page = int(block_table[b, t // page_size])
+                k_cache[page, :, t % page_size] = k[cu[b] + i]
+                v_cache[page, :, t % page_size] = v[cu[b] + i]
+    return k_cache, v_cache
