@@ -1,0 +1,114 @@
+"""Shared helpers of the test suite: fresh random configurations each run, and the tolerance rule.
+
+Seeds. Every run draws a new base seed (or takes FDC_TEST_SEED to replay one); it is printed in pytest's header and
+each randomized test derives its own generator from it and its case index, so a failure names what replays it.
+
+Tolerance. An op is compared with the float64 reference (fdc_ops/reference.py). The allowed error is tied to what
+PyTorch itself loses at the same precision: the reference computed in the input dtype (torch's own matmul and
+softmax in float32/float16/bfloat16) is compared with the float64 result, and the op may be off by at most 4x that
+error plus 16 units of the dtype's epsilon (relative to the output's magnitude, for cases where torch happens to be
+exact). The factor 4: the kernels sum in other orders (blocked dot products, online-softmax rescaling, split-KV
+merges) and use a 2-ulp exp; in float32 their error was measured at 1-4.5x torch's own (about 1e-5 absolute on
+unit-size outputs), while in float16/bfloat16 the output rounding dominates both.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+BASE_SEED = int(os.environ.get("FDC_TEST_SEED", random.randrange(2**31)))
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def pytest_report_header(config):
+    return f"fdc_ops test seed: FDC_TEST_SEED={BASE_SEED}"
+
+
+def case_generator(test_name: str, case: int) -> tuple[torch.Generator, random.Random, str]:
+    """A torch generator and a Python RNG for one randomized case, and the text that replays it."""
+    seed = zlib.crc32(f"{BASE_SEED}:{test_name}:{case}".encode())
+    return torch.Generator().manual_seed(seed), random.Random(seed), f"FDC_TEST_SEED={BASE_SEED} case {case}"
+
+
+@dataclass
+class Layout:
+    """A random packed head layout: per-KV-head widths, their int32 prefix sums, and the group size."""
+
+    qk_dims: list[int]
+    v_dims: list[int]
+    group: int
+
+    @property
+    def num_kv_heads(self) -> int:
+        return len(self.qk_dims)
+
+    @property
+    def qk_offsets(self) -> torch.Tensor:
+        return offsets(self.qk_dims)
+
+    @property
+    def v_offsets(self) -> torch.Tensor:
+        return offsets(self.v_dims)
+
+    @property
+    def qk_width(self) -> int:
+        return sum(self.qk_dims)
+
+    @property
+    def v_width(self) -> int:
+        return sum(self.v_dims)
+
+
+def offsets(sizes: list[int]) -> torch.Tensor:
+    """int32 prefix sums [0, s0, s0 + s1, ...]."""
+    out = [0]
+    for s in sizes:
+        out.append(out[-1] + s)
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def random_layout(rng: random.Random, max_kv_heads: int = 8, max_group: int = 8, max_dim: int = 256) -> Layout:
+    """G in 1..max_group, H_kv in 1..max_kv_heads, widths multiples of 8 up to max_dim (skewed towards small)."""
+    num_kv_heads = rng.randint(1, max_kv_heads)
+
+    def width() -> int:
+        return 8 * (rng.randint(1, max_dim // 8) if rng.random() < 0.3 else rng.randint(1, min(12, max_dim // 8)))
+
+    return Layout([width() for _ in range(num_kv_heads)], [width() for _ in range(num_kv_heads)],
+                  rng.randint(1, max_group))
+
+
+def random_lengths(rng: random.Random, batch: int, choices=(0, 1, 2, 7, 16, 33, 64, 100, 257)) -> list[int]:
+    """Sequence lengths with empty and length-1 sequences among them."""
+    return [rng.choice(choices) for _ in range(batch)]
+
+
+def strided_rows(t: torch.Tensor, rng: random.Random) -> torch.Tensor:
+    """The same values as t (2-D) in a non-contiguous tensor: rows padded inside a wider buffer (as slices of a
+    fused projection are), or, now and then, column-major storage."""
+    if rng.random() < 0.25:
+        return t.T.contiguous().T
+    pad = rng.randint(1, 24)
+    wide = torch.full((t.shape[0], t.shape[1] + pad), float("nan"), dtype=t.dtype)
+    start = rng.randint(0, pad)
+    wide[:, start:start + t.shape[1]] = t
+    return wide[:, start:start + t.shape[1]]
+
+
+def assert_close_to_reference(actual: torch.Tensor, expected64: torch.Tensor, torch_lowp: torch.Tensor, what: str):
+    """Checks `actual` against the float64 reference within 4x PyTorch's own error at actual's precision."""
+    assert actual.shape == expected64.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected64.shape)}"
+    if actual.numel() == 0:
+        return
+    assert not torch.isnan(actual).any(), f"{what}: NaN in output"
+    torch_error = float((torch_lowp.double() - expected64).abs().max())
+    eps = torch.finfo(actual.dtype).eps
+    scale = max(1.0, float(expected64.abs().max()))
+    tolerance = 4 * torch_error + 16 * eps * scale
+    error = float((actual.double() - expected64).abs().max())
+    assert error <= tolerance, f"{what}: max error {error:.3g} > tolerance {tolerance:.3g} (torch's own {torch_error:.3g})"

@@ -1,0 +1,207 @@
+"""Bad input raises RuntimeError whose message begins `fdc::<op>:` and names the argument; nothing is written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import offsets
+from fdc_ops import ops
+
+QK, V, G = offsets([8, 16]), offsets([16, 8]), 2  # widths 24 and 24, 4 query heads
+
+
+def raises(op: str, argument: str):
+    return pytest.raises(RuntimeError, match=rf"^fdc::{op}: (.|\n)*{argument}")
+
+
+def prefill_args(**changes):
+    args = dict(q=torch.randn(5, G * 24), k=torch.randn(5, 24), v=torch.randn(5, 24),
+                cu_seqlens_q=torch.tensor([0, 3, 5], dtype=torch.int32),
+                cu_seqlens_k=torch.tensor([0, 3, 5], dtype=torch.int32), qk_offsets=QK, v_offsets=V, group=G,
+                scale=0.3, causal=True)
+    args.update(changes)
+    return args
+
+
+def decode_args(**changes):
+    args = dict(q=torch.randn(2, G * 24), k_cache=torch.randn(2, 6, 24), v_cache=torch.randn(2, 6, 24),
+                cache_seqlens=torch.tensor([3, 6], dtype=torch.int32), qk_offsets=QK, v_offsets=V, group=G,
+                scale=0.3)
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize("bad_offsets, why", [
+    (torch.tensor([0, 8, 8], dtype=torch.int32), "strictly increasing"),
+    (torch.tensor([0, 16, 8], dtype=torch.int32), "strictly increasing"),
+    (torch.tensor([0, 12, 24], dtype=torch.int32), "multiples of 8"),
+    (torch.tensor([0, 264, 272], dtype=torch.int32), "at most 256"),
+    (torch.tensor([8, 16, 24], dtype=torch.int32), "start at 0"),
+    (torch.tensor([0, 8, 24], dtype=torch.int64), "int32"),
+    (torch.tensor([[0, 8, 24]], dtype=torch.int32), "1-D"),
+    (torch.tensor([0], dtype=torch.int32), "at least 2"),
+])
+def test_bad_offsets_rejected_by_every_op(bad_offsets, why):
+    with raises("prefill_attention", f"qk_offsets.*{why}"):
+        ops.prefill_attention(**prefill_args(qk_offsets=bad_offsets))
+    with raises("decode_attention", f"v_offsets.*{why}"):
+        ops.decode_attention(**decode_args(v_offsets=bad_offsets))
+    with raises("rotate_compress", f"qk_offsets.*{why}"):
+        ops.rotate_compress(torch.randn(3, 4, 32), torch.randn(2, 32, 16), bad_offsets, G)
+    with raises("decode_plan", f"qk_offsets.*{why}"):
+        ops.decode_plan(torch.tensor([1, 2], dtype=torch.int32), bad_offsets, V, G)
+    with raises("prefill_plan", f"v_offsets.*{why}"):
+        ops.prefill_plan(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), QK,
+                         bad_offsets, G, False)
+
+
+def _has_cuda_kernels() -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key("fdc::decode_attention", "CUDA")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU: mixing devices needs a second real device")
+@pytest.mark.skipif(not _has_cuda_kernels(), reason="fdc_ops was built without CUDA kernels")
+def test_wrong_device_is_rejected():
+    """Mixed devices reach the CUDA kernels (the dispatcher picks CUDA), whose shared checks name the argument."""
+    with raises("prefill_attention", "k must be on the device of q"):
+        ops.prefill_attention(**prefill_args(q=torch.randn(5, G * 24, device="cuda"),
+                                             v=torch.randn(5, 24, device="cuda")))
+    with raises("decode_attention", "qk_offsets must be a CPU tensor"):
+        args = decode_args(qk_offsets=QK.cuda())
+        ops.decode_attention(**{name: t.cuda() if isinstance(t, torch.Tensor) else t for name, t in args.items()})
+
+
+def test_offsets_of_different_lengths():
+    with raises("decode_attention", "v_offsets must have the length of qk_offsets"):
+        ops.decode_attention(**decode_args(v_offsets=offsets([16, 8, 8])))
+
+
+@pytest.mark.parametrize("name, value, argument", [
+    ("q", torch.randn(5, G * 24, dtype=torch.float64), "q must be float32, float16 or bfloat16"),
+    ("k", torch.randn(5, 24).half(), "k must have the dtype of q"),
+    ("v", torch.randn(5, 24, 1), "v must have 2 dimensions"),
+    ("q", torch.randn(5, G * 24 + 8), r"q must have 48 columns \(group \* qk_offsets\[-1\]\)"),
+    ("k", torch.randn(5, 16), r"k must have 24 columns"),
+    ("v", torch.randn(4, 24), "v must have the 5 rows of k"),
+    ("group", 0, "group must be at least 1"),
+    ("group", 3, r"q must have 72 columns"),
+    ("scale", float("nan"), "scale must be a positive finite number"),
+    ("cu_seqlens_q", torch.tensor([0, 4, 3], dtype=torch.int32), "cu_seqlens_q must be non-decreasing"),
+    ("cu_seqlens_q", torch.tensor([0, 3, 6], dtype=torch.int32), "cu_seqlens_q must end at most at the 5 rows"),
+    ("cu_seqlens_k", torch.tensor([0, 3, 9], dtype=torch.int32), "cu_seqlens_k must end at most at the 5 rows"),
+    ("cu_seqlens_k", torch.tensor([0, 3], dtype=torch.int32), "cu_seqlens_k must have length 3"),
+    ("cu_seqlens_q", torch.tensor([-1, 3, 5], dtype=torch.int32), "cu_seqlens_q must start at a non-negative"),
+    ("cu_seqlens_q", torch.tensor([0, 3, 5], dtype=torch.int64), "cu_seqlens_q must be int32"),
+])
+def test_prefill_attention_bad_input(name, value, argument):
+    with raises("prefill_attention", argument):
+        ops.prefill_attention(**prefill_args(**{name: value}))
+
+
+@pytest.mark.parametrize("name, value, argument", [
+    ("q", torch.randn(2, G * 24).to(torch.int32), "q must be float32, float16 or bfloat16"),
+    ("k_cache", torch.randn(2, 6, 24).bfloat16(), "k_cache must have the dtype of q"),
+    ("k_cache", torch.randn(3, 6, 24), r"k_cache must have shape \(B=2, S_max, 24\)"),
+    ("v_cache", torch.randn(2, 7, 24), r"v_cache must have shape \(2, 6, 24\)"),
+    ("k_cache", torch.randn(2, 6), "k_cache must have 3 dimensions"),
+    ("cache_seqlens", torch.tensor([3, 7], dtype=torch.int32), "cache_seqlens must be at most the cache capacity 6"),
+    ("cache_seqlens", torch.tensor([-1, 2], dtype=torch.int32), "cache_seqlens must be non-negative"),
+    ("cache_seqlens", torch.tensor([3], dtype=torch.int32), "cache_seqlens must have length 2"),
+    ("cache_seqlens", torch.tensor([3, 6], dtype=torch.float32), "cache_seqlens must be int32"),
+])
+def test_decode_attention_bad_input(name, value, argument):
+    with raises("decode_attention", argument):
+        ops.decode_attention(**decode_args(**{name: value}))
+
+
+def test_decode_attention_bad_paged_cache():
+    pages = torch.randn(3, 24, 4)
+    seqlens = torch.tensor([3, 6], dtype=torch.int32)
+    table = torch.tensor([[0, 1], [2, 1]], dtype=torch.int32)
+    with raises("decode_attention", r"block_table\[1\]\[1\] = 5 is not a page index in \[0, 3\)"):
+        ops.decode_attention(**decode_args(k_cache=pages, v_cache=pages, cache_seqlens=seqlens,
+                                           block_table=torch.tensor([[0, 1], [2, 5]], dtype=torch.int32)))
+    with raises("decode_attention", "cache_seqlens must be at most the cache capacity 8"):
+        ops.decode_attention(**decode_args(k_cache=pages, v_cache=pages, block_table=table,
+                                           cache_seqlens=torch.tensor([3, 9], dtype=torch.int32)))
+    with raises("decode_attention", r"k_cache must have shape \(num_pages, 24, page_size\)"):
+        ops.decode_attention(**decode_args(k_cache=torch.randn(3, 4, 24), v_cache=pages, block_table=table))
+    with raises("decode_attention", "block_table must be int32"):
+        ops.decode_attention(**decode_args(k_cache=pages, v_cache=pages, block_table=table.long()))
+    with raises("decode_attention", "contiguous pages"):
+        strided = torch.randn(3, 24, 8)[:, :, ::2]
+        ops.decode_attention(**decode_args(k_cache=strided, v_cache=strided, block_table=table))
+
+
+def test_plans_must_match_their_inputs():
+    decode_plan = ops.decode_plan(torch.tensor([3, 6], dtype=torch.int32), QK, V, G, num_workers=2)
+    prefill = prefill_args()
+    prefill_plan = ops.prefill_plan(prefill["cu_seqlens_q"], prefill["cu_seqlens_k"], QK, V, G, True, num_workers=2)
+    with raises("prefill_attention", "plan is not a prefill plan"):
+        ops.prefill_attention(**prefill, plan=decode_plan)
+    with raises("decode_attention", "plan is not a decode plan"):
+        ops.decode_attention(**decode_args(), plan=prefill_plan)
+    with raises("prefill_attention", "plan was made with causal=True but causal=False"):
+        ops.prefill_attention(**prefill_args(causal=False), plan=prefill_plan)
+    with raises("decode_attention", "plan was made for B=2, H_kv=2, group=2 but the inputs have B=2, H_kv=2, group=1"):
+        ops.decode_attention(**decode_args(group=1, q=torch.randn(2, 24)), plan=decode_plan)
+    stale = ops.decode_plan(torch.tensor([3, 5], dtype=torch.int32), QK, V, G, num_workers=2)
+    with raises("decode_attention", "make the plan from the same cache_seqlens"):
+        ops.decode_attention(**decode_args(), plan=stale)
+    other_lengths = ops.prefill_plan(torch.tensor([0, 2, 5], dtype=torch.int32), prefill["cu_seqlens_k"], QK, V, G,
+                                     True, num_workers=2)
+    with raises("prefill_attention", "make the plan from the same cu_seqlens"):
+        ops.prefill_attention(**prefill, plan=other_lengths)
+    with raises("decode_attention", "plan must be int32"):
+        ops.decode_attention(**decode_args(), plan=decode_plan.long())
+    with raises("decode_plan", "num_workers must be in"):
+        ops.decode_plan(torch.tensor([3, 6], dtype=torch.int32), QK, V, G, num_workers=0)
+    with raises("prefill_plan", "row_block must be a positive multiple of 16"):
+        ops.prefill_plan(prefill["cu_seqlens_q"], prefill["cu_seqlens_k"], QK, V, G, True, row_block=24)
+
+
+def test_rotate_compress_bad_input():
+    x, rot = torch.randn(3, 4, 32), torch.randn(2, 32, 16)
+    with raises("rotate_compress", r"x must have group \* H_kv = 3 \* 2 = 6 heads"):
+        ops.rotate_compress(x, rot, QK, 3)
+    with raises("rotate_compress", r"rot must have shape \(H_kv=2, D=32, R_max>=16\)"):
+        ops.rotate_compress(x, torch.randn(2, 32, 8), QK, G)
+    with raises("rotate_compress", "rot must have the dtype of x"):
+        ops.rotate_compress(x, rot.half(), QK, G)
+    with raises("rotate_compress", "x must have 3 dimensions"):
+        ops.rotate_compress(x[0], rot, QK, G)
+
+
+def test_append_kv_overflow_leaves_the_cache_untouched():
+    k_cache, v_cache = torch.randn(2, 6, 24), torch.randn(2, 6, 24)
+    before = (k_cache.clone(), v_cache.clone())
+    new_rows = torch.randn(5, 24)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    with raises("append_kv", r"request 1 would grow to 7 rows .* past the cache capacity 6; nothing was written"):
+        ops.append_kv(k_cache, v_cache, new_rows, new_rows, cu, torch.tensor([1, 4], dtype=torch.int32), QK, V)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+    pages = torch.randn(3, 24, 4)
+    pages_before = pages.clone()
+    table = torch.tensor([[0, 1], [2, -1]], dtype=torch.int32)
+    with raises("append_kv", r"block_table\[1\]\[1\] = -1 is not a page index"):
+        ops.append_kv(pages, pages, new_rows, new_rows, cu, torch.tensor([0, 2], dtype=torch.int32), QK, V, table)
+    assert torch.equal(pages, pages_before)
+
+
+@pytest.mark.parametrize("name, value, argument", [
+    ("k", torch.randn(5, 24).half(), "k must have the dtype of k_cache"),
+    ("k", torch.randn(5, 16), "k must have 24 columns"),
+    ("cu_seqlens", torch.tensor([0, 3, 2], dtype=torch.int32), "cu_seqlens must be non-decreasing"),
+    ("cu_seqlens", torch.tensor([0, 3, 6], dtype=torch.int32), "cu_seqlens must end at most at the 5 rows of k"),
+    ("cache_seqlens", torch.tensor([0, -2], dtype=torch.int32), "cache_seqlens must be non-negative"),
+    ("k_cache", torch.randn(2, 24, 6).transpose(1, 2), "k_cache must have unit stride in its last dimension"),
+])
+def test_append_kv_bad_input(name, value, argument):
+    args = dict(k_cache=torch.randn(2, 6, 24), v_cache=torch.randn(2, 6, 24), k=torch.randn(5, 24),
+                v=torch.randn(5, 24), cu_seqlens=torch.tensor([0, 2, 5], dtype=torch.int32),
+                cache_seqlens=torch.tensor([0, 1], dtype=torch.int32), qk_offsets=QK, v_offsets=V)
+    args[name] = value
+    with raises("append_kv", argument):
+        ops.append_kv(**args)
