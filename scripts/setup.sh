@@ -12,9 +12,22 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet -r requirements.txt
 
-echo "building fdc_ops._C (CUDA sources too when a CUDA toolkit is found; FDC_CUDA=0/1 overrides)"
-MAX_JOBS=${MAX_JOBS:-2} .venv/bin/python setup.py --quiet build_ext --inplace
+echo "building fdc_ops._C (CUDA sources too when a CUDA toolkit is found; FDC_CUDA=0/1 overrides); log in build/setup.log"
+mkdir -p build
+if ! MAX_JOBS=${MAX_JOBS:-2} .venv/bin/python setup.py build_ext --inplace > build/setup.log 2>&1; then
+  tail -n 60 build/setup.log
+  echo "setup.sh: building fdc_ops._C failed; the whole log is build/setup.log" >&2
+  exit 1
+fi
 
 site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 pwd > "$site/fdc_ops-checkout.pth"
-.venv/bin/python -c 'import fdc_ops, torch; print("fdc_ops ready: torch", torch.__version__, "ops", sorted(n for n in dir(torch.ops.fdc) if not n.startswith("_") and n not in ("name", "op", "qualified_name")))'
+.venv/bin/python - <<'PY'
+import torch
+
+import fdc_ops  # noqa: F401  (registers the ops)
+
+cpu_ops = sorted(n for n in torch._C._dispatch_get_registrations_for_dispatch_key("CPU") if n.startswith("fdc::"))
+cuda_ops = [n for n in torch._C._dispatch_get_registrations_for_dispatch_key("CUDA") if n.startswith("fdc::")]
+print(f"fdc_ops ready: torch {torch.__version__}; CPU ops {', '.join(cpu_ops)}; CUDA ops: {len(cuda_ops)}")
+PY
