@@ -210,6 +210,37 @@ inline PagedCache check_paged(const char* op, const at::Tensor& block_table, con
   return paged;
 }
 
+// A K/V cache pair: float tensors of one dtype and device, contiguous (B, S_max, width) with unit-stride rows, or
+// paged (num_pages, width, page_size) with a block table. Returns the paging (page_size 0 when contiguous) and the
+// rows each request can hold.
+struct CacheShape {
+  PagedCache paged;
+  int64_t capacity = 0;
+};
+
+inline CacheShape check_cache(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const std::optional<at::Tensor>& block_table, int64_t batch, const HostLayout& layout) {
+  check_float(op, "k_cache", k_cache, 3);
+  check_float(op, "v_cache", v_cache, 3);
+  check_same_dtype(op, "v_cache", v_cache, "k_cache", k_cache);
+  check_same_device(op, "v_cache", v_cache, "k_cache", k_cache);
+  CacheShape shape;
+  if (block_table) {
+    shape.paged = check_paged(op, *block_table, k_cache, v_cache, batch, layout);
+    shape.capacity = shape.paged.max_pages * shape.paged.page_size;
+    return shape;
+  }
+  FDC_CHECK(k_cache.size(0) == batch && k_cache.size(2) == layout.qk_width(), op, "k_cache must have shape (B=",
+            batch, ", S_max, ", layout.qk_width(), ") but got ", k_cache.sizes());
+  FDC_CHECK(v_cache.size(0) == batch && v_cache.size(1) == k_cache.size(1) && v_cache.size(2) == layout.v_width(),
+            op, "v_cache must have shape (", batch, ", ", k_cache.size(1), ", ", layout.v_width(), ") but got ",
+            v_cache.sizes());
+  check_unit_last_stride(op, "k_cache", k_cache);
+  check_unit_last_stride(op, "v_cache", v_cache);
+  shape.capacity = k_cache.size(1);
+  return shape;
+}
+
 // Block-table entries are read lazily by kernels; this checks the ones a sequence of length seqlen will touch.
 inline void check_block_table_entries(const char* op, const int32_t* row, int64_t batch_index, int64_t pages_used,
                                       int64_t num_pages) {

@@ -32,39 +32,24 @@ void append_kv_cpu(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k
   const checks::HostLayout layout = checks::read_layout(op, qk_offsets, &v_offsets, 1);
   checks::check_float(op, "k", k, 2);
   checks::check_float(op, "v", v, 2);
-  checks::check_float(op, "k_cache", k_cache, 3);
-  checks::check_float(op, "v_cache", v_cache, 3);
   checks::check_same_dtype(op, "k", k, "k_cache", k_cache);
   checks::check_same_dtype(op, "v", v, "k_cache", k_cache);
-  checks::check_same_dtype(op, "v_cache", v_cache, "k_cache", k_cache);
   checks::check_same_device(op, "k", k, "k_cache", k_cache);
   checks::check_same_device(op, "v", v, "k_cache", k_cache);
-  checks::check_same_device(op, "v_cache", v_cache, "k_cache", k_cache);
   checks::check_width(op, "k", k, layout.qk_width(), "qk_offsets[-1]");
   checks::check_width(op, "v", v, layout.v_width(), "v_offsets[-1]");
   FDC_CHECK(v.size(0) == k.size(0), op, "v must have the ", k.size(0), " rows of k but got shape ", v.sizes());
-  checks::check_unit_last_stride(op, "k_cache", k_cache);
-  checks::check_unit_last_stride(op, "v_cache", v_cache);
 
   checks::check_int32_vector(op, "cache_seqlens", cache_seqlens, -1);
   const int64_t batch = cache_seqlens.size(0);
   const std::vector<int32_t> cu = checks::read_cu_seqlens(op, "cu_seqlens", cu_seqlens, batch, k.size(0), "k");
-
-  int64_t capacity = 0;
-  checks::PagedCache paged;
+  const checks::CacheShape cache = checks::check_cache(op, k_cache, v_cache, block_table, batch, layout);
+  const checks::PagedCache& paged = cache.paged;
+  const int64_t capacity = cache.capacity;
   std::vector<int32_t> table;
   if (block_table) {
-    paged = checks::check_paged(op, *block_table, k_cache, v_cache, batch, layout);
-    capacity = paged.max_pages * paged.page_size;
     const at::Tensor t = block_table->contiguous();
     table.assign(t.data_ptr<int32_t>(), t.data_ptr<int32_t>() + t.numel());
-  } else {
-    FDC_CHECK(k_cache.size(0) == batch && k_cache.size(2) == layout.qk_width(), op, "k_cache must have shape (B=",
-              batch, ", S_max, ", layout.qk_width(), ") but got ", k_cache.sizes());
-    FDC_CHECK(v_cache.size(0) == batch && v_cache.size(1) == k_cache.size(1) && v_cache.size(2) == layout.v_width(),
-              op, "v_cache must have shape (", batch, ", ", k_cache.size(1), ", ", layout.v_width(), ") but got ",
-              v_cache.sizes());
-    capacity = k_cache.size(1);
   }
   const std::vector<int32_t> pos = checks::read_cache_seqlens(op, cache_seqlens, batch, capacity);
   for (int64_t b = 0; b < batch; ++b) {

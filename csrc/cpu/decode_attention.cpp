@@ -233,34 +233,15 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
   const char* op = "decode_attention";
   const checks::HostLayout layout = checks::read_layout(op, qk_offsets, &v_offsets, group);
   checks::check_float(op, "q", q, 2);
-  checks::check_float(op, "k_cache", k_cache, 3);
-  checks::check_float(op, "v_cache", v_cache, 3);
   checks::check_same_dtype(op, "k_cache", k_cache, "q", q);
-  checks::check_same_dtype(op, "v_cache", v_cache, "q", q);
   checks::check_same_device(op, "k_cache", k_cache, "q", q);
-  checks::check_same_device(op, "v_cache", v_cache, "q", q);
   checks::check_width(op, "q", q, group * layout.qk_width(), "group * qk_offsets[-1]");
   checks::check_scale(op, scale);
   const int64_t batch = q.size(0);
-
-  checks::PagedCache paged;
-  int64_t capacity = 0;
-  at::Tensor table;
-  at::Tensor kc = k_cache, vc = v_cache;
-  if (block_table) {
-    paged = checks::check_paged(op, *block_table, k_cache, v_cache, batch, layout);
-    capacity = paged.max_pages * paged.page_size;
-    table = block_table->contiguous();
-  } else {
-    FDC_CHECK(k_cache.size(0) == batch && k_cache.size(2) == layout.qk_width(), op, "k_cache must have shape (B=",
-              batch, ", S_max, ", layout.qk_width(), ") but got ", k_cache.sizes());
-    FDC_CHECK(v_cache.size(0) == batch && v_cache.size(1) == k_cache.size(1) && v_cache.size(2) == layout.v_width(),
-              op, "v_cache must have shape (", batch, ", ", k_cache.size(1), ", ", layout.v_width(), ") but got ",
-              v_cache.sizes());
-    capacity = k_cache.size(1);
-    kc = checks::unit_last_stride(k_cache);
-    vc = checks::unit_last_stride(v_cache);
-  }
+  const checks::CacheShape cache = checks::check_cache(op, k_cache, v_cache, block_table, batch, layout);
+  const checks::PagedCache& paged = cache.paged;
+  const int64_t capacity = cache.capacity;
+  const at::Tensor table = block_table ? block_table->contiguous() : at::Tensor();
   const std::vector<int32_t> seqlens = checks::read_cache_seqlens(op, cache_seqlens, batch, capacity);
   if (block_table) {
     for (int64_t b = 0; b < batch; ++b) {
@@ -290,10 +271,10 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
 
   FDC_DISPATCH_FLOAT_TYPES(q.scalar_type(), "fdc::decode_attention", [&] {
     const int32_t* bt = block_table ? table.data_ptr<int32_t>() : nullptr;
-    const CacheView<scalar_t> kview{kc.data_ptr<scalar_t>(), kc.stride(0), block_table ? 0 : kc.stride(1), bt,
-                                    paged.max_pages, paged.page_size};
-    const CacheView<scalar_t> vview{vc.data_ptr<scalar_t>(), vc.stride(0), block_table ? 0 : vc.stride(1), bt,
-                                    paged.max_pages, paged.page_size};
+    const CacheView<scalar_t> kview{k_cache.data_ptr<scalar_t>(), k_cache.stride(0),
+                                    block_table ? 0 : k_cache.stride(1), bt, paged.max_pages, paged.page_size};
+    const CacheView<scalar_t> vview{v_cache.data_ptr<scalar_t>(), v_cache.stride(0),
+                                    block_table ? 0 : v_cache.stride(1), bt, paged.max_pages, paged.page_size};
     scalar_t* op_out = out.data_ptr<scalar_t>();
     const scalar_t* qp = qc.data_ptr<scalar_t>();
     at::parallel_for(0, view.num_workers(), 1, [&](int64_t w0, int64_t w1) {
