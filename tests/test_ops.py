@@ -231,3 +231,30 @@ def _opcheck_inputs():
 def test_opcheck(name):
     op = getattr(torch.ops.fdc, name.removesuffix("_paged"))
     torch.library.opcheck(op.default, _opcheck_inputs()[name])
+
+
+def test_ops_compile_into_one_graph():
+    """The fake implementations let torch.compile trace a decode step (plan, append, attention) without graph
+    breaks, and the compiled step computes what the eager one does."""
+    layout_qk, layout_v, group = offsets([16, 8]), offsets([8, 24]), 3
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(2, 10, 24, generator=gen)
+    v_cache = torch.randn(2, 10, 32, generator=gen)
+    seqlens = torch.tensor([4, 7], dtype=torch.int32)
+    q = torch.randn(2, group * 24, generator=gen)
+    k_new, v_new = torch.randn(2, 24, generator=gen), torch.randn(2, 32, generator=gen)
+    step_cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+
+    def step(q, k_cache, v_cache, k_new, v_new, seqlens):
+        ops.append_kv(k_cache, v_cache, k_new, v_new, step_cu, seqlens, layout_qk, layout_v)
+        grown = seqlens + 1
+        plan = ops.decode_plan(grown, layout_qk, layout_v, group, num_workers=2)
+        return ops.decode_attention(q, k_cache, v_cache, grown, layout_qk, layout_v, group, 0.3, plan)
+
+    eager_k, eager_v = k_cache.clone(), v_cache.clone()
+    expected = step(q, eager_k, eager_v, k_new, v_new, seqlens)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    actual = compiled(q, k_cache, v_cache, k_new, v_new, seqlens)
+    torch.testing.assert_close(actual, expected)
+    torch.testing.assert_close(k_cache, eager_k)
+    torch.testing.assert_close(v_cache, eager_v)
