@@ -31,12 +31,6 @@ inline float to_float(float x) { return x; }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
-// Converts n elements at src (stride `stride` elements) to float at dst (contiguous).
-template <typename T>
-inline void load_floats(const T* src, int64_t stride, int64_t n, float* dst) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i * stride]);
-}
-
 }  // namespace fdc::cpu
 
 // Dispatch over the three activation dtypes; anything else was rejected by checks.h before.

@@ -17,10 +17,10 @@
 namespace fdc::cpu {
 namespace {
 
-// Query rows per tile: the plan's 16-row steps times 4, so a 64 x 256 float accumulator (64 KiB) stays in L2.
+// Rows and keys per tile: each BLAS call costs a few microseconds of tensor bookkeeping, so a tile must carry
+// enough work (128 x 512 x d) to hide it; the 128 x 512 score tile and the 128 x 256 accumulator (384 KiB) still
+// stay in L2.
 constexpr int64_t kRowTile = 128;
-// Keys per tile: each BLAS call costs a few microseconds of tensor bookkeeping, so a tile must carry enough work
-// (64 x 512 x d) to hide it; the 64 x 512 score tile is 128 KiB.
 constexpr int64_t kKeyTile = 512;
 
 // Float32 q, k, v: row-strided, unit column stride.

@@ -112,7 +112,6 @@ constexpr int64_t kVec = 8;
   return __builtin_convertvector(h, f32x8);
 }
 
-[[gnu::always_inline]] inline float load1(const float* p) { return *p; }
 [[gnu::always_inline]] inline float load1(const c10::BFloat16* p) {
   return __builtin_bit_cast(float, static_cast<uint32_t>(p->x) << 16);
 }
