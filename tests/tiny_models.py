@@ -1,0 +1,103 @@
+"""Tiny random-weight Hugging Face models of every supported family (2 layers, 4 query / 2 KV heads, head_dim 16),
+and a hand computation of their post-RoPE queries and keys, for the calibration and model tests."""
+
+from __future__ import annotations
+
+import torch
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+HEAD_DIM = 16
+
+
+def tiny_model(family: str, seed: int = 0, **overrides):
+    import transformers
+
+    common = dict(vocab_size=97, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=HEAD_DIM, max_position_embeddings=512, tie_word_embeddings=False)
+    specific = {
+        "llama": (transformers.LlamaConfig, {"attention_bias": True}),
+        "mistral": (transformers.MistralConfig, {"sliding_window": None}),
+        "qwen2": (transformers.Qwen2Config, {}),
+        "qwen3": (transformers.Qwen3Config, {}),
+        # Phi-3: fused qkv_proj, and rotary on the first half of each head only
+        "phi3": (transformers.Phi3Config, {"partial_rotary_factor": 0.5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    }
+    config_class, extra = specific[family]
+    config = config_class(**{**common, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # larger-than-default weights make the attention patterns far from uniform
+        for name, parameter in model.named_parameters():
+            if "proj" in name:
+                parameter.normal_(0, 0.15)
+    return model
+
+
+def rope_settings(config) -> tuple[float, float]:
+    """(theta, partial rotary factor), wherever this transformers version keeps them."""
+    parameters = getattr(config, "rope_parameters", None) or {}
+    theta = parameters.get("rope_theta", getattr(config, "rope_theta", None))
+    partial = parameters.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
+    return float(theta), float(partial)
+
+
+def hand_rope(x: torch.Tensor, positions: torch.Tensor, theta: float, partial: float) -> torch.Tensor:
+    """Rotates (..., S, D) by the rotate-half RoPE on its first ``partial * D`` dims, in float64."""
+    D = x.shape[-1]
+    rotary = int(D * partial)
+    inv_freq = 1.0 / theta ** (torch.arange(0, rotary, 2, dtype=torch.float64) / rotary)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    head, tail = x[..., :rotary].to(torch.float64), x[..., rotary:].to(torch.float64)
+    rotated_half = torch.cat([-head[..., rotary // 2:], head[..., : rotary // 2]], -1)
+    return torch.cat([head * cos + rotated_half * sin, tail], -1)
+
+
+def rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps")
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm.weight.detach().to(torch.float64)
+
+
+def hand_qkv(model, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Post-RoPE q (B, H, S, D), k and v (B, H_kv, S, D) of one layer from its input hidden states (B, S, hidden),
+    computed from the weights, float64."""
+    from fdc_ops import models
+
+    shape = models.attention_shape(model)
+    module = models.attention_modules(model)[layer]
+    weights = models.attention_weights(module, shape)
+    x = hidden.to(torch.float64)
+    B, S, _ = x.shape
+
+    def project(weight, bias, heads):
+        y = x @ weight.detach().to(torch.float64).T
+        if bias is not None:
+            y = y + bias.detach().to(torch.float64)
+        return y.view(B, S, heads, shape.head_dim).transpose(1, 2)
+
+    q = project(weights.q_weight, weights.q_bias, shape.num_heads)
+    k = project(weights.k_weight, weights.k_bias, shape.num_kv_heads)
+    v = project(weights.v_weight, weights.v_bias, shape.num_kv_heads)
+    if hasattr(module, "q_norm"):  # Qwen3 normalises each head before RoPE
+        q, k = rms_norm(q, module.q_norm), rms_norm(k, module.k_norm)
+    theta, partial = rope_settings(model.config)
+    positions = torch.arange(S)
+    return hand_rope(q, positions, theta, partial), hand_rope(k, positions, theta, partial), v
+
+
+def layer_inputs(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
+    """The hidden states each attention layer receives (B, S, hidden), from a plain forward pass."""
+    from fdc_ops import models
+
+    captured = []
+    hooks = [module.register_forward_pre_hook(
+        lambda module, args, kwargs: captured.append(
+            (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).detach().clone()),
+        with_kwargs=True) for module in models.attention_modules(model)]
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids, use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return captured
