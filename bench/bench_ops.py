@@ -19,10 +19,8 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import re
 import statistics
-import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -30,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from fdc_ops import ops
+from fdc_ops.provenance import device_name, git_commit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Llama-3-8B-like attention: 32 query / 8 KV heads of 128 (the reference shape).
@@ -52,28 +51,6 @@ class Row:
     target: str = ""
     verdict: str = ""
     extra: dict = field(default_factory=dict)
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        with open("/proc/cpuinfo") as f:
-            match = re.search(r"model name\s*:\s*(.*)", f.read())
-        return f"{match.group(1).strip()} ({os.cpu_count()} cpus)" if match else platform.processor()
-    except OSError:
-        return platform.processor() or "cpu"
-
-
-def git_commit() -> tuple[str, bool]:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                                    capture_output=True, text=True).stdout.strip())
-        return commit, dirty
-    except (OSError, subprocess.CalledProcessError):
-        return "uncommitted", True
 
 
 def timed(fn, device: torch.device, repeats: int, warmup: int = 2) -> float:
