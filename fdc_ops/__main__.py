@@ -1,6 +1,8 @@
 """Command line.
 
-  python -m fdc_ops demo                                  the operator-level demo (fdc_ops/demo.py)
+  python -m fdc_ops demo                                  the main job: FDC on the bundled SmolLM2 (fdc_ops/demo.py)
+  python -m fdc_ops ops-demo                              the operator-level demo (fdc_ops/ops_demo.py)
+  python -m fdc_ops eval                                  FDC vs uniform ranks vs Palu at 99% (fdc_ops/compare.py)
   python -m fdc_ops calibrate [--model PATH] --out DIR    calibrate a model (default: the bundled SmolLM2-135M)
   python -m fdc_ops report [--out DIR]                    the calibration analyses on SmolLM2 (fdc_ops/report.py)
 """
@@ -27,8 +29,7 @@ def _calibrate(args) -> None:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(args.model)
-        documents = datasets.wikipedia_articles() if args.text == "wikipedia" else datasets.humaneval_programs()
-        input_ids = datasets.token_stream(tokenizer, documents)
+        input_ids = datasets.text_tokens(tokenizer, args.text)
     artifact = calibration.calibrate(model, num_tokens=args.num_tokens, seq_len=args.seq_len, seed=args.seed,
                                      input_ids=input_ids, source_name=args.text, v_method=args.v_method)
     directory = artifact.save(args.out)
@@ -44,7 +45,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m fdc_ops", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="run the FDC ops on one SmolLM2-shaped layer and print a table")
+    main_job = commands.add_parser("demo", help="calibrate, compress at an accuracy target and compare, on SmolLM2")
+    main_job.add_argument("--target", type=float, default=0.99, help="share of the perplexity score to keep")
+    main_job.add_argument("--text", choices=["random", "wikipedia", "humaneval"], default="wikipedia",
+                          help="calibration tokens (default wikipedia: see bench/results/calibration/README.md)")
+    main_job.add_argument("--method", choices=["fdc", "palu"], default="fdc")
+
+    evaluate = commands.add_parser("eval", help="FDC, uniform ranks and Palu side by side at an accuracy target")
+    evaluate.add_argument("--out", default="bench/results/eval", help="directory for the JSON")
+    evaluate.add_argument("--target", type=float, default=0.99)
+    evaluate.add_argument("--text", choices=["random", "wikipedia", "humaneval"], default="wikipedia")
+    evaluate.add_argument("--problems", type=int, default=32, help="HumanEval problems (the first N)")
+    evaluate.add_argument("--max-new-tokens", type=int, default=96)
+    evaluate.add_argument("--quick", action="store_true", help="a smoke run: few problems and tokens")
+
+    demo = commands.add_parser("ops-demo", help="run the FDC ops on one SmolLM2-shaped layer and print a table")
     demo.add_argument("--removal-rate", type=float, default=0.1,
                       help="share of each head's singular-value sum that may be dropped (default 0.1)")
     demo.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16")
@@ -68,9 +83,18 @@ def main() -> None:
     report.add_argument("--quick", action="store_true", help="fewer tokens and rates (a smoke run)")
     args = parser.parse_args()
     if args.command == "demo":
-        from . import demo as demo_module
+        from . import demo
 
-        demo_module.run(removal_rate=args.removal_rate, dtype=getattr(torch, args.dtype), seed=args.seed)
+        demo.run(target=args.target, text=args.text, method=args.method)
+    elif args.command == "ops-demo":
+        from . import ops_demo
+
+        ops_demo.run(removal_rate=args.removal_rate, dtype=getattr(torch, args.dtype), seed=args.seed)
+    elif args.command == "eval":
+        from . import compare
+
+        compare.run(out=args.out, target=args.target, text=args.text, problems=args.problems,
+                    max_new_tokens=args.max_new_tokens, quick=args.quick)
     elif args.command == "calibrate":
         _calibrate(args)
     elif args.command == "report":

@@ -29,27 +29,23 @@ class CalibrationStatistics:
     q_gram: torch.Tensor  # (L, H, D, D) post-RoPE queries, per query head
     k_gram: torch.Tensor  # (L, H_kv, D, D) post-RoPE keys, per KV head
     v_gram: torch.Tensor  # (L, H_kv, D, D) values, per KV head (bias included)
-    input_gram: torch.Tensor | None = None  # (L, hidden, hidden) attention inputs, when asked for
+    key_gram: torch.Tensor  # (L, H_kv, D, D) pre-RoPE keys as the K projection outputs them (Palu's latent input)
     num_tokens: int = 0
     positions: int = 0  # sequence length of the calibration sequences (RoPE statistics depend on it)
 
     @classmethod
-    def zeros(cls, shape: AttentionShape, input_statistics: bool = False) -> "CalibrationStatistics":
+    def zeros(cls, shape: AttentionShape) -> "CalibrationStatistics":
         L, H, Hkv, D = shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim
         f64 = torch.float64
-        input_gram = torch.zeros(L, shape.hidden_size, shape.hidden_size, dtype=f64) if input_statistics else None
         return cls(shape, torch.zeros(L, H, D, D, dtype=f64), torch.zeros(L, Hkv, D, D, dtype=f64),
-                   torch.zeros(L, Hkv, D, D, dtype=f64), input_gram)
+                   torch.zeros(L, Hkv, D, D, dtype=f64), torch.zeros(L, Hkv, D, D, dtype=f64))
 
     def __add__(self, other: "CalibrationStatistics") -> "CalibrationStatistics":
         if self.shape != other.shape:
             raise ValueError(f"fdc_ops: cannot add statistics of shapes {self.shape} and {other.shape}")
-        input_gram = None
-        if self.input_gram is not None and other.input_gram is not None:
-            input_gram = self.input_gram + other.input_gram
         return CalibrationStatistics(self.shape, self.q_gram + other.q_gram, self.k_gram + other.k_gram,
-                                     self.v_gram + other.v_gram, input_gram, self.num_tokens + other.num_tokens,
-                                     max(self.positions, other.positions))
+                                     self.v_gram + other.v_gram, self.key_gram + other.key_gram,
+                                     self.num_tokens + other.num_tokens, max(self.positions, other.positions))
 
     def qk_gram(self, mode: str = "kv_head") -> torch.Tensor:
         """Gram matrix of the rows stacked for one rotation. ``kv_head`` (the serving layout): KV head j's keys and
@@ -116,15 +112,15 @@ def text_token_batches(token_ids: torch.Tensor, num_tokens: int, seq_len: int,
     return list(token_ids[: sequences * seq_len].view(sequences, seq_len).split(batch_size))
 
 
-def capture_statistics(model, batches: Iterable[torch.Tensor], *, input_statistics: bool = False,
-                       progress: bool = True, description: str = "calibrating") -> CalibrationStatistics:
+def capture_statistics(model, batches: Iterable[torch.Tensor], *, progress: bool = True,
+                       description: str = "calibrating") -> CalibrationStatistics:
     """Runs ``model``'s decoder over each (batch, seq_len) batch of token ids and sums the Gram matrices of the
-    post-RoPE queries and keys and of the values of every head (and of the attention inputs when asked), as the
-    model's own attention receives them. The model's outputs are not changed."""
+    post-RoPE queries and keys and of the values of every head, as the model's own attention receives them, and of
+    the pre-RoPE keys as the K projection outputs them. The model's outputs are not changed."""
     from tqdm.auto import tqdm
 
     shape = models.attention_shape(model)
-    stats = CalibrationStatistics.zeros(shape, input_statistics)
+    stats = CalibrationStatistics.zeros(shape)
 
     def accumulate(gram: torch.Tensor, rows: torch.Tensor) -> None:  # rows (B, heads, S, D)
         rows = rows.detach().to("cpu", torch.float64)
@@ -137,15 +133,17 @@ def capture_statistics(model, batches: Iterable[torch.Tensor], *, input_statisti
         accumulate(stats.v_gram[layer], value)
         return original(module, query, key, value, attention_mask, **kwargs)
 
-    def record_input(module, args, kwargs):
-        hidden = (kwargs.get("hidden_states") if "hidden_states" in kwargs else args[0]).detach()
-        hidden = hidden.to("cpu", torch.float64).flatten(0, -2)
-        stats.input_gram[module.layer_idx] += hidden.T @ hidden
+    def key_hook(layer: int):
+        q_width, kv_width = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+
+        def record(_projection, _args, output):  # output (B, S, [H * D +] H_kv * D [+ H_kv * D])
+            keys = output[..., q_width: q_width + kv_width] if output.shape[-1] > kv_width else output
+            accumulate(stats.key_gram[layer], keys.unflatten(-1, (shape.num_kv_heads, shape.head_dim)).transpose(1, 2))
+        return record
 
     batches = list(batches)
-    hooks = []
-    if input_statistics:
-        hooks = [m.register_forward_pre_hook(record_input, with_kwargs=True) for m in models.attention_modules(model)]
+    hooks = [getattr(module, "k_proj", None) or module.qkv_proj for module in models.attention_modules(model)]
+    hooks = [projection.register_forward_hook(key_hook(layer)) for layer, projection in enumerate(hooks)]
     device = next(model.parameters()).device
     try:
         with models.override_attention(model, capture), torch.inference_mode():
@@ -287,6 +285,8 @@ class FDCArtifact:
     qk_singular_values: torch.Tensor  # (L, H_kv, D) float64, descending
     v_basis: torch.Tensor  # (L, H_kv, D, D) float32: orthonormal V_k columns of the chosen V factorization
     v_singular_values: torch.Tensor  # (L, H_kv, D) float64, descending
+    key_basis: torch.Tensor  # (L, H_kv, D, D) float32: principal axes of the pre-RoPE keys (the Palu baseline)
+    key_singular_values: torch.Tensor  # (L, H_kv, D) float64, descending
     metadata: dict
 
     @property
@@ -317,7 +317,8 @@ class FDCArtifact:
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         return {"qk_rotation": self.qk_rotation, "qk_singular_values": self.qk_singular_values,
-                "v_basis": self.v_basis, "v_singular_values": self.v_singular_values}
+                "v_basis": self.v_basis, "v_singular_values": self.v_singular_values, "key_basis": self.key_basis,
+                "key_singular_values": self.key_singular_values}
 
     def save(self, path) -> Path:
         """Writes ``path/fdc_artifact.safetensors`` and ``path/fdc_artifact.json`` (the JSON names the tensors'
@@ -371,7 +372,8 @@ class FDCArtifact:
             raise ArtifactError(f"fdc_ops: {metadata_path} has no valid 'shape' ({error})") from None
         L, Hkv, D = shape.num_layers, shape.num_kv_heads, shape.head_dim
         expected = {"qk_rotation": ((L, Hkv, D, D), torch.float32), "qk_singular_values": ((L, Hkv, D), torch.float64),
-                    "v_basis": ((L, Hkv, D, D), torch.float32), "v_singular_values": ((L, Hkv, D), torch.float64)}
+                    "v_basis": ((L, Hkv, D, D), torch.float32), "v_singular_values": ((L, Hkv, D), torch.float64),
+                    "key_basis": ((L, Hkv, D, D), torch.float32), "key_singular_values": ((L, Hkv, D), torch.float64)}
         for name, (want_shape, want_dtype) in expected.items():
             tensor = tensors.get(name)
             if tensor is None:
@@ -381,17 +383,16 @@ class FDCArtifact:
                                     f"{tensor.dtype} of shape {tuple(tensor.shape)}")
             if not torch.isfinite(tensor).all():
                 raise ArtifactError(f"fdc_ops: {tensors_path}: {name} has non-finite values")
-        for name in ("qk_rotation", "v_basis"):
+        for name in ("qk_rotation", "v_basis", "key_basis"):
             basis = tensors[name].to(torch.float64)
             error = (basis.transpose(-1, -2) @ basis - torch.eye(D, dtype=torch.float64)).abs().max().item()
             if error > ORTHONORMALITY_TOLERANCE:
                 raise ArtifactError(f"fdc_ops: {tensors_path}: {name} columns are not orthonormal (error {error:.2e})")
-        for name in ("qk_singular_values", "v_singular_values"):
+        for name in ("qk_singular_values", "v_singular_values", "key_singular_values"):
             values = tensors[name]
             if (values < 0).any() or (values[..., 1:] > values[..., :-1]).any():
                 raise ArtifactError(f"fdc_ops: {tensors_path}: {name} must be non-negative and descending")
-        artifact = cls(tensors["qk_rotation"], tensors["qk_singular_values"], tensors["v_basis"],
-                       tensors["v_singular_values"], metadata)
+        artifact = cls(**{name: tensors[name] for name in expected}, metadata=metadata)
         if model is not None:
             artifact.check_model(model)
         return artifact
@@ -424,7 +425,9 @@ def artifact_from_statistics(model, stats: CalibrationStatistics, *, v_method: s
                         "v_method": v_method, "qk_mode": "kv_head"},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
-    return FDCArtifact(qk_rotation.to(torch.float32), qk_values, v_basis.to(torch.float32), v_values, metadata)
+    key_values, key_basis = principal_axes(stats.key_gram)
+    return FDCArtifact(qk_rotation.to(torch.float32), qk_values, v_basis.to(torch.float32), v_values,
+                       key_basis.to(torch.float32), key_values, metadata)
 
 
 def calibrate(model, *, num_tokens: int = 8192, seq_len: int = 1024, seed: int = 0,
@@ -451,3 +454,31 @@ def calibrate(model, *, num_tokens: int = 8192, seq_len: int = 1024, seed: int =
         source = {"source": source_name or "text", "seed": None}
     stats = capture_statistics(model, batches, progress=progress)
     return artifact_from_statistics(model, stats, v_method=v_method, source=source)
+
+
+def load_or_calibrate(model, tokenizer=None, *, text: str = "random", num_tokens: int = 8192, seq_len: int = 1024,
+                      seed: int = 0, v_method: str = "activation", directory=None,
+                      progress: bool = True) -> FDCArtifact:
+    """The artifact for these settings from the cache (``$FDC_CACHE/artifacts``, keyed by the model's fingerprint and
+    the settings), calibrating and saving it on first use. ``text``: ``random`` or a bundled text (needs the
+    tokenizer). A cached artifact that fails validation is recalibrated."""
+    from . import datasets
+
+    fingerprint = models.fingerprint(model)
+    path = Path(directory or models.cache_dir() / "artifacts") / \
+        f"{fingerprint[:16]}-{text}-{num_tokens}-{seq_len}-{seed}-{v_method}"
+    if path.is_dir():
+        try:
+            return FDCArtifact.load(path, model=model)
+        except ArtifactError as error:
+            print(f"recalibrating: the cached artifact is unusable ({error})")
+    if text == "random":
+        artifact = calibrate(model, num_tokens=num_tokens, seq_len=seq_len, seed=seed, v_method=v_method,
+                             progress=progress)
+    else:
+        if tokenizer is None:
+            raise ValueError(f"fdc_ops: calibrating on {text} needs the model's tokenizer")
+        artifact = calibrate(model, num_tokens=num_tokens, seq_len=seq_len, input_ids=datasets.text_tokens(
+            tokenizer, text), source_name=text, v_method=v_method, progress=progress)
+    artifact.save(path)
+    return artifact

@@ -59,3 +59,16 @@ def token_stream(tokenizer, documents, separator: str = "\n\n") -> torch.Tensor:
         pieces.extend(tokenizer(document, add_special_tokens=False)["input_ids"])
         pieces.extend(separator_ids)
     return torch.tensor(pieces, dtype=torch.int64)
+
+
+TEXTS = ("wikipedia", "humaneval")
+
+
+def text_tokens(tokenizer, name: str) -> torch.Tensor:
+    """The token stream of a bundled text: ``wikipedia`` or ``humaneval``. Calibration reads from the start of a
+    stream; evaluations hold out its end."""
+    if name == "wikipedia":
+        return token_stream(tokenizer, wikipedia_articles())
+    if name == "humaneval":
+        return token_stream(tokenizer, humaneval_programs())
+    raise ValueError(f"fdc_ops: unknown text {name!r}; bundled texts: {', '.join(TEXTS)}")

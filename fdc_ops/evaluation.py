@@ -1,69 +1,19 @@
-"""Accuracy of a compressed model, measured through the fdc operators: attention runs on the compressed Q/K/V
-(rotate_compress, packed values, prefill_attention) at the allocated widths of every head.
-
-This path evaluates the calibration (perplexity on unpadded sequences, no KV cache): each head's c-wide output is
-mapped back through ``B_V = V_k^T`` before the model's own output projection, which equals the folded ``W_O'`` of
-the serving modules (fdc_ops.calibration.fold_output_projection) up to the order of the sums.
-"""
+"""Accuracy and speed measures of a (compressed) model: perplexity, edit similarity and ROUGE-1 of generations,
+time to first token and time between tokens. Compression itself is fdc_ops.hf.compress; these only measure."""
 
 from __future__ import annotations
 
-import contextlib
 import math
+import re
+import statistics
+import time
+from collections import Counter
+from typing import Callable
 
 import torch
 
-from . import models, ops
-from .calibration import FDCArtifact, RankAllocation
-
-
-@contextlib.contextmanager
-def compressed_attention(model, artifact: FDCArtifact, allocation: RankAllocation,
-                         qk_rotation: torch.Tensor | None = None, v_basis: torch.Tensor | None = None):
-    """While open, every attention layer of ``model`` runs compressed: queries and keys rotated by the artifact's R
-    and truncated to ``allocation.qk_dims``, values projected on the first ``allocation.v_dims`` columns of its V basis.
-    ``qk_rotation`` / ``v_basis`` (L, H_kv, D, D) replace the artifact's (to compare calibrations at equal dims).
-    Inputs must be unpadded full sequences (no attention mask), without a KV cache."""
-    shape = models.attention_shape(model)
-    rotations = (artifact.qk_rotation if qk_rotation is None else qk_rotation)
-    bases = (artifact.v_basis if v_basis is None else v_basis)
-    expected = (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.head_dim)
-    for name, tensor in (("qk_rotation", rotations), ("v_basis", bases)):
-        if tuple(tensor.shape) != expected:
-            raise ValueError(f"fdc_ops: {name} must have shape {expected}, got {tuple(tensor.shape)}")
-    if tuple(allocation.qk_dims.shape) != expected[:2] or tuple(allocation.v_dims.shape) != expected[:2]:
-        raise ValueError(f"fdc_ops: the allocation's dims must have shape {expected[:2]}")
-    offsets = [allocation.offsets(layer) for layer in range(shape.num_layers)]
-
-    def attend(module, query, key, value, attention_mask, original, **kwargs):
-        layer = module.layer_idx
-        B, H, S, D = query.shape
-        Hkv, G = key.shape[1], H // key.shape[1]
-        if key.shape[2] != S:
-            raise ValueError("fdc_ops.evaluation: compressed_attention takes full sequences without a KV cache")
-        window = kwargs.get("sliding_window")
-        if window is not None and window < S:
-            raise NotImplementedError("fdc_ops.evaluation: sliding-window attention is not supported")
-        qk_offsets, v_offsets = offsets[layer]
-        qk_dims, v_dims = allocation.qk_dims[layer].tolist(), allocation.v_dims[layer].tolist()
-        rotation = rotations[layer, :, :, : max(qk_dims)].to(query.dtype).contiguous()  # (H_kv, D, max_r)
-        basis = bases[layer].to(query.dtype)  # (H_kv, D, D)
-        tokens = B * S
-        q = ops.rotate_compress(query.transpose(1, 2).reshape(tokens, H, D), rotation, qk_offsets, G)
-        k = ops.rotate_compress(key.transpose(1, 2).reshape(tokens, Hkv, D), rotation, qk_offsets, 1)
-        v = torch.cat([value[:, j].reshape(tokens, D) @ basis[j, :, : v_dims[j]] for j in range(Hkv)], dim=1)
-        cu_seqlens = torch.arange(0, B + 1, dtype=torch.int32, device=query.device) * S
-        scale = kwargs.get("scaling") or module.scaling
-        out = ops.prefill_attention(q, k, v, cu_seqlens, cu_seqlens, qk_offsets, v_offsets, G, scale, True)
-        heads = []
-        for h in range(H):
-            j, i = divmod(h, G)
-            start = G * int(v_offsets[j]) + i * v_dims[j]
-            heads.append(out[:, start: start + v_dims[j]] @ basis[j, :, : v_dims[j]].T)
-        return torch.stack(heads, dim=1).view(B, S, H, D), None
-
-    with models.override_attention(model, attend):
-        yield
+# Where a HumanEval completion ends: the next top-level statement (the canonical solutions are one function body).
+STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\n```")
 
 
 def perplexity(model, token_ids: torch.Tensor, seq_len: int = 512, batch_size: int = 4, progress: bool = True,
@@ -86,3 +36,110 @@ def perplexity(model, token_ids: torch.Tensor, seq_len: int = 512, batch_size: i
             total += nll.item()
             count += batch[:, 1:].numel()
     return math.exp(total / count)
+
+
+def edit_similarity(first: str, second: str) -> float:
+    """1 - Levenshtein distance / length of the longer string (1.0 for two empty strings)."""
+    if not first and not second:
+        return 1.0
+    previous = list(range(len(second) + 1))
+    for i, a in enumerate(first, 1):
+        current = [i]
+        for j, b in enumerate(second, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (a != b)))
+        previous = current
+    return 1.0 - previous[-1] / max(len(first), len(second))
+
+
+def rouge1(candidate: str, reference: str) -> float:
+    """ROUGE-1 F1: clipped unigram overlap of lower-cased word tokens."""
+    words = [Counter(re.findall(r"\w+", text.lower())) for text in (candidate, reference)]
+    overlap = sum((words[0] & words[1]).values())
+    if overlap == 0:
+        return 0.0
+    precision, recall = overlap / sum(words[0].values()), overlap / sum(words[1].values())
+    return 2 * precision * recall / (precision + recall)
+
+
+def truncate_completion(text: str) -> str:
+    cut = min((index for index in (text.find(stop) for stop in STOP_SEQUENCES) if index >= 0), default=len(text))
+    return text[:cut]
+
+
+def humaneval_scores(model, tokenizer, problems, max_new_tokens: int = 96, batch_size: int = 8,
+                     progress: bool = True, description: str = "HumanEval") -> dict:
+    """Greedy completions of HumanEval prompts (left-padded batches through generate()), cut at the next top-level
+    statement, against the canonical solutions: mean edit similarity and ROUGE-1, and the completions."""
+    from tqdm.auto import tqdm
+
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    device = next(model.parameters()).device
+    completions = []
+    for start in tqdm(range(0, len(problems), batch_size), desc=description, unit="batch", disable=not progress):
+        prompts = [problem["prompt"] for problem in problems[start: start + batch_size]]
+        inputs = tokenizer(prompts, return_tensors="pt", padding=True).to(device)
+        with torch.inference_mode():
+            output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                    pad_token_id=tokenizer.pad_token_id)
+        new = output[:, inputs["input_ids"].shape[1]:]
+        completions.extend(truncate_completion(text) for text in tokenizer.batch_decode(new, skip_special_tokens=True))
+    references = [problem["canonical_solution"] for problem in problems]
+    return {"edit_similarity": statistics.fmean(map(edit_similarity, completions, references)),
+            "rouge1": statistics.fmean(map(rouge1, completions, references)), "completions": completions}
+
+
+def latency(model, prompt_tokens: int = 512, new_tokens: int = 32, batch: int = 1, repeats: int = 3,
+            seed: int = 0) -> dict:
+    """Time to first token (one prefill of ``batch`` prompts of ``prompt_tokens``, logits of the last position) and
+    time between tokens (median single-token decode step with the cache), in milliseconds, best of ``repeats``."""
+    from transformers import DynamicCache
+
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (batch, prompt_tokens), generator=torch.Generator().manual_seed(seed))
+    ids = ids.to(next(model.parameters()).device)
+    first, between = [], []
+    with torch.inference_mode():
+        for _ in range(repeats):
+            cache = DynamicCache()
+            begin = time.perf_counter()
+            logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            first.append(time.perf_counter() - begin)
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            steps = []
+            for _ in range(new_tokens):
+                begin = time.perf_counter()
+                logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits
+                token = logits[:, -1].argmax(-1, keepdim=True)
+                steps.append(time.perf_counter() - begin)
+            between.append(statistics.median(steps))
+    return {"ttft_ms": 1e3 * min(first), "tbt_ms": 1e3 * min(between), "prompt_tokens": prompt_tokens,
+            "batch": batch, "new_tokens": new_tokens}
+
+
+def search_removal_rate(relative_score: Callable[[float], float], target: float = 0.99, high: float = 0.5,
+                        steps: int = 7) -> tuple[float, float, list[tuple[float, float]]]:
+    """The largest removal rate whose score, relative to the uncompressed model's (1.0 = no loss), stays at or above
+    ``target``, by bisection on [0, high] (the score falls as the rate grows). Returns (rate, its relative score,
+    every (rate, score) tried). Rate 0 (no compression) always qualifies."""
+    tried = []
+
+    def score(rate: float) -> float:
+        value = relative_score(rate)
+        tried.append((rate, value))
+        return value
+
+    best, best_score = 0.0, 1.0
+    high_score = score(high)
+    if high_score >= target:
+        return high, high_score, tried
+    low = 0.0
+    for _ in range(steps):
+        middle = (low + high) / 2
+        value = score(middle)
+        if value >= target:
+            low, best, best_score = middle, middle, value
+        else:
+            high = middle
+    return best, best_score, tried

@@ -13,7 +13,8 @@ Sections:
 4. calibration at short positions (sequences of 128) vs use at long positions (sequences of 4096);
 5. coefficient of variation of the largest singular values across heads (paper Tables 4-5);
 6. rank allocation: KV compression at each removal rate, singular-value vs explained-variance weighting, uniform;
-7. perplexity through the fdc operators (fdc_ops.evaluation) at equal compression: R and V from random tokens vs
+7. perplexity of the model compressed by fdc_ops.hf.compress (the serving modules, through the fdc operators) at
+   equal compression: R and V from random tokens vs
    from real text, V from activations vs from W_V, adaptive vs uniform ranks, Q/K-only and V-only compression.
 
 Prints tables, writes JSON and PNG plots to ``--out``.
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from . import calibration, datasets, evaluation, models, provenance
+from . import calibration, datasets, evaluation, hf, models, provenance
 from .calibration import CalibrationStatistics, principal_axes
 
 RATES = (0.05, 0.1, 0.2)
@@ -104,19 +105,6 @@ def coefficient_of_variation(values: torch.Tensor) -> float:
     return float(values.double().std(unbiased=False) / values.double().mean())
 
 
-def pre_rope_key_gram(model, stats: CalibrationStatistics) -> torch.Tensor:
-    """(L, H_kv, D, D) Gram matrices of the pre-RoPE keys k = x W_K^T, from the attention inputs' Gram matrix."""
-    shape = stats.shape
-    grams = []
-    for layer, module in enumerate(models.attention_modules(model)):
-        weights = models.attention_weights(module, shape)
-        if weights.k_bias is not None:
-            raise NotImplementedError("fdc_ops.report: pre-RoPE key spectra of models with a K bias")
-        per_head = weights.k_weight.detach().double().view(shape.num_kv_heads, shape.head_dim, -1)
-        grams.append(per_head @ stats.input_gram[layer] @ per_head.transpose(1, 2))
-    return torch.stack(grams)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Printing
 
@@ -173,8 +161,7 @@ def run(out: str = "bench/results/calibration", quick: bool = False) -> dict:
         snapshots[count], done = running, count
     random_stats = snapshots[tokens] if tokens in snapshots else capture(
         calibration.random_token_batches(vocab, tokens, SEQ_LEN, seed=0), "random tokens")
-    other_random = capture(calibration.random_token_batches(vocab, tokens, SEQ_LEN, seed=1), "random tokens (seed 1)",
-                           input_statistics=True)
+    other_random = capture(calibration.random_token_batches(vocab, tokens, SEQ_LEN, seed=1), "random tokens (seed 1)")
     wiki_stats = capture(calibration.text_token_batches(wiki, tokens, SEQ_LEN), "wikipedia")
     code_stats = capture(calibration.text_token_batches(code, tokens, SEQ_LEN), "humaneval")
     short_stats = capture(calibration.random_token_batches(vocab, tokens, SHORT_SEQ_LEN, seed=2), "short positions")
@@ -190,8 +177,7 @@ def run(out: str = "bench/results/calibration", quick: bool = False) -> dict:
     reference_dims = artifact.allocate(0.1).qk_dims
 
     # 1. spectra
-    spectra = {"post-RoPE Q/K": axes["random_seed1"][0], "pre-RoPE K": principal_axes(
-        pre_rope_key_gram(model, other_random))[0], "V rows": principal_axes(other_random.v_gram)[0], "W_V": weight_values}
+    spectra = {"post-RoPE Q/K": axes["random_seed1"][0], "pre-RoPE K": principal_axes(other_random.key_gram)[0], "V rows": principal_axes(other_random.v_gram)[0], "W_V": weight_values}
     rows = [[name] + [dims_for_share(values, share) for share in SHARES] +
             [float((values[..., 0] / values.sum(-1)).mean())] for name, values in spectra.items()]
     print_table(f"1. singular-value spectra (D = {shape.head_dim}; {tokens} random tokens, seed 1): mean dims for a "
@@ -294,8 +280,13 @@ def run(out: str = "bench/results/calibration", quick: bool = False) -> dict:
     def ppl(tokens_eval, allocation=None, rotation=None, basis=None, seq_len=EVAL_SEQ_LEN, label=""):
         if allocation is None:
             return evaluation.perplexity(model, tokens_eval, seq_len=seq_len, description=label)
-        with evaluation.compressed_attention(model, artifact, allocation, rotation, basis):
+        variant = dataclasses.replace(artifact, **({} if rotation is None else {"qk_rotation": rotation.float()}),
+                                      **({} if basis is None else {"v_basis": basis.float()}))
+        hf.compress(model, variant, allocation=allocation)
+        try:
             return evaluation.perplexity(model, tokens_eval, seq_len=seq_len, description=label)
+        finally:
+            hf.restore(model)
 
     full = torch.full_like(reference_dims, shape.head_dim)
     base_wiki = ppl(wiki_eval, label="uncompressed")
@@ -320,8 +311,8 @@ def run(out: str = "bench/results/calibration", quick: bool = False) -> dict:
         for label, allocation, rotation, basis in variants:
             ppl_rows.append([label, rate, allocation.compression_rate,
                              ppl(wiki_eval, allocation, rotation, basis, label=f"{label} r={rate}")])
-    print_table(f"7a. Wikipedia perplexity (held-out {eval_tokens} tokens, windows of {EVAL_SEQ_LEN}) through the fdc "
-                f"ops", ["configuration", "removal rate", "KV compression", "perplexity"], ppl_rows)
+    print_table(f"7a. Wikipedia perplexity (held-out {eval_tokens} tokens, windows of {EVAL_SEQ_LEN}) with fdc_ops.hf."
+                f"compress", ["configuration", "removal rate", "KV compression", "perplexity"], ppl_rows)
 
     adaptive = artifact.allocate(0.1)
     code_rows = [["uncompressed", 0.0, ppl(code_eval, label="code uncompressed")],

@@ -85,6 +85,18 @@ def hand_qkv(model, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, tor
     return hand_rope(q, positions, theta, partial), hand_rope(k, positions, theta, partial), v
 
 
+def hand_key_projection(model, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+    """Pre-RoPE keys (B, H_kv, S, D) as the K projection outputs them (bias included, before any norm), float64."""
+    from fdc_ops import models
+
+    shape = models.attention_shape(model)
+    weights = models.attention_weights(models.attention_modules(model)[layer], shape)
+    keys = hidden.to(torch.float64) @ weights.k_weight.detach().to(torch.float64).T
+    if weights.k_bias is not None:
+        keys = keys + weights.k_bias.detach().to(torch.float64)
+    return keys.unflatten(-1, (shape.num_kv_heads, shape.head_dim)).transpose(1, 2)
+
+
 def layer_inputs(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
     """The hidden states each attention layer receives (B, S, hidden), from a plain forward pass."""
     from fdc_ops import models

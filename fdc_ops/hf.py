@@ -1,0 +1,157 @@
+"""Hugging Face integration: swap a model's attention for FDC (or the Palu baseline) in place, undo it, and measure
+the KV cache a generation holds.
+
+    model, tokenizer = fdc_ops.models.load_model()
+    artifact = fdc_ops.calibration.calibrate(model)
+    allocation = fdc_ops.hf.compress(model, artifact, removal_rate=0.05)
+    cache = transformers.DynamicCache()
+    model.generate(**inputs, past_key_values=cache)      # or let generate() create the cache
+    fdc_ops.hf.kv_cache_nbytes(cache)
+
+The per-family knowledge (which projections exist, Phi-3's fused qkv_proj, Qwen3's per-head norms, each family's
+RoPE function with its partial rotary) lives in fdc_ops.models and in the modules' use of the family's own
+``apply_rotary_pos_emb``; everything else is shared.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import calibration, models
+from .calibration import FDCArtifact, RankAllocation
+from .nn import CompressedKVLayer, FDCAttention, PaddingState, PaluAttention
+
+METHODS = ("fdc", "palu")
+
+
+def _allocation(artifact: FDCArtifact, method: str, removal_rate, allocation, qk_dims, v_dims,
+                weighting: str, uniform: bool) -> RankAllocation:
+    shape = artifact.shape
+    given = [removal_rate is not None, allocation is not None, qk_dims is not None or v_dims is not None]
+    if sum(given) != 1:
+        raise ValueError("fdc_ops.hf.compress: give exactly one of removal_rate, allocation, or qk_dims and v_dims")
+    if removal_rate is not None:
+        if method == "fdc":
+            allocation = artifact.allocate(removal_rate, weighting=weighting)
+        else:
+            power = {"singular_value": 1.0, "explained_variance": 2.0}[weighting]
+            allocation = RankAllocation(calibration.kept_dims(artifact.key_singular_values, removal_rate, power=power),
+                                        calibration.kept_dims(artifact.v_singular_values, removal_rate, power=power),
+                                        shape.head_dim, f"palu {weighting}", removal_rate)
+        return allocation.uniform() if uniform else allocation
+    if allocation is None:
+        if qk_dims is None or v_dims is None:
+            raise ValueError("fdc_ops.hf.compress: qk_dims and v_dims go together")
+        allocation = RankAllocation(torch.as_tensor(qk_dims, dtype=torch.int64),
+                                    torch.as_tensor(v_dims, dtype=torch.int64), shape.head_dim, "given")
+    expected = (shape.num_layers, shape.num_kv_heads)
+    for name in ("qk_dims", "v_dims"):
+        dims = getattr(allocation, name)
+        if tuple(dims.shape) != expected:
+            raise ValueError(f"fdc_ops.hf.compress: {name} must have shape {expected}, got {tuple(dims.shape)}")
+        if bool(((dims <= 0) | (dims % 8 != 0) | (dims > shape.head_dim)).any()):
+            raise ValueError(f"fdc_ops.hf.compress: every entry of {name} must be a positive multiple of 8 of at "
+                             f"most head_dim {shape.head_dim}, got {dims.tolist()}")
+    return allocation.uniform() if uniform else allocation
+
+
+def _offsets(dims: torch.Tensor) -> torch.Tensor:
+    return torch.cat([dims.new_zeros(1), dims.cumsum(0)]).to(torch.int32).cpu()
+
+
+def _check_sliding_window(model) -> None:
+    config = models._text_config(model)
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) and \
+            window < getattr(config, "max_position_embeddings", window + 1):
+        raise NotImplementedError(f"fdc_ops.hf.compress: sliding-window attention (sliding_window={window}) is not "
+                                  "supported by the compressed modules")
+
+
+def compress(model, artifact: FDCArtifact, removal_rate: float | None = None, *,
+             allocation: RankAllocation | None = None, qk_dims=None, v_dims=None, method: str = "fdc",
+             weighting: str = "singular_value", uniform: bool = False) -> RankAllocation:
+    """Replaces every attention module of ``model`` in place by FDCAttention (``method="fdc"``) or the Palu baseline
+    (``method="palu"``; ``qk_dims`` are then the widths of the cached key latent). Widths: one removal rate (the
+    paper's rule on the artifact's singular values; ``weighting="explained_variance"`` uses s^2; ``uniform=True``
+    gives every head the mean width, the /AC ablation), an allocation, or explicit (L, H_kv) ``qk_dims`` and
+    ``v_dims``. Returns the allocation used. generate() and forward() work unchanged; fdc_ops.hf.restore undoes it."""
+    if method not in METHODS:
+        raise ValueError(f"fdc_ops.hf.compress: method must be one of {METHODS}, got {method!r}")
+    if getattr(model, "_fdc_compression", None) is not None:
+        raise ValueError("fdc_ops.hf.compress: the model is already compressed; call fdc_ops.hf.restore(model) first")
+    _check_sliding_window(model)
+    artifact.check_model(model)
+    allocation = _allocation(artifact, method, removal_rate, allocation, qk_dims, v_dims, weighting, uniform)
+    shape = models.attention_shape(model)
+    H, Hkv, D, G = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.group
+    decoder = model.get_decoder()
+    padding = PaddingState()
+    originals = models.attention_modules(model)
+    for layer, original in enumerate(originals):
+        weights = models.attention_weights(original, shape)
+        dtype, device = weights.q_weight.dtype, weights.q_weight.device
+        qk_dims_l, v_dims_l = allocation.qk_dims[layer], allocation.v_dims[layer]
+        v_basis = artifact.v_basis[layer].to(device)
+        value_weight = calibration.fold_value_projection(weights.v_weight.detach(), v_basis, v_dims_l.tolist())
+        output_weight = calibration.fold_output_projection(weights.o_weight.detach(), v_basis, v_dims_l.tolist(), G)
+        output_bias = weights.o_bias.detach() if weights.o_bias is not None else None
+        if weights.v_bias is not None:
+            folded = calibration.fold_value_bias(weights.v_bias.detach(), weights.o_weight.detach(), Hkv, G)
+            output_bias = folded if output_bias is None else output_bias + folded
+        common = dict(original=original, layer=layer, num_heads=H, num_kv_heads=Hkv, head_dim=D,
+                      q_weight=weights.q_weight.detach(), q_bias=_detach(weights.q_bias), value_weight=value_weight,
+                      output_weight=output_weight, output_bias=output_bias, v_offsets=_offsets(v_dims_l),
+                      padding=padding)
+        if method == "fdc":
+            rotation = artifact.qk_rotation[layer, :, :, : int(qk_dims_l.max())].to(device, dtype)
+            module = FDCAttention(**common, k_weight=weights.k_weight.detach(), k_bias=_detach(weights.k_bias),
+                                  rotation=rotation, qk_offsets=_offsets(qk_dims_l))
+        else:
+            basis = artifact.key_basis[layer].to(device, torch.float64)  # (H_kv, D, D)
+            k_weight = weights.k_weight.detach().to(torch.float64).view(Hkv, D, -1)
+            latent_weight = torch.cat([basis[j, :, : int(qk_dims_l[j])].T @ k_weight[j] for j in range(Hkv)])
+            latent_bias = None
+            if weights.k_bias is not None:
+                k_bias = weights.k_bias.detach().to(torch.float64).view(Hkv, D)
+                latent_bias = torch.cat([basis[j, :, : int(qk_dims_l[j])].T @ k_bias[j] for j in range(Hkv)])
+                latent_bias = latent_bias.to(dtype)
+            module = PaluAttention(**common, latent_weight=latent_weight.to(dtype), latent_bias=latent_bias,
+                                   key_basis=basis, latent_offsets=_offsets(qk_dims_l), rotary=decoder.rotary_emb)
+        decoder.layers[layer].self_attn = module.to(device)
+
+    def record_mask(_module, args, kwargs):
+        padding.mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+
+    hook = decoder.register_forward_pre_hook(record_mask, with_kwargs=True)
+    model._fdc_compression = {"method": method, "allocation": allocation, "originals": originals, "hook": hook}
+    return allocation
+
+
+def _detach(tensor):
+    return tensor.detach() if tensor is not None else None
+
+
+def restore(model) -> None:
+    """Puts the original attention modules back (undoes compress)."""
+    state = getattr(model, "_fdc_compression", None)
+    if state is None:
+        raise ValueError("fdc_ops.hf.restore: the model is not compressed")
+    for layer, original in zip(model.get_decoder().layers, state["originals"]):
+        layer.self_attn = original
+    state["hook"].remove()
+    model._fdc_compression = None
+
+
+def kv_cache_nbytes(cache, allocated: bool = False) -> int:
+    """Bytes of keys and values a transformers cache holds: compressed layers count their cached rows (``allocated``:
+    their whole buffers), ordinary layers their key and value tensors."""
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        if isinstance(layer, CompressedKVLayer):
+            total += layer.nbytes(allocated)
+        else:
+            for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if isinstance(tensor, torch.Tensor):
+                    total += tensor.nbytes
+    return total

@@ -1,0 +1,335 @@
+"""Compressed attention modules and their packed KV cache (DESIGN.md section 5), for Hugging Face decoder layers.
+
+``FDCAttention`` (the method): post-RoPE queries and keys are rotated and truncated per KV head by
+``rotate_compress``; values come out of the folded ``A_V`` already compressed; attention runs on the packed widths
+(``prefill_attention`` for prompts, ``decode_attention`` for one new token per request); the c-wide outputs feed the
+folded output projection ``W_O'``. ``PaluAttention`` (the baseline): keys are cached as a low-rank latent before
+RoPE, reconstructed and rotated at every attention call, then attended at full width; values as in FDC. Both keep
+their cache in ``CompressedKVLayer``: packed rows of exactly the allocated widths, real memory savings.
+
+Padding. Each request's cache holds only its real tokens (compacted), so left-padded batches cost nothing for their
+padding and the ops see per-request lengths. The padding mask comes from the decoder's ``attention_mask`` argument
+(recorded by a hook that :func:`fdc_ops.hf.compress` installs); queries at padded positions output zeros.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from . import ops
+
+try:  # the layer class of transformers' DynamicCache; subclassing it keeps every Cache method generate() calls working
+    from transformers.cache_utils import DynamicLayer
+except ImportError:  # pragma: no cover - transformers is a dependency of the model side
+    DynamicLayer = object
+
+INITIAL_CAPACITY = 64  # tokens per request allocated on first use; capacity doubles from there (amortised O(1) appends)
+
+
+def _prefix(counts: torch.Tensor) -> torch.Tensor:
+    """(n,) counts -> (n + 1,) int32 prefix sums, on the counts' device."""
+    return torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+
+
+class PaddingState:
+    """The decoder call's 2-D attention mask (B, past + new) or None, shared by the compressed modules of a model."""
+
+    def __init__(self):
+        self.mask: torch.Tensor | None = None
+
+    def valid(self, batch: int, new_tokens: int, device: torch.device) -> torch.Tensor:
+        """(B, new_tokens) bool: which of the call's new tokens are real (not padding)."""
+        if self.mask is None:
+            return torch.ones(batch, new_tokens, dtype=torch.bool, device=device)
+        if self.mask.dim() != 2:
+            raise NotImplementedError("fdc_ops.nn: compressed attention takes a 2-D attention_mask (batch, length) "
+                                      f"of 0/1, got shape {tuple(self.mask.shape)}")
+        return self.mask[:, -new_tokens:].to(device=device, dtype=torch.bool)
+
+
+class CompressedKVLayer(DynamicLayer):
+    """One layer's cache: packed K rows ``(B, capacity, k_width)`` and V rows ``(B, capacity, v_width)``, each
+    request's real tokens first (``lengths``), in the packed head layout of the ops. It stands in for a DynamicLayer
+    inside a transformers cache: ``get_seq_length`` counts positions (padding included) as transformers expects,
+    beam search reorders it, and ``update`` (full-width K/V) is refused."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, k_offsets: torch.Tensor, v_offsets: torch.Tensor):
+        super().__init__()
+        self.k_offsets, self.v_offsets = k_offsets, v_offsets  # (H_kv + 1,) int32 CPU
+        self.k_cache: torch.Tensor | None = None  # (B, capacity, k_offsets[-1])
+        self.v_cache: torch.Tensor | None = None  # (B, capacity, v_offsets[-1])
+        self.lengths: torch.Tensor | None = None  # (B,) int32: real tokens cached per request
+        self.positions = 0  # positions seen, padding included (what transformers calls the sequence length)
+        self.keys = self.values = None
+        self.is_initialized = True
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        raise RuntimeError("fdc_ops.nn: a compressed cache layer is filled by the compressed attention module only")
+
+    def update(self, *args, **kwargs):
+        raise RuntimeError("fdc_ops.nn: this cache holds compressed K/V; full-width update() is not possible")
+
+    def append(self, k_rows: torch.Tensor, v_rows: torch.Tensor, counts: torch.Tensor, new_positions: int) -> None:
+        """Writes each request's new rows after its cached ones. k_rows: (T, k_width), v_rows: (T, v_width), requests'
+        rows back to back; counts: (B,) rows per request; new_positions: the call's sequence length."""
+        batch = counts.shape[0]
+        if self.k_cache is None:
+            self.lengths = torch.zeros(batch, dtype=torch.int32, device=k_rows.device)
+            self._allocate(batch, max(INITIAL_CAPACITY, int(counts.max()) if batch else 0), k_rows.dtype,
+                           k_rows.device)
+        elif batch != self.k_cache.shape[0]:
+            raise ValueError(f"fdc_ops.nn: the cache holds {self.k_cache.shape[0]} requests, the call has {batch}")
+        needed = int((self.lengths + counts).max()) if batch else 0
+        if needed > self.k_cache.shape[1]:
+            old_k, old_v = self.k_cache, self.v_cache
+            self._allocate(batch, max(needed, 2 * old_k.shape[1]), old_k.dtype, old_k.device)
+            self.k_cache[:, : old_k.shape[1]] = old_k
+            self.v_cache[:, : old_v.shape[1]] = old_v
+        ops.append_kv(self.k_cache, self.v_cache, k_rows, v_rows, _prefix(counts), self.lengths, self.k_offsets,
+                      self.v_offsets)
+        self.lengths += counts.to(torch.int32)
+        self.positions += new_positions
+
+    def _allocate(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.k_cache = torch.zeros(batch, capacity, int(self.k_offsets[-1]), dtype=dtype, device=device)
+        self.v_cache = torch.zeros(batch, capacity, int(self.v_offsets[-1]), dtype=dtype, device=device)
+
+    def nbytes(self, allocated: bool = False) -> int:
+        """Bytes of the cached rows (``allocated``: of the buffers, spare capacity included)."""
+        if self.k_cache is None:
+            return 0
+        if allocated:
+            return self.k_cache.nbytes + self.v_cache.nbytes
+        width = int(self.k_offsets[-1] + self.v_offsets[-1])
+        return int(self.lengths.sum()) * width * self.k_cache.element_size()
+
+    def get_seq_length(self, *args) -> int:
+        return self.positions
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.k_cache = self.v_cache = self.lengths = None
+        self.positions = 0
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.k_cache is not None:
+            indices = indices.to(self.k_cache.device)
+            self.k_cache, self.v_cache = self.k_cache[indices], self.v_cache[indices]
+            self.lengths = self.lengths[indices]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.k_cache is not None:
+            self.k_cache = self.k_cache.repeat_interleave(repeats, dim=0)
+            self.v_cache = self.v_cache.repeat_interleave(repeats, dim=0)
+            self.lengths = self.lengths.repeat_interleave(repeats, dim=0)
+
+    def crop(self, *args, **kwargs) -> None:
+        raise NotImplementedError("fdc_ops.nn: cropping a compressed cache (assisted decoding) is not supported")
+
+
+def _cache_layer(cache, layer: int, k_offsets: torch.Tensor, v_offsets: torch.Tensor) -> CompressedKVLayer:
+    """The compressed layer ``layer`` of a transformers cache, installed in place of an empty DynamicLayer the first
+    time (generate() creates a DynamicCache; the compressed modules take over its layers)."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise TypeError(f"fdc_ops.nn: past_key_values must be a transformers Cache with layers, got {type(cache)}")
+    while len(layers) <= layer:
+        layers.append(CompressedKVLayer(k_offsets, v_offsets))
+    current = layers[layer]
+    if isinstance(current, CompressedKVLayer):
+        return current
+    if current.get_seq_length() != 0:
+        raise ValueError(f"fdc_ops.nn: layer {layer} of the cache already holds uncompressed keys and values")
+    layers[layer] = CompressedKVLayer(k_offsets, v_offsets)
+    return layers[layer]
+
+
+class _CompressedAttentionBase(nn.Module):
+    """What FDC and Palu share: projections, per-head norms (Qwen3), RoPE, padding, the V path and the cache."""
+
+    def __init__(self, original: nn.Module, layer: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 q_weight, q_bias, k_weight, k_bias, value_weight, output_weight, output_bias,
+                 v_offsets: torch.Tensor, padding: PaddingState):
+        super().__init__()
+        self.layer_idx = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.group = num_heads // num_kv_heads
+        self.scaling = getattr(original, "scaling", head_dim**-0.5)
+        self.q_proj = _linear(q_weight, q_bias)  # (hidden) -> (H * D)
+        self.k_proj = _linear(k_weight, k_bias)  # (hidden) -> (H_kv * D)
+        self.v_proj = _linear(value_weight, None)  # A_V: (hidden) -> (sum v_dims), packed
+        self.o_proj = _linear(output_weight, output_bias)  # W_O': (sum_h v_dims[kv(h)]) -> (hidden)
+        self.q_norm = getattr(original, "q_norm", None)
+        self.k_norm = getattr(original, "k_norm", None)
+        self.v_offsets = v_offsets  # (H_kv + 1,) int32, stays on the CPU as the ops require (not a buffer)
+        self._apply_rope = sys.modules[type(original).__module__].apply_rotary_pos_emb
+        self._padding = padding
+        self.original = [original]  # kept out of the module tree: fdc_ops.hf.restore puts it back
+
+    def _heads(self, projection: nn.Module, norm, x: torch.Tensor, heads: int) -> torch.Tensor:
+        y = projection(x).view(*x.shape[:2], heads, self.head_dim)  # (B, S, heads, D)
+        return (norm(y) if norm is not None else y).transpose(1, 2)  # (B, heads, S, D)
+
+    @staticmethod
+    def _past(kwargs: dict, past_key_values):
+        return past_key_values if past_key_values is not None else kwargs.get("past_key_value")
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype,
+                      device=weight.device)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        if bias is not None:
+            layer.bias.copy_(bias)
+    return layer
+
+
+class FDCAttention(_CompressedAttentionBase):
+    """FDC attention for one decoder layer (see the module docstring)."""
+
+    def __init__(self, original: nn.Module, layer: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 q_weight, q_bias, k_weight, k_bias, value_weight, output_weight, output_bias,
+                 rotation: torch.Tensor, qk_offsets: torch.Tensor, v_offsets: torch.Tensor, padding: PaddingState):
+        """rotation: (H_kv, D, max qk dim) truncated R; qk_offsets, v_offsets: (H_kv + 1,) int32 CPU."""
+        super().__init__(original, layer, num_heads, num_kv_heads, head_dim, q_weight, q_bias, k_weight, k_bias,
+                         value_weight, output_weight, output_bias, v_offsets, padding)
+        self.register_buffer("rotation", rotation.contiguous(), persistent=False)
+        self.qk_offsets = qk_offsets  # CPU, not a buffer
+
+    def cache_offsets(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.qk_offsets, self.v_offsets
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
+                past_key_values=None, cache_position=None, **kwargs):
+        """hidden_states: (B, S, hidden). Returns ((B, S, hidden), None)."""
+        B, S, _ = hidden_states.shape
+        H, Hkv, G = self.num_heads, self.num_kv_heads, self.group
+        q = self._heads(self.q_proj, self.q_norm, hidden_states, H)
+        k = self._heads(self.k_proj, self.k_norm, hidden_states, Hkv)
+        cos, sin = position_embeddings
+        q, k = self._apply_rope(q, k, cos, sin)
+        valid = self._padding.valid(B, S, hidden_states.device)  # (B, S)
+        counts = valid.sum(1)
+        rotation = self.rotation.to(q.dtype)
+        q_rows = ops.rotate_compress(q.transpose(1, 2)[valid], rotation, self.qk_offsets, G)  # (T, G * k_width)
+        k_rows = ops.rotate_compress(k.transpose(1, 2)[valid], rotation, self.qk_offsets, 1)  # (T, k_width)
+        v_rows = self.v_proj(hidden_states[valid])  # (T, v_width)
+        out = _attend(self, q_rows, k_rows, v_rows, counts, S, self._past(kwargs, past_key_values))
+        o = out.new_zeros(B, S, out.shape[1])
+        o[valid] = out
+        return self.o_proj(o), None
+
+
+def _attend(module, q_rows, k_rows, v_rows, counts, new_positions, cache, k_offsets=None, keys_from_cache=None):
+    """Attention of the call's real queries over (cached +) new keys: decode_attention when every request brings one
+    token to a cache, prefill_attention otherwise. Returns (T, G * v_width)."""
+    k_offsets = module.qk_offsets if k_offsets is None else k_offsets
+    scale, G = module.scaling, module.group
+    if cache is None:
+        cu = _prefix(counts)
+        return ops.prefill_attention(q_rows, k_rows, v_rows, cu, cu, k_offsets, module.v_offsets, G, scale, True)
+    layer = _cache_layer(cache, module.layer_idx, *(module.cache_offsets()))
+    layer.append(k_rows, v_rows, counts, new_positions)
+    if keys_from_cache is not None:  # Palu: full-width keys rebuilt from the cached latent
+        k_cache, v_cache = keys_from_cache(layer)
+    else:
+        k_cache, v_cache = layer.k_cache, layer.v_cache
+    if new_positions == 1 and bool((counts == 1).all()):
+        return ops.decode_attention(q_rows, k_cache, v_cache, layer.lengths, k_offsets, module.v_offsets, G, scale)
+    mask = torch.arange(k_cache.shape[1], device=counts.device)[None, :] < layer.lengths[:, None]
+    return ops.prefill_attention(q_rows, k_cache[mask], v_cache[mask], _prefix(counts), _prefix(layer.lengths),
+                                 k_offsets, module.v_offsets, G, scale, True)
+
+
+class PaluAttention(_CompressedAttentionBase):
+    """The Palu-style baseline for one decoder layer: keys cached as a per-KV-head low-rank latent taken before RoPE
+    (``k_latent = k B^T`` with B the top principal axes of the pre-RoPE keys, the optimum of Palu's whitened SVD),
+    reconstructed (``k = k_latent B``), normalised (Qwen3) and rotated at their positions on every call, then
+    attended at full width; values exactly as FDC does. Cached positions are each request's real tokens counted from
+    0, as generate() numbers them under left padding; other position_ids are refused."""
+
+    def __init__(self, original: nn.Module, layer: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 q_weight, q_bias, latent_weight, latent_bias, value_weight, output_weight, output_bias,
+                 key_basis: torch.Tensor, latent_offsets: torch.Tensor, v_offsets: torch.Tensor,
+                 padding: PaddingState, rotary: nn.Module):
+        """latent_weight: (sum k dims, hidden) = B W_K per KV head; key_basis: (H_kv, D, D) principal axes of the
+        pre-RoPE keys (first k_dims[j] columns used); latent_offsets: (H_kv + 1,) int32 CPU."""
+        super().__init__(original, layer, num_heads, num_kv_heads, head_dim, q_weight, q_bias, latent_weight,
+                         latent_bias, value_weight, output_weight, output_bias, v_offsets, padding)
+        self.latent_proj = self.k_proj  # (hidden) -> (sum k dims): the latent, not full keys
+        del self.k_proj
+        dims = (latent_offsets[1:] - latent_offsets[:-1]).tolist()
+        up = torch.zeros(int(latent_offsets[-1]), num_kv_heads * head_dim, dtype=q_weight.dtype,
+                         device=q_weight.device)
+        for j, dim in enumerate(dims):  # block-diagonal: latent of head j -> its D-wide key
+            start = int(latent_offsets[j])
+            up[start: start + dim, j * head_dim:(j + 1) * head_dim] = key_basis[j, :, :dim].T.to(up.dtype)
+        self.register_buffer("key_up", up, persistent=False)  # (sum k dims, H_kv * D)
+        self.latent_offsets = latent_offsets  # CPU, not a buffer
+        self.qk_offsets = torch.arange(num_kv_heads + 1, dtype=torch.int32) * head_dim  # full-width keys
+        self._rotary = [rotary]
+
+    def cache_offsets(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.latent_offsets, self.v_offsets
+
+    def _keys(self, latent: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """latent (B, S, sum k dims) at positions (B, S) -> post-RoPE keys (B, S, H_kv * D)."""
+        B, S, _ = latent.shape
+        keys = (latent @ self.key_up.to(latent.dtype)).view(B, S, self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            keys = self.k_norm(keys)
+        keys = keys.transpose(1, 2)  # (B, H_kv, S, D)
+        cos, sin = self._rotary[0](latent, positions)
+        _, keys = self._apply_rope(keys, keys, cos, sin)
+        return keys.transpose(1, 2).reshape(B, S, -1)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
+                past_key_values=None, cache_position=None, **kwargs):
+        """hidden_states: (B, S, hidden). Returns ((B, S, hidden), None)."""
+        B, S, _ = hidden_states.shape
+        H, D = self.num_heads, self.head_dim
+        q = self._heads(self.q_proj, self.q_norm, hidden_states, H)
+        cos, sin = position_embeddings
+        q, _ = self._apply_rope(q, q, cos, sin)
+        valid = self._padding.valid(B, S, hidden_states.device)
+        counts = valid.sum(1)
+        cache = self._past(kwargs, past_key_values)
+        layer = None if cache is None else _cache_layer(cache, self.layer_idx, *self.cache_offsets())
+        past = layer.lengths if layer is not None and layer.lengths is not None else torch.zeros_like(counts)
+        compact = past[:, None] + valid.cumsum(1) - 1  # (B, S): each real token's position among its request's
+        position_ids = kwargs.get("position_ids")
+        if position_ids is not None and not torch.equal(position_ids.expand(B, S)[valid], compact[valid]):
+            raise NotImplementedError("fdc_ops.nn.PaluAttention: position_ids must count each request's real tokens "
+                                      "from 0 (as generate() does), since cached latents are rotated at those "
+                                      "positions")
+        q_rows = q.transpose(1, 2)[valid].reshape(-1, H * D)
+        latent = self.latent_proj(hidden_states)
+        latent_rows, v_rows = latent[valid], self.v_proj(hidden_states[valid])
+        if cache is None:
+            k_rows = self._keys(latent, compact.clamp_min(0))[valid]
+            out = _attend(self, q_rows, k_rows, v_rows, counts, S, None)
+        else:
+            def keys_from_cache(layer):
+                capacity = layer.k_cache.shape[1]
+                positions = torch.arange(capacity, device=latent.device)[None, :].expand(B, -1)
+                return self._keys(layer.k_cache, positions).contiguous(), layer.v_cache
+
+            out = _attend(self, q_rows, latent_rows, v_rows, counts, S, cache, keys_from_cache=keys_from_cache)
+        o = out.new_zeros(B, S, out.shape[1])
+        o[valid] = out
+        return self.o_proj(o), None

@@ -1,0 +1,180 @@
+"""Compressed models: FDC and Palu attention swapped into tiny random models of every supported family, through
+forward() and generate() (greedy, sampling, beam search, left-padded batches), and the packed cache's size."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import case_generator
+from fdc_ops import calibration, hf
+from fdc_ops.nn import CompressedKVLayer, FDCAttention, PaluAttention
+from tiny_models import FAMILIES, tiny_model
+
+transformers = pytest.importorskip("transformers", reason="the model side needs transformers")
+METHODS = ("fdc", "palu")
+
+
+def calibrated(family: str, seed: int, **overrides):
+    model = tiny_model(family, seed=seed, **overrides)
+    artifact = calibration.calibrate(model, num_tokens=128, seq_len=32, seed=seed, progress=False)
+    return model, artifact
+
+
+def logits_of(model, ids, mask=None):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+
+def generate(model, ids, mask=None, **kwargs):
+    settings = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
+    settings.update(kwargs)
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=mask, **settings)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("method", METHODS)
+def test_full_rank_matches_the_original_model(family, method):
+    generator, rng, replay = case_generator(f"full_rank_{method}", FAMILIES.index(family))
+    model, artifact = calibrated(family, rng.randrange(1000))
+    ids = torch.randint(1, model.config.vocab_size, (2, rng.randrange(5, 30)), generator=generator)
+    expected_logits = logits_of(model, ids)
+    expected_tokens = generate(model, ids)
+    allocation = hf.compress(model, artifact, removal_rate=0.0, method=method)
+    assert allocation.compression_rate == 0.0
+    modules = [layer.self_attn for layer in model.get_decoder().layers]
+    assert all(isinstance(m, FDCAttention if method == "fdc" else PaluAttention) for m in modules)
+    actual = logits_of(model, ids)
+    torch.testing.assert_close(actual, expected_logits, rtol=1e-4, atol=1e-4 * expected_logits.abs().max().item(),
+                               msg=replay)
+    assert torch.equal(generate(model, ids), expected_tokens), replay
+    hf.restore(model)
+    assert torch.equal(logits_of(model, ids), expected_logits)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_left_padded_batch_generates_what_each_prompt_generates_alone(method):
+    generator, rng, replay = case_generator(f"left_padding_{method}", 0)
+    family = rng.choice(FAMILIES)
+    model, artifact = calibrated(family, rng.randrange(1000))
+    lengths = [rng.randrange(3, 20) for _ in range(3)]
+    width = max(lengths)
+    ids = torch.zeros(3, width, dtype=torch.long)
+    mask = torch.zeros(3, width, dtype=torch.long)
+    prompts = [torch.randint(1, model.config.vocab_size, (n,), generator=generator) for n in lengths]
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = prompt
+        mask[row, width - len(prompt):] = 1
+    expected = generate(model, ids, mask)
+    hf.compress(model, artifact, removal_rate=0.0, method=method)
+    batched = generate(model, ids, mask)
+    assert torch.equal(batched, expected), f"{family}: {replay}"
+    for row, prompt in enumerate(prompts):  # the compact cache makes padding invisible
+        alone = generate(model, prompt[None])
+        assert torch.equal(alone[0, len(prompt):], batched[row, width:]), f"{family} row {row}: {replay}"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_sampling_and_beam_search_match_the_original(method):
+    generator, rng, replay = case_generator(f"sampling_{method}", 0)
+    family = rng.choice(FAMILIES)
+    model, artifact = calibrated(family, rng.randrange(1000))
+    ids = torch.randint(1, model.config.vocab_size, (2, rng.randrange(4, 16)), generator=generator)
+    seed = rng.randrange(10**6)
+    torch.manual_seed(seed)
+    sampled = generate(model, ids, do_sample=True, top_k=0, temperature=1.0)
+    beams = generate(model, ids, num_beams=3, max_new_tokens=6)
+    hf.compress(model, artifact, removal_rate=0.0, method=method)
+    torch.manual_seed(seed)
+    assert torch.equal(generate(model, ids, do_sample=True, top_k=0, temperature=1.0), sampled), f"{family} {replay}"
+    assert torch.equal(generate(model, ids, num_beams=3, max_new_tokens=6), beams), f"{family} {replay}"
+
+
+def low_rank_model(seed: int, qk_dims: list[list[int]], v_dims: list[list[int]]):
+    """A Llama whose post-RoPE Q/K of KV head j live in qk_dims[l][j] dims (whole RoPE pairs, so every position
+    rotates them within the same span) and whose W_V(j) has rank v_dims[l][j]: compressing to exactly those widths
+    loses nothing."""
+    model = tiny_model("llama", seed=seed, head_dim=32, attention_bias=False)
+    D, half = 32, 16
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer, attention in enumerate(layer.self_attn for layer in model.get_decoder().layers):
+            q = attention.q_proj.weight.view(-1, D, attention.q_proj.weight.shape[1])  # (H, D, hidden)
+            k = attention.k_proj.weight.view(-1, D, attention.k_proj.weight.shape[1])
+            v = attention.v_proj.weight.view(-1, D, attention.v_proj.weight.shape[1])
+            group = q.shape[0] // k.shape[0]
+            for j in range(k.shape[0]):
+                pairs = torch.randperm(half, generator=generator)[: qk_dims[layer][j] // 2]
+                keep = torch.zeros(D, dtype=torch.bool)
+                keep[pairs], keep[pairs + half] = True, True
+                k[j, ~keep] = 0
+                q[j * group:(j + 1) * group, ~keep] = 0
+                rank = v_dims[layer][j]
+                v[j] = torch.randn(D, rank, generator=generator) @ torch.randn(rank, v.shape[2], generator=generator) / 8
+    return model
+
+
+def test_heads_of_different_widths_reproduce_an_exactly_low_rank_model():
+    generator, rng, replay = case_generator("low_rank", 0)
+    qk_dims = [[8, 24], [16, 8]]
+    v_dims = [[16, 8], [24, 16]]
+    model = low_rank_model(rng.randrange(1000), qk_dims, v_dims)
+    artifact = calibration.calibrate(model, num_tokens=256, seq_len=64, seed=1, progress=False)
+    ids = torch.randint(1, model.config.vocab_size, (2, 40), generator=generator)
+    expected = logits_of(model, ids)
+    expected_tokens = generate(model, ids)
+    allocation = hf.compress(model, artifact, qk_dims=qk_dims, v_dims=v_dims)
+    assert allocation.compression_rate == pytest.approx(1 - (8 + 24 + 16 + 8 + 16 + 8 + 24 + 16) / (2 * 2 * 2 * 32))
+    torch.testing.assert_close(logits_of(model, ids), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item(),
+                               msg=replay)
+    assert torch.equal(generate(model, ids), expected_tokens), replay
+    hf.restore(model)
+    hf.compress(model, artifact, qk_dims=[[8, 16], [16, 8]], v_dims=v_dims)  # one head now misses dims it needs
+    assert not torch.allclose(logits_of(model, ids), expected, atol=1e-3)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_kv_cache_nbytes_is_the_allocated_widths_times_tokens(method):
+    generator, rng, replay = case_generator(f"nbytes_{method}", 0)
+    family = rng.choice(FAMILIES)
+    model, artifact = calibrated(family, rng.randrange(1000))
+    ids = torch.randint(1, model.config.vocab_size, (3, rng.randrange(4, 30)), generator=generator)
+    new_tokens = rng.randrange(2, 80)  # past the initial capacity sometimes: the buffers grow
+    full_cache = transformers.DynamicCache()
+    generate(model, ids, past_key_values=full_cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    full_bytes = hf.kv_cache_nbytes(full_cache)
+    allocation = hf.compress(model, artifact, removal_rate=0.3, method=method)
+    assert allocation.compression_rate > 0
+    cache = transformers.DynamicCache()
+    generate(model, ids, past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    assert all(isinstance(layer, CompressedKVLayer) for layer in cache.layers)
+    tokens = 3 * (ids.shape[1] + new_tokens - 1)  # the last generated token is never fed back
+    width = int(allocation.qk_dims.sum() + allocation.v_dims.sum())
+    assert hf.kv_cache_nbytes(cache) == tokens * width * 4, f"{family}: {replay}"
+    assert hf.kv_cache_nbytes(cache) == pytest.approx(full_bytes * (1 - allocation.compression_rate))
+    assert hf.kv_cache_nbytes(cache, allocated=True) >= hf.kv_cache_nbytes(cache)
+    assert cache.get_seq_length() == ids.shape[1] + new_tokens - 1
+
+
+def test_compress_rejects_bad_requests():
+    model, artifact = calibrated("llama", 0)
+    with pytest.raises(ValueError, match="exactly one of"):
+        hf.compress(model, artifact)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        hf.compress(model, artifact, qk_dims=[[8, 12], [8, 8]], v_dims=[[8, 8], [8, 8]])
+    with pytest.raises(ValueError, match="shape"):
+        hf.compress(model, artifact, qk_dims=[[8, 8]], v_dims=[[8, 8]])
+    with pytest.raises(ValueError, match="method"):
+        hf.compress(model, artifact, removal_rate=0.1, method="svd")
+    with pytest.raises(calibration.ArtifactError):
+        hf.compress(tiny_model("llama", seed=1), artifact, removal_rate=0.1)
+    with pytest.raises(ValueError, match="not compressed"):
+        hf.restore(model)
+    hf.compress(model, artifact, removal_rate=0.1)
+    with pytest.raises(ValueError, match="already compressed"):
+        hf.compress(model, artifact, removal_rate=0.1)
+    windowed = tiny_model("mistral", sliding_window=16)
+    with pytest.raises(NotImplementedError, match="sliding"):
+        hf.compress(windowed, calibration.calibrate(windowed, num_tokens=32, seq_len=16, progress=False),
+                    removal_rate=0.1)
