@@ -293,16 +293,22 @@ class FDCArtifact:
     def shape(self) -> AttentionShape:
         return AttentionShape(**self.metadata["shape"])
 
-    def allocate(self, removal_rate: float, multiple: int = 8, weighting: str = "singular_value") -> RankAllocation:
+    def allocate(self, removal_rate: float, multiple: int = 8, weighting: str = "singular_value",
+                 method: str = "fdc") -> RankAllocation:
         """Per-layer, per-KV-head qk and v dims at one shared singular-value removal rate (paper section 5.2).
-        ``weighting="explained_variance"`` applies the same rule to s^2 (for comparison)."""
+        ``weighting="explained_variance"`` applies the same rule to s^2 (for comparison). ``method="palu"`` sizes
+        the qk dims from the pre-RoPE key spectrum (the widths of the Palu baseline's key latent)."""
         powers = {"singular_value": 1.0, "explained_variance": 2.0}
         if weighting not in powers:
             raise ValueError(f"fdc_ops: weighting must be one of {sorted(powers)}, got {weighting!r}")
+        qk_values = {"fdc": self.qk_singular_values, "palu": self.key_singular_values}.get(method)
+        if qk_values is None:
+            raise ValueError(f"fdc_ops: method must be 'fdc' or 'palu', got {method!r}")
         power = powers[weighting]
-        return RankAllocation(kept_dims(self.qk_singular_values, removal_rate, multiple, power),
+        name = weighting if method == "fdc" else f"palu {weighting}"
+        return RankAllocation(kept_dims(qk_values, removal_rate, multiple, power),
                               kept_dims(self.v_singular_values, removal_rate, multiple, power),
-                              self.shape.head_dim, weighting, removal_rate)
+                              self.shape.head_dim, name, removal_rate)
 
     def check_model(self, model) -> None:
         """Raises ArtifactError unless the artifact was calibrated on this model (same config and weights)."""

@@ -31,13 +31,7 @@ def _allocation(artifact: FDCArtifact, method: str, removal_rate, allocation, qk
     if sum(given) != 1:
         raise ValueError("fdc_ops.hf.compress: give exactly one of removal_rate, allocation, or qk_dims and v_dims")
     if removal_rate is not None:
-        if method == "fdc":
-            allocation = artifact.allocate(removal_rate, weighting=weighting)
-        else:
-            power = {"singular_value": 1.0, "explained_variance": 2.0}[weighting]
-            allocation = RankAllocation(calibration.kept_dims(artifact.key_singular_values, removal_rate, power=power),
-                                        calibration.kept_dims(artifact.v_singular_values, removal_rate, power=power),
-                                        shape.head_dim, f"palu {weighting}", removal_rate)
+        allocation = artifact.allocate(removal_rate, weighting=weighting, method=method)
         return allocation.uniform() if uniform else allocation
     if allocation is None:
         if qk_dims is None or v_dims is None:
@@ -53,10 +47,6 @@ def _allocation(artifact: FDCArtifact, method: str, removal_rate, allocation, qk
             raise ValueError(f"fdc_ops.hf.compress: every entry of {name} must be a positive multiple of 8 of at "
                              f"most head_dim {shape.head_dim}, got {dims.tolist()}")
     return allocation.uniform() if uniform else allocation
-
-
-def _offsets(dims: torch.Tensor) -> torch.Tensor:
-    return torch.cat([dims.new_zeros(1), dims.cumsum(0)]).to(torch.int32).cpu()
 
 
 def _check_sliding_window(model) -> None:
@@ -92,6 +82,7 @@ def compress(model, artifact: FDCArtifact, removal_rate: float | None = None, *,
         weights = models.attention_weights(original, shape)
         dtype, device = weights.q_weight.dtype, weights.q_weight.device
         qk_dims_l, v_dims_l = allocation.qk_dims[layer], allocation.v_dims[layer]
+        qk_offsets, v_offsets = allocation.offsets(layer)
         v_basis = artifact.v_basis[layer].to(device)
         value_weight = calibration.fold_value_projection(weights.v_weight.detach(), v_basis, v_dims_l.tolist())
         output_weight = calibration.fold_output_projection(weights.o_weight.detach(), v_basis, v_dims_l.tolist(), G)
@@ -101,12 +92,12 @@ def compress(model, artifact: FDCArtifact, removal_rate: float | None = None, *,
             output_bias = folded if output_bias is None else output_bias + folded
         common = dict(original=original, layer=layer, num_heads=H, num_kv_heads=Hkv, head_dim=D,
                       q_weight=weights.q_weight.detach(), q_bias=_detach(weights.q_bias), value_weight=value_weight,
-                      output_weight=output_weight, output_bias=output_bias, v_offsets=_offsets(v_dims_l),
+                      output_weight=output_weight, output_bias=output_bias, v_offsets=v_offsets,
                       padding=padding)
         if method == "fdc":
             rotation = artifact.qk_rotation[layer, :, :, : int(qk_dims_l.max())].to(device, dtype)
             module = FDCAttention(**common, k_weight=weights.k_weight.detach(), k_bias=_detach(weights.k_bias),
-                                  rotation=rotation, qk_offsets=_offsets(qk_dims_l))
+                                  rotation=rotation, qk_offsets=qk_offsets)
         else:
             basis = artifact.key_basis[layer].to(device, torch.float64)  # (H_kv, D, D)
             k_weight = weights.k_weight.detach().to(torch.float64).view(Hkv, D, -1)
@@ -117,7 +108,7 @@ def compress(model, artifact: FDCArtifact, removal_rate: float | None = None, *,
                 latent_bias = torch.cat([basis[j, :, : int(qk_dims_l[j])].T @ k_bias[j] for j in range(Hkv)])
                 latent_bias = latent_bias.to(dtype)
             module = PaluAttention(**common, latent_weight=latent_weight.to(dtype), latent_bias=latent_bias,
-                                   key_basis=basis, latent_offsets=_offsets(qk_dims_l), rotary=decoder.rotary_emb)
+                                   key_basis=basis, latent_offsets=qk_offsets, rotary=decoder.rotary_emb)
         decoder.layers[layer].self_attn = module.to(device)
 
     def record_mask(_module, args, kwargs):

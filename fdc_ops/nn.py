@@ -324,10 +324,10 @@ class PaluAttention(_CompressedAttentionBase):
             k_rows = self._keys(latent, compact.clamp_min(0))[valid]
             out = _attend(self, q_rows, k_rows, v_rows, counts, S, None)
         else:
-            def keys_from_cache(layer):
-                capacity = layer.k_cache.shape[1]
-                positions = torch.arange(capacity, device=latent.device)[None, :].expand(B, -1)
-                return self._keys(layer.k_cache, positions).contiguous(), layer.v_cache
+            def keys_from_cache(layer):  # rebuilds the rows in use only, not the spare capacity
+                used = int(layer.lengths.max())
+                positions = torch.arange(used, device=latent.device)[None, :].expand(B, -1)
+                return self._keys(layer.k_cache[:, :used], positions).contiguous(), layer.v_cache[:, :used]
 
             out = _attend(self, q_rows, latent_rows, v_rows, counts, S, cache, keys_from_cache=keys_from_cache)
         o = out.new_zeros(B, S, out.shape[1])
