@@ -145,7 +145,9 @@ def test_kv_cache_nbytes_is_the_allocated_widths_times_tokens(method):
     full_cache = transformers.DynamicCache()
     generate(model, ids, past_key_values=full_cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
     full_bytes = hf.kv_cache_nbytes(full_cache)
-    allocation = hf.compress(model, artifact, removal_rate=0.3, method=method)
+    dims = [[rng.choice([8, 16]) for _ in range(2)] for _ in range(2)]
+    dims[rng.randrange(2)][rng.randrange(2)] = 8  # at least one head narrower than head_dim 16
+    allocation = hf.compress(model, artifact, qk_dims=dims, v_dims=dims[::-1], method=method)
     assert allocation.compression_rate > 0
     cache = transformers.DynamicCache()
     generate(model, ids, past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
