@@ -9,6 +9,7 @@
 #include <optional>
 
 #include "checks.h"
+#include "dispatch.h"
 
 // Hot float loops are compiled twice, for x86-64-v3 (AVX2+FMA) and for the baseline x86-64, and picked when the library loads
 // (GCC function multi-versioning): the wheel stays runnable on any x86-64 while current CPUs get 8-wide FMA.
@@ -32,10 +33,3 @@ inline float to_float(c10::Half x) { return static_cast<float>(x); }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
 }  // namespace fdc::cpu
-
-// Dispatch over the three activation dtypes; anything else was rejected by checks.h before.
-// Its default case raises with the dtype it could not handle.
-#define FDC_DISPATCH_FLOAT_TYPES(TYPE, NAME, ...)                                                  \
-  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)                         \
-                                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)                      \
-                                         AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
