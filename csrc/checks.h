@@ -14,6 +14,7 @@
 
 #include "fdc/common.h"
 #include "fdc/decode_plan.h"
+#include "fdc/decode_plan_device.h"
 #include "fdc/head_layout.h"
 #include "fdc/prefill_plan.h"
 
@@ -169,6 +170,24 @@ inline std::vector<int32_t> read_cache_seqlens(const char* op, const at::Tensor&
 
 inline void check_scale(const char* op, double scale) {
   FDC_CHECK(std::isfinite(scale) && scale > 0, op, "scale must be a positive finite number but got ", scale);
+}
+
+// A tensor a CUDA kernel reads in device memory.
+inline void check_cuda_tensor(const char* op, const char* name, const at::Tensor& t) {
+  FDC_CHECK(t.is_cuda(), op, name, " must be a CUDA tensor but is on ", t.device());
+}
+
+// The device decode planner's limits (include/fdc/decode_plan_device.h): the KV heads' d_sum travel in kernel
+// parameters, the worker loads in one warp's registers, task indices in 23 bits of a sort key.
+inline void check_device_decode_plan(const char* op, int64_t batch, int64_t num_kv_heads, int64_t num_workers) {
+  FDC_CHECK(num_kv_heads <= kMaxDevicePlanHeads, op, "qk_offsets must describe at most ", kMaxDevicePlanHeads,
+            " KV heads on CUDA but describes ", num_kv_heads);
+  FDC_CHECK(num_workers <= kMaxDeviceWorkers, op, "num_workers must be at most ", kMaxDeviceWorkers,
+            " on CUDA but got ", num_workers);
+  const int64_t capacity = decode_plan_capacity(batch, num_kv_heads, num_workers);
+  FDC_CHECK(capacity <= kMaxDevicePlanCapacity, op, "cache_seqlens is too long on CUDA: B * H_kv + ",
+            kChunksPerWorker, " * num_workers must be at most ", kMaxDevicePlanCapacity, " but is ", capacity,
+            " (B=", batch, ", H_kv=", num_kv_heads, ", num_workers=", num_workers, ")");
 }
 
 inline int32_t read_num_workers(const char* op, std::optional<int64_t> num_workers, int64_t backend_default) {

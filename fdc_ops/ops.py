@@ -144,15 +144,24 @@ def decode_plan(
 ) -> torch.Tensor:
     """The decode schedule: (request, KV head, KV chunk) tasks, long sequences split, greedy LPT over workers.
 
+    On CUDA the plan is built on the device by one kernel launch on the current stream, with no host
+    synchronisation and no host read of ``cache_seqlens``, so it can be captured in a CUDA graph and replayed after
+    the lengths change in place; it equals the CPU plan integer for integer. Since the lengths are not checked on
+    the host there, a negative length gives a plan whose status entry (``plan[7]``) is ``Status::kBadSeqlens``
+    (2) with no tasks, which the attention op turns into NaN outputs; the CPU op raises instead and always writes
+    status 0. The CUDA planner takes at most 1024 KV heads, 1024 workers and ``B * H_kv + 3 * num_workers``
+    up to 2**23.
+
     Args:
-        cache_seqlens: ``(B,)`` int32 cache lengths.
+        cache_seqlens: ``(B,)`` int32 cache lengths, on the device whose plan is wanted.
         qk_offsets, v_offsets: ``(H_kv + 1,)`` int32 CPU prefix sums of the head widths.
         group: query heads per KV head.
-        num_workers: workers to balance over; default the backend's (CPU: intra-op threads).
+        num_workers: workers to balance over; default the backend's (CPU: intra-op threads, CUDA: SMs).
 
     Returns:
-        int32 ``(decode_plan_size(B, H_kv, num_workers),)``: see include/fdc/decode_plan.h. Its size depends on
-        shapes only, so a decode step with its plan can be captured in a CUDA graph.
+        int32 ``(decode_plan_size(B, H_kv, num_workers),)`` on ``cache_seqlens``' device: see
+        include/fdc/decode_plan.h. Its size depends on shapes only, so a decode step with its plan can be captured
+        in a CUDA graph.
     """
     return torch.ops.fdc.decode_plan(cache_seqlens, qk_offsets, v_offsets, group, num_workers)
 

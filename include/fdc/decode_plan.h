@@ -17,7 +17,12 @@
 // and <= total / N + the largest task.
 //
 // Plan format (int32, decode_plan_size() entries):
-//   [0] kDecodePlanTag  [1] B  [2] H_kv  [3] N  [4] capacity  [5] num_tasks  [6] group  [7] reserved (0)
+//   [0] kDecodePlanTag  [1] B  [2] H_kv  [3] N  [4] capacity  [5] num_tasks  [6] group  [7] status
+//   status is a Status code, 0 (kOk) for a usable plan; the host planner always writes 0 (it reports errors to its
+//   caller instead). The device planner (csrc/cuda/decode_plan.cu) cannot report to the host without a
+//   synchronisation, so on bad input it writes a plan that says so: kBadSeqlens when a cache length is negative,
+//   kCapacityExceeded if the chunk count ever exceeded the capacity (the bound below says it cannot); such a plan
+//   has num_tasks = 0, all offsets 0 and all records -1, and the attention kernels turn it into NaN outputs.
 //   split_offsets[B*H_kv + 1]   from kDecodeHeader: chunks of (b, j) are split ids split_offsets[b*H_kv + j] ...
 //                               split_offsets[b*H_kv + j + 1] - 1; one chunk means no merge is needed, zero chunks
 //                               (an empty request) means the output is zero.
@@ -46,6 +51,16 @@ constexpr int64_t kChunksPerWorker = 3;
 constexpr int64_t kMinChunk = 256;
 // Chunk lengths are multiples of 16 keys, the key tile of a tensor-core (m16n8k16) product.
 constexpr int64_t kChunkAlign = 16;
+
+// The largest cost a chunk should have: total / (kChunksPerWorker * N), rounded up, at least 1.
+FDC_HOST_DEVICE inline int64_t decode_chunk_target(int64_t total, int32_t num_workers) {
+  return max64(1, ceil_div(total, kChunksPerWorker * num_workers));
+}
+
+// Keys per chunk of a KV head with the given d_sum: enough to reach the target, aligned, at least kMinChunk.
+FDC_HOST_DEVICE inline int64_t decode_chunk_len(int64_t target, int64_t d_sum) {
+  return max64(kMinChunk, round_up(ceil_div(target, d_sum), kChunkAlign));
+}
 
 FDC_HOST_DEVICE inline int64_t decode_plan_capacity(int64_t batch, int64_t num_kv_heads, int64_t num_workers) {
   return batch * num_kv_heads + kChunksPerWorker * num_workers;
@@ -100,7 +115,7 @@ FDC_HOST_DEVICE inline Status build_decode_plan(const int32_t* seqlens, int32_t 
     if (seqlens[b] < 0) return Status::kBadSeqlens;
     for (int32_t j = 0; j < hkv; ++j) total += int64_t(seqlens[b]) * layout.d_sum(j);
   }
-  const int64_t target = max64(1, ceil_div(total, kChunksPerWorker * num_workers));
+  const int64_t target = decode_chunk_target(total, num_workers);
 
   plan[0] = kDecodePlanTag;
   plan[1] = batch;
@@ -118,7 +133,7 @@ FDC_HOST_DEVICE inline Status build_decode_plan(const int32_t* seqlens, int32_t 
   for (int32_t b = 0; b < batch; ++b) {
     for (int32_t j = 0; j < hkv; ++j) {
       const int64_t d_sum = layout.d_sum(j);
-      const int64_t chunk_len = max64(kMinChunk, round_up(ceil_div(target, d_sum), kChunkAlign));
+      const int64_t chunk_len = decode_chunk_len(target, d_sum);
       const int64_t chunks = ceil_div(seqlens[b], chunk_len);
       if (n + chunks > cap) return Status::kCapacityExceeded;
       for (int64_t c = 0; c < chunks; ++c) {

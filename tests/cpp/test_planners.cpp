@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "fdc/decode_plan.h"
+#include "fdc/decode_plan_device.h"
 #include "fdc/head_layout.h"
 #include "fdc/lpt.h"
 #include "fdc/prefill_plan.h"
@@ -318,6 +319,151 @@ void test_building_blocks(std::mt19937& rng) {
         "rescaling to a larger max");
 }
 
+// The device planner's formulation (include/fdc/decode_plan_device.h, csrc/cuda/decode_plan.cu) run sequentially
+// with the same helpers: chunk counts and their scan, task keys, the bitonic network, worker keys with rebasing,
+// ranks per worker, records recomputed from the split offsets. Returns the plan; *rebases counts load rebasings.
+std::vector<int32_t> device_formulation_plan(const Layout& layout, const std::vector<int32_t>& lens, int32_t workers,
+                                             int* rebases) {
+  const fdc::HeadLayoutView view = layout.view();
+  const int32_t batch = static_cast<int32_t>(lens.size());
+  const int32_t hkv = view.num_kv_heads;
+  const int32_t pairs = batch * hkv;
+  const int64_t capacity = fdc::decode_plan_capacity(batch, hkv, workers);
+  std::vector<int16_t> d_sum(hkv);
+  int64_t d_sum_total = 0, length_total = 0;
+  for (int32_t j = 0; j < hkv; ++j) {
+    d_sum[j] = static_cast<int16_t>(view.d_sum(j));
+    d_sum_total += d_sum[j];
+  }
+  for (int32_t s : lens) length_total += s;
+  const int64_t target = fdc::decode_chunk_target(length_total * d_sum_total, workers);
+
+  std::vector<int32_t> plan(fdc::decode_plan_size(batch, hkv, workers), 12345);
+  int32_t* split = plan.data() + fdc::kDecodeHeader;
+  int32_t* worker_offsets = split + pairs + 1;
+  int32_t* records = worker_offsets + workers + 1;
+  split[0] = 0;
+  for (int32_t p = 0; p < pairs; ++p)
+    split[p + 1] = split[p] + static_cast<int32_t>(fdc::ceil_div(lens[p / hkv],
+                                                                 fdc::decode_chunk_len(target, d_sum[p % hkv])));
+  const int32_t n = split[pairs];
+  CHECK(n <= capacity, "device formulation: %d tasks over capacity %lld", n, static_cast<long long>(capacity));
+  const int32_t header[fdc::kDecodeHeader] = {fdc::kDecodePlanTag, batch, hkv, workers, static_cast<int32_t>(capacity),
+                                              n, view.group, 0};
+  std::copy(header, header + fdc::kDecodeHeader, plan.begin());
+
+  const int64_t size = n > 0 ? fdc::next_pow2(n) : 0;
+  std::vector<uint64_t> keys(size, fdc::kPaddingTaskKey);
+  for (int32_t t = 0; t < n; ++t)
+    keys[t] = fdc::pack_task_key(fdc::decode_task(t, split, lens.data(), batch, hkv, d_sum.data(), target).cost, t);
+  for (int64_t span = 2; span <= size; span *= 2)
+    for (int64_t stride = span / 2; stride > 0; stride /= 2)
+      for (int64_t c = 0; c < size / 2; ++c) fdc::bitonic_compare_swap(keys.data(), c, stride, span);
+
+  std::vector<uint64_t> worker_key(workers);
+  std::vector<int32_t> count(workers, 0), placement(2 * int64_t(n));
+  const int32_t first = std::min(n, workers);
+  for (int32_t w = 0; w < workers; ++w) {
+    worker_key[w] = fdc::pack_worker_key(w < first ? fdc::task_key_cost(keys[w]) : 0, w);
+    if (w < first) {
+      count[w] = 1;
+      placement[2 * w] = w;
+      placement[2 * w + 1] = 0;
+    }
+  }
+  *rebases = 0;
+  for (int32_t i = first; i < n; ++i) {
+    const uint64_t best = *std::min_element(worker_key.begin(), worker_key.end());
+    const int32_t w = fdc::worker_key_index(best);
+    worker_key[w] += uint64_t(fdc::task_key_cost(keys[i])) << fdc::kWorkerBits;
+    placement[2 * i] = w;
+    placement[2 * i + 1] = count[w]++;
+    const uint64_t base = fdc::worker_key_load(best);
+    if (base >= fdc::kRebaseLoad) {
+      ++*rebases;
+      for (uint64_t& key : worker_key) key -= base << fdc::kWorkerBits;
+    }
+  }
+  worker_offsets[0] = 0;
+  for (int32_t w = 0; w < workers; ++w) worker_offsets[w + 1] = worker_offsets[w] + count[w];
+  for (int32_t i = 0; i < n; ++i) {
+    const fdc::DecodeTask task =
+        fdc::decode_task(fdc::task_key_index(keys[i]), split, lens.data(), batch, hkv, d_sum.data(), target);
+    int32_t* record = records + 4 * int64_t(worker_offsets[placement[2 * i]] + placement[2 * i + 1]);
+    record[0] = task.pair;
+    record[1] = task.chunk;
+    record[2] = task.kv_start;
+    record[3] = task.kv_end;
+  }
+  for (int64_t i = 4 * int64_t(n); i < 4 * capacity; ++i) records[i] = -1;
+  return plan;
+}
+
+// The device formulation gives the host planner's plan integer for integer. Returns the rebase count.
+int test_device_formulation(const Layout& layout, const std::vector<int32_t>& lens, int32_t workers) {
+  const int32_t batch = static_cast<int32_t>(lens.size());
+  const int32_t hkv = static_cast<int32_t>(layout.qk.size()) - 1;
+  std::vector<int32_t> host(fdc::decode_plan_size(batch, hkv, workers), 12345);
+  std::vector<int64_t> ws(fdc::ceil_div(fdc::decode_plan_workspace_bytes(batch, hkv, workers), 8));
+  const fdc::Status status = fdc::build_decode_plan(lens.data(), batch, layout.view(), workers, host.data(), ws.data());
+  CHECK(status == fdc::Status::kOk, "decode status %d", static_cast<int>(status));
+  int rebases = 0;
+  const std::vector<int32_t> device = device_formulation_plan(layout, lens, workers, &rebases);
+  size_t first_difference = 0;
+  while (first_difference < host.size() && host[first_difference] == device[first_difference]) ++first_difference;
+  CHECK(first_difference == host.size(), "device formulation differs from the host plan at entry %zu of %zu (B=%d, "
+        "H_kv=%d, N=%d)", first_difference, host.size(), batch, hkv, workers);
+  return rebases;
+}
+
+// Task keys order by cost descending, then index ascending, and decode back; padding sorts last; worker keys order
+// by load, then index; the bitonic network sorts like std::sort.
+void test_device_keys(std::mt19937& rng) {
+  const int64_t max_cost = int64_t(INT32_MAX) * (2 * fdc::kMaxHeadDim + 1);
+  const int32_t max_index = int32_t(fdc::kMaxDevicePlanCapacity - 1);
+  const int64_t costs[] = {1, 2, 17, 1000, max_cost - 1, max_cost};
+  const int32_t indices[] = {0, 1, 5, max_index - 1, max_index};
+  for (int64_t c1 : costs)
+    for (int32_t i1 : indices) {
+      const uint64_t k1 = fdc::pack_task_key(c1, i1);
+      CHECK(fdc::task_key_cost(k1) == c1 && fdc::task_key_index(k1) == i1, "task key round trip");
+      CHECK(k1 < fdc::kPaddingTaskKey, "padding above every task key");
+      for (int64_t c2 : costs)
+        for (int32_t i2 : indices) {
+          const bool before = c1 > c2 || (c1 == c2 && i1 < i2);
+          CHECK((k1 < fdc::pack_task_key(c2, i2)) == before, "task key order (%lld, %d) vs (%lld, %d)",
+                static_cast<long long>(c1), i1, static_cast<long long>(c2), i2);
+        }
+    }
+  const uint64_t loads[] = {0, 1, fdc::kRebaseLoad, uint64_t(1) << 44};
+  const int32_t workers[] = {0, 1, fdc::kMaxDeviceWorkers - 1};
+  for (uint64_t l1 : loads)
+    for (int32_t w1 : workers) {
+      const uint64_t k1 = fdc::pack_worker_key(l1, w1);
+      CHECK(fdc::worker_key_load(k1) == l1 && fdc::worker_key_index(k1) == w1, "worker key round trip");
+      CHECK(k1 < fdc::kNoWorkerKey, "absent workers above every worker key");
+      for (uint64_t l2 : loads)
+        for (int32_t w2 : workers)
+          CHECK((k1 < fdc::pack_worker_key(l2, w2)) == (l1 < l2 || (l1 == l2 && w1 < w2)), "worker key order");
+    }
+  for (int trial = 0; trial < 200; ++trial) {
+    const int64_t size = int64_t(1) << (rng() % 12);
+    std::vector<uint64_t> keys(size);
+    for (auto& k : keys) k = rng() % (trial % 2 ? 8 : 1000000);  // odd trials: many equal keys
+    std::vector<uint64_t> expected = keys;
+    std::sort(expected.begin(), expected.end());
+    for (int64_t span = 2; span <= size; span *= 2)
+      for (int64_t stride = span / 2; stride > 0; stride /= 2)
+        for (int64_t c = 0; c < size / 2; ++c) fdc::bitonic_compare_swap(keys.data(), c, stride, span);
+    CHECK(keys == expected, "bitonic network of size %lld does not sort", static_cast<long long>(size));
+  }
+  const int32_t offsets[] = {0, 0, 3, 3, 3, 7, 8};  // pairs 0, 2, 3 are empty
+  const int32_t owner[] = {1, 1, 1, 4, 4, 4, 4, 5};
+  for (int32_t t = 0; t < 8; ++t)
+    CHECK(fdc::decode_task_pair(offsets, 6, t) == owner[t], "task %d belongs to pair %d, not %d", t, owner[t],
+          fdc::decode_task_pair(offsets, 6, t));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -332,6 +478,17 @@ int main(int argc, char** argv) {
   test_decode_plan(fixed, {0, 0, 0}, 3);                             // only empty requests
   test_decode_plan(fixed, {100000, 3, 1, 7, 0, 2}, 16);              // one huge request among short ones
   test_decode_plan(fixed, {5000}, 1);                                // one worker
+  test_device_keys(rng);
+  test_device_formulation(fixed, {}, 4);
+  test_device_formulation(fixed, {0, 0, 0}, 3);
+  test_device_formulation(fixed, {100000, 3, 1, 7, 0, 2}, 16);
+  {
+    // Lengths near INT32_MAX on one worker: loads pass kRebaseLoad, so the rebasing path runs.
+    const Layout wide{{0, 256, 512}, {0, 256, 512}, 1};
+    const std::vector<int32_t> huge(6, INT32_MAX - 5);
+    CHECK(test_device_formulation(wide, huge, 1) > 0, "the huge-length case did not rebase");
+    CHECK(test_device_formulation(wide, huge, 2) > 0, "the huge-length case did not rebase");
+  }
   test_prefill_plan(fixed, {}, {}, true, 64, 4);
   test_prefill_plan(fixed, {0, 1, 17}, {0, 1, 17}, true, 64, 200);        // more workers than rows
   test_prefill_plan(fixed, {40, 300}, {10, 900}, true, 16, 7);            // s_q > s_k and s_q < s_k
@@ -359,6 +516,11 @@ int main(int argc, char** argv) {
     std::vector<int32_t> cache;
     for (int b = 0; b < batch; ++b) cache.push_back(lengths[rng() % 13]);
     test_decode_plan(layout, cache, workers(rng));
+    std::vector<int32_t> many(rng() % 300);
+    for (auto& s : many) s = coin(rng) ? lengths[rng() % 13] : lengths[rng() % 5];
+    if (!many.empty() && coin(rng)) many[rng() % many.size()] = 100000;
+    const int32_t device_workers[] = {1, 7, 132, 264, 1024};
+    test_device_formulation(layout, many, device_workers[rng() % 5]);
   }
   std::printf("%d failed checks\n", failures);
   return std::min(failures, 255);

@@ -1,0 +1,150 @@
+"""The device decode planner (csrc/cuda/decode_plan.cu) against the host one: the same plan integer for integer on
+fresh random configurations, inside a replayed CUDA graph, and the status entry for negative lengths. Needs a GPU
+and a build with the CUDA kernels; skipped otherwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import case_generator, random_layout, random_lengths
+from fdc_ops import ops
+
+HAS_CUDA_PLANNER = torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key(
+    "fdc::decode_plan", "CUDA")
+pytestmark = pytest.mark.skipif(not HAS_CUDA_PLANNER,
+                                reason="needs a CUDA device and fdc_ops built with its CUDA kernels")
+
+CASES = 200
+WORKER_COUNTS = (1, 7, 132, 264)
+STATUS_BAD_SEQLENS = 2  # fdc::Status::kBadSeqlens, include/fdc/common.h
+
+
+def plans(lengths: list[int], layout, workers: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU plan and the CUDA plan (copied back) of the same inputs."""
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    cpu = ops.decode_plan(seqlens, layout.qk_offsets, layout.v_offsets, layout.group, num_workers=workers)
+    cuda = ops.decode_plan(seqlens.cuda(), layout.qk_offsets, layout.v_offsets, layout.group, num_workers=workers)
+    assert cuda.device.type == "cuda" and cuda.dtype == torch.int32
+    return cpu, cuda.cpu()
+
+
+def assert_same_plan(cpu: torch.Tensor, cuda: torch.Tensor, what: str):
+    assert cpu.shape == cuda.shape, f"{what}: sizes {cpu.numel()} vs {cuda.numel()}"
+    differ = (cpu != cuda).nonzero()
+    assert differ.numel() == 0, (f"{what}: {differ.numel()} entries differ, first at {int(differ[0])}: "
+                                 f"cpu {int(cpu[differ[0]])} vs cuda {int(cuda[differ[0]])}")
+    assert torch.equal(cpu, cuda), what
+
+
+@pytest.mark.parametrize("case", range(CASES))
+def test_cuda_plan_equals_cpu_plan(case):
+    gen, rng, replay = case_generator("cuda_decode_plan", case)
+    layout = random_layout(rng)
+    batch = rng.choice([0, 1, 2, 5, 33, rng.randint(1, 256), 256])
+    lengths = random_lengths(rng, batch, choices=(0, 0, 1, 2, 15, 16, 17, 255, 256, 257, 1000, 4096, 30000))
+    if batch and rng.random() < 0.3:
+        lengths[rng.randrange(batch)] = 100_000  # one long request among many short ones: it gets split
+    workers = rng.choice(WORKER_COUNTS)
+    cpu, cuda = plans(lengths, layout, workers)
+    assert_same_plan(cpu, cuda, f"B={batch} H_kv={layout.num_kv_heads} N={workers} {replay}")
+
+
+@pytest.mark.parametrize("workers", WORKER_COUNTS + (33, 1024))
+def test_cuda_plan_equals_cpu_plan_edge_cases(workers):
+    _, rng, replay = case_generator("cuda_decode_plan_edges", workers)
+    layout = random_layout(rng)
+    cases = {
+        "empty batch": [],
+        "only empty requests": [0] * 9,
+        "one 100K request among short ones": [1, 0, 7, 100_000] + [rng.randint(0, 64) for _ in range(200)],
+        "equal lengths (all ties)": [512] * 64,
+        # Loads pass 2^42 on few workers, so the assignment rebases its relative loads.
+        "lengths near INT32_MAX": [2**31 - 7] * 8,
+    }
+    for what, lengths in cases.items():
+        cpu, cuda = plans(lengths, layout, workers)
+        assert_same_plan(cpu, cuda, f"{what}, N={workers} {replay}")
+
+
+def test_cuda_plan_sort_in_global_memory():
+    """More than 16K tasks: the bitonic sort's scratch exceeds shared memory and runs in the global workspace."""
+    _, rng, replay = case_generator("cuda_decode_plan_global", 0)
+    layout = random_layout(rng)
+    layout.qk_dims, layout.v_dims = [16] * 8, [8] * 8
+    lengths = random_lengths(rng, 2200, choices=(0, 1, 33, 257, 600))
+    cpu, cuda = plans(lengths, layout, 132)
+    assert_same_plan(cpu, cuda, f"B=2200 H_kv=8 N=132 {replay}")
+
+
+def test_cuda_plan_default_workers_are_the_sms():
+    _, rng, _ = case_generator("cuda_decode_plan_default", 0)
+    layout = random_layout(rng)
+    seqlens = torch.tensor(random_lengths(rng, 17), dtype=torch.int32)
+    plan = ops.decode_plan(seqlens.cuda(), layout.qk_offsets, layout.v_offsets, layout.group)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert int(plan[3]) == sms
+    cpu = ops.decode_plan(seqlens, layout.qk_offsets, layout.v_offsets, layout.group, num_workers=sms)
+    assert_same_plan(cpu, plan.cpu(), "default worker count")
+
+
+def test_cuda_plan_in_a_replayed_graph():
+    """The plan is built on the device from the lengths current at replay time: no host read, no sync."""
+    _, rng, replay = case_generator("cuda_decode_plan_graph", 0)
+    layout = random_layout(rng)
+    batch, workers = 48, 132
+    seqlens = torch.tensor(random_lengths(rng, batch), dtype=torch.int32, device="cuda")
+
+    def step():
+        return ops.decode_plan(seqlens, layout.qk_offsets, layout.v_offsets, layout.group, num_workers=workers)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up outside the capture, as torch.cuda.graphs asks
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan = step()
+    for round_ in range(4):
+        new = random_lengths(rng, batch, choices=(0, 1, 16, 300, 5000))
+        if round_ == 3:
+            new[0] = 100_000
+        seqlens.copy_(torch.tensor(new, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        cpu = ops.decode_plan(torch.tensor(new, dtype=torch.int32), layout.qk_offsets, layout.v_offsets,
+                              layout.group, num_workers=workers)
+        assert_same_plan(cpu, plan.cpu(), f"replay {round_} {replay}")
+
+
+@pytest.mark.parametrize("position", [0, 5, 99])
+def test_cuda_plan_negative_length_sets_status(position):
+    _, rng, _ = case_generator("cuda_decode_plan_negative", position)
+    layout = random_layout(rng)
+    lengths = random_lengths(rng, 100)
+    lengths[position] = -3
+    workers = 7
+    plan = ops.decode_plan(torch.tensor(lengths, dtype=torch.int32, device="cuda"), layout.qk_offsets,
+                           layout.v_offsets, layout.group, num_workers=workers).cpu()
+    assert plan.numel() == ops.decode_plan_size(100, layout.num_kv_heads, workers)
+    assert int(plan[7]) == STATUS_BAD_SEQLENS
+    assert int(plan[5]) == 0, "a failed plan has no tasks"
+    offsets_end = 8 + 100 * layout.num_kv_heads + 1 + workers + 1
+    assert (plan[8:offsets_end] == 0).all()
+    assert (plan[offsets_end:] == -1).all()
+    with pytest.raises(RuntimeError, match="cache_seqlens must be non-negative"):
+        ops.decode_plan(torch.tensor(lengths, dtype=torch.int32), layout.qk_offsets, layout.v_offsets, layout.group,
+                        num_workers=workers)
+
+
+def test_cuda_plan_host_checks():
+    layout_rng = case_generator("cuda_decode_plan_checks", 0)[1]
+    layout = random_layout(layout_rng)
+    seqlens = torch.ones(4, dtype=torch.int32, device="cuda")
+    with pytest.raises(RuntimeError, match="fdc::decode_plan: num_workers must be at most 1024 on CUDA"):
+        ops.decode_plan(seqlens, layout.qk_offsets, layout.v_offsets, layout.group, num_workers=1025)
+    with pytest.raises(RuntimeError, match="fdc::decode_plan: cache_seqlens must be int32"):
+        ops.decode_plan(seqlens.long(), layout.qk_offsets, layout.v_offsets, layout.group)
+    with pytest.raises(RuntimeError, match="fdc::decode_plan: qk_offsets must be a CPU tensor"):
+        ops.decode_plan(seqlens, layout.qk_offsets.cuda(), layout.v_offsets, layout.group)
