@@ -39,7 +39,7 @@ def assert_same_plan(cpu: torch.Tensor, cuda: torch.Tensor, what: str):
 
 @pytest.mark.parametrize("case", range(CASES))
 def test_cuda_plan_equals_cpu_plan(case):
-    gen, rng, replay = case_generator("cuda_decode_plan", case)
+    _, rng, replay = case_generator("cuda_decode_plan", case)
     layout = random_layout(rng)
     batch = rng.choice([0, 1, 2, 5, 33, rng.randint(1, 256), 256])
     lengths = random_lengths(rng, batch, choices=(0, 0, 1, 2, 15, 16, 17, 255, 256, 257, 1000, 4096, 30000))
