@@ -260,6 +260,17 @@ inline CacheShape check_cache(const char* op, const at::Tensor& k_cache, const a
   return shape;
 }
 
+// The CUDA kernels read caches in 16-byte packets: the data must start 16-byte aligned, and a contiguous cache's
+// request and row strides (a paged cache's page stride, when pages hold whole packets) must be multiples of 16 bytes.
+inline void check_vector_aligned(const char* op, const char* name, const at::Tensor& cache, bool paged) {
+  const int64_t packet = 16 / static_cast<int64_t>(cache.element_size());
+  const bool strides_ok = paged ? (cache.size(2) % packet != 0 || cache.stride(0) % packet == 0)
+                                : (cache.stride(0) % packet == 0 && cache.stride(1) % packet == 0);
+  FDC_CHECK(reinterpret_cast<uintptr_t>(cache.data_ptr()) % 16 == 0 && strides_ok, op, name,
+            " must start at a 16-byte aligned address with strides that are multiples of 16 bytes (", packet,
+            " elements) but got strides ", cache.strides(), " at offset ", cache.storage_offset());
+}
+
 // Block-table entries are read lazily by kernels; this checks the ones a sequence of length seqlen will touch.
 inline void check_block_table_entries(const char* op, const int32_t* row, int64_t batch_index, int64_t pages_used,
                                       int64_t num_pages) {
@@ -288,6 +299,8 @@ inline void check_decode_plan_header(const char* op, const int32_t* header, int6
   FDC_CHECK(header[1] == batch && header[2] == layout.num_kv_heads() && header[6] == layout.group, op,
             "plan was made for B=", header[1], ", H_kv=", header[2], ", group=", header[6], " but the inputs have B=",
             batch, ", H_kv=", layout.num_kv_heads(), ", group=", layout.group);
+  FDC_CHECK(header[7] == 0, op, "plan records a planner failure: ",
+            status_message(static_cast<Status>(header[7])));
   FDC_CHECK(header[3] >= 1 && plan_size == decode_plan_size(batch, layout.num_kv_heads(), header[3]), op,
             "plan has ", plan_size, " entries, which does not match its own header (", header[3], " workers)");
 }

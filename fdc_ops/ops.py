@@ -194,6 +194,15 @@ def decode_attention(
 
     Returns:
         ``(B, G * v_offsets[-1])``, dtype of ``q``.
+
+    On CUDA, ``cache_seqlens``, ``plan`` and ``block_table`` live on the GPU and are never read on the host, so a
+    decode step (plan + attention) can be captured in a CUDA graph; the plan is built on the GPU when None. The
+    host checks what shapes, dtypes and devices tell (including 16-byte alignment of the caches); what only the
+    values tell is checked by the kernels, which never read out of bounds and return NaN: for the whole output when
+    the plan's planner met a negative length (status entry ``plan[7]``) or the plan was made for other shapes; for
+    the (request, KV head) concerned when a plan record runs past its request's length or the cache capacity, or a
+    block-table entry lies outside ``[0, num_pages)``. A plan
+    made for other lengths of the same batch is not otherwise detected there: pass the plan of these lengths.
     """
     return torch.ops.fdc.decode_attention(
         q, k_cache, v_cache, cache_seqlens, qk_offsets, v_offsets, group, scale, plan, block_table
@@ -252,9 +261,16 @@ def _prefill_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, qk_offsets, v_o
     return q.new_empty((q.shape[0], group * v.shape[-1]))
 
 
+def _default_decode_workers(device: torch.device) -> int:
+    """The backends' default decode worker count: one per streaming multiprocessor on CUDA, intra-op threads on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return torch.get_num_threads()
+
+
 @torch.library.register_fake("fdc::decode_plan")
 def _decode_plan_fake(cache_seqlens, qk_offsets, v_offsets, group, num_workers=None):
-    workers = num_workers if num_workers is not None else torch.get_num_threads()
+    workers = num_workers if num_workers is not None else _default_decode_workers(cache_seqlens.device)
     size = decode_plan_size(cache_seqlens.shape[0], qk_offsets.shape[0] - 1, workers)
     return cache_seqlens.new_empty((size,), dtype=torch.int32)
 

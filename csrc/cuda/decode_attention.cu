@@ -1,0 +1,616 @@
+// fdc::decode_attention on CUDA: a persistent kernel that executes a decode plan (include/fdc/decode_plan.h), one
+// CTA per plan worker walking its task list, then a combine kernel that merges split chunks by log-sum-exp.
+//
+// A task is (request b, KV head j with its G query heads, keys [kv_start, kv_end)). The CTA streams the chunk's
+// K and V rows through shared memory in tiles of kTileKeys keys with cp.async (16-byte copies, the next tile in
+// flight while the current one is computed), so every cached byte is read from global memory once for all G query
+// heads. Per tile: scores for every (query head, key) from the tile in shared memory, an online-softmax update in
+// fp32, and the probability-weighted value rows accumulated in registers.
+//
+// Shared-memory tiles are token-major ([key][dim]). Contiguous caches are token-major already; paged caches store
+// pages dim-major ((num_pages, width, page_size), head_layout.h), so their tiles arrive dim-major and are transposed
+// in shared memory before use: one compute path for both layouts.
+//
+// Nothing here reads a device value on the host: lengths, the plan and the block table are read by the kernels, so
+// plan + attention can be captured in a CUDA graph. A value the kernels find invalid (a plan whose planner reported
+// a bad length, a plan made for other shapes, a record past its request's length or the cache capacity, a block
+// table entry outside the pages) never leads to an out-of-bounds access: the outputs it affects are NaN.
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "cuda/cuda_common.cuh"
+#include "fdc/decode_plan.h"
+
+namespace fdc::cuda {
+namespace {
+
+// Four warps: enough threads to keep a few 16-byte copies per thread in flight for a tile, few enough that a CTA's
+// per-thread accumulators (2 value columns x up to 16 query heads) stay in registers.
+constexpr int kThreads = 128;
+
+// Keys per tile: 64 for 2-byte caches, 32 for float ones, so a tile of the widest heads (256 + 256 dims) is 64 KiB
+// or less in either dtype and two of them (the one being computed and the one in flight) fit in shared memory.
+template <typename T>
+constexpr int tile_keys() {
+  return sizeof(T) == 4 ? 32 : 64;
+}
+
+// Rows of a dim-major staging tile are padded by one 16-byte packet: with rows of tile_keys() elements (128 bytes)
+// every row would start on bank 0, and the transposing reads (consecutive dims, same keys) would all collide.
+template <typename T>
+constexpr int staged_row() {
+  return tile_keys<T>() + kPacket<T>;
+}
+
+// Token-major K rows are padded so that the score loop, in which the kThreads / tile_keys() threads of a key read
+// interleaved 16-byte packets of its row, touches 8 distinct 16-byte bank groups per quarter warp: a row stride
+// of L packets with L = kThreadsPerKey (mod 2 * kThreadsPerKey) does that.
+template <typename T>
+__host__ __device__ constexpr int padded_k_row(int dim) {
+  constexpr int per_key = kThreads / tile_keys<T>();
+  int packets = dim / kPacket<T>;
+  while (packets % (2 * per_key) != per_key) ++packets;
+  return packets * kPacket<T>;
+}
+
+// KV heads a launch takes: the head layout travels in the kernel's parameters (captured by value in a CUDA graph,
+// no copy to the device per call), and two int32 tables of 257 entries keep them within the 4 KiB parameter limit.
+// Current models have at most 128 KV heads.
+constexpr int kMaxKvHeads = 256;
+
+// Everything a task needs besides its record; one copy per launch (kernel parameter space).
+template <typename T>
+struct DecodeArgs {
+  const T* q;                    // (B, G * W_qk), row stride q_stride
+  const T* k_cache;              // contiguous (B, S_max, W_qk) or paged (num_pages, W_qk, page_size)
+  const T* v_cache;              // contiguous (B, S_max, W_v) or paged (num_pages, W_v, page_size)
+  const int32_t* cache_seqlens;  // (B)
+  const int32_t* block_table;    // (B, max_pages) when paged, else nullptr
+  const int32_t* plan;           // decode plan, decode_plan_size(B, H_kv, N) entries
+  T* out;                        // (B, G * W_v), row stride out_stride
+  float* partial_out;            // (capacity, G, max_v_dim): normalised outputs of the chunks of split requests
+  float* partial_lse;            // (capacity, G): their log-sum-exps
+  int64_t q_stride, out_stride;
+  int64_t k_stride0, k_stride1;  // contiguous: between requests, between rows; paged: between pages (stride1 unused)
+  int64_t v_stride0, v_stride1;
+  int64_t capacity;              // rows a request can hold: S_max, or max_pages * page_size
+  int64_t page_size, max_pages, num_pages;
+  int32_t batch, num_kv_heads, group, num_workers, plan_capacity, max_v_dim;
+  float scale;
+  // Shared-memory carve-up, in elements of T: two staging tiles, then (paged) one token-major compute tile.
+  int32_t stage_elems, compute_elems;
+  int32_t qk_offsets[kMaxKvHeads + 1];  // (H_kv + 1) prefix sums of the qk widths
+  int32_t v_offsets[kMaxKvHeads + 1];   // (H_kv + 1) prefix sums of the v widths
+};
+
+// Header checks every kernel makes before trusting a plan: made by decode_plan for these shapes, and its planner
+// succeeded (entry [7] is the status the device planner writes).
+template <typename T>
+__device__ bool plan_is_usable(const DecodeArgs<T>& a) {
+  const DecodePlanView plan{a.plan};
+  return a.plan[0] == kDecodePlanTag && plan.batch() == a.batch && plan.num_kv_heads() == a.num_kv_heads &&
+         plan.num_workers() == a.num_workers && plan.capacity() == a.plan_capacity && plan.group() == a.group &&
+         a.plan[7] == 0 && plan.num_tasks() >= 0 && plan.num_tasks() <= plan.capacity();
+}
+
+__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* global_src) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(global_src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Waits until at most `kPending` committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// Physical location of token t of request b in a paged cache: (page, slot), or page -1 if the block table does not
+// name a valid page for it.
+template <typename T>
+__device__ __forceinline__ int64_t page_of(const DecodeArgs<T>& a, int64_t b, int64_t t) {
+  const int64_t logical = t / a.page_size;
+  if (logical >= a.max_pages) return -1;
+  const int64_t page = a.block_table[b * a.max_pages + logical];
+  return (page >= 0 && page < a.num_pages) ? page : -1;
+}
+
+// Starts the copy of keys [t0, t0 + n) of request b, columns [col, col + dim) of one cache, into a staging tile:
+// token-major rows of `ld` elements (contiguous cache) or dim-major rows of staged_row() elements (paged cache).
+// Returns false if a block-table entry it needed was invalid (those elements are not loaded).
+template <typename T, bool kPaged>
+__device__ bool load_tile(const DecodeArgs<T>& a, const T* cache, int64_t stride0, int64_t stride1, int64_t b,
+                          int64_t t0, int n, int64_t col, int dim, int ld, T* stage) {
+  constexpr int P = kPacket<T>;
+  const int packets_per_row = dim / P;
+  bool ok = true;
+  if constexpr (!kPaged) {
+    const T* base = cache + b * stride0 + t0 * stride1 + col;
+    for (int e = threadIdx.x; e < n * packets_per_row; e += kThreads) {
+      const int key = e / packets_per_row, p = e % packets_per_row;
+      cp_async_16(stage + key * ld + p * P, base + key * stride1 + p * P);
+    }
+  } else {
+    constexpr int kRow = staged_row<T>();
+    const int key_packets = (n + P - 1) / P;
+    if (a.page_size % P == 0) {
+      // A packet of P tokens starting at a multiple of P (chunks and tiles start at multiples of 16 keys) never
+      // crosses a page; its tail past n stays inside the page of token t0 + key, which holds real tokens.
+      for (int e = threadIdx.x; e < dim * key_packets; e += kThreads) {
+        const int c = e / key_packets, key = (e % key_packets) * P;
+        const int64_t t = t0 + key, page = page_of(a, b, t);
+        if (page < 0) {
+          ok = false;
+          continue;
+        }
+        cp_async_16(stage + c * kRow + key, cache + page * stride0 + (col + c) * a.page_size + t % a.page_size);
+      }
+    } else {
+      for (int e = threadIdx.x; e < dim * n; e += kThreads) {
+        const int c = e / n, key = e % n;
+        const int64_t t = t0 + key, page = page_of(a, b, t);
+        if (page < 0) {
+          ok = false;
+          continue;
+        }
+        stage[c * kRow + key] = cache[page * stride0 + (col + c) * a.page_size + t % a.page_size];
+      }
+    }
+  }
+  return ok;
+}
+
+// Paged tiles only: dim-major staging (dim rows of staged_row() keys) -> token-major (n rows of ld dims).
+template <typename T>
+__device__ void transpose_tile(const T* stage, int dim, int n, int ld, T* tile) {
+  constexpr int P = kPacket<T>;
+  constexpr int kRow = staged_row<T>();
+  const int key_packets = (n + P - 1) / P;
+  for (int e = threadIdx.x; e < dim * key_packets; e += kThreads) {
+    const int c = e % dim, key0 = (e / dim) * P;
+    alignas(16) T values[P];
+    *reinterpret_cast<uint4*>(values) = *reinterpret_cast<const uint4*>(stage + c * kRow + key0);
+#pragma unroll
+    for (int u = 0; u < P; ++u) {
+      if (key0 + u < n) tile[(key0 + u) * ld + c] = values[u];
+    }
+  }
+}
+
+// Shared state of the CTA for one task (one pass over at most kHeads query heads).
+template <int kHeads>
+struct SoftmaxState {
+  float max[kHeads];     // running maximum score per query head
+  float sum[kHeads];     // running sum of exp(score - max)
+  float factor[kHeads];  // rescale of this tile for what was accumulated before it
+};
+
+// Runs the query heads [head0, head0 + heads) of one task over its keys.
+template <typename T, int kHeads, bool kPaged>
+__device__ void run_pass(const DecodeArgs<T>& a, int64_t b, int j, int64_t kv_start, int64_t kv_end, bool split,
+                         int split_slot, int head0, int heads, char* smem) {
+  constexpr int P = kPacket<T>;
+  constexpr int kTile = tile_keys<T>();
+  constexpr int kPerKey = kThreads / kTile;  // threads that share one key's score
+  const int qk_col = a.qk_offsets[j], dq = a.qk_offsets[j + 1] - qk_col;
+  const int v_col = a.v_offsets[j], dv = a.v_offsets[j + 1] - v_col;
+  const int ldk = padded_k_row<T>(dq), ldv = dv;
+
+  // Carve-up: [stage 0 | stage 1 | compute tile (paged)] in T, then q (kHeads x 256) and scores (kHeads x kTile) in
+  // float, then the softmax state.
+  T* stages = reinterpret_cast<T*>(smem);
+  T* compute = stages + 2 * a.stage_elems;
+  float* s_q = reinterpret_cast<float*>(compute + a.compute_elems);
+  float* s_scores = s_q + kHeads * kMaxHeadDim;
+  SoftmaxState<kHeads>* state = reinterpret_cast<SoftmaxState<kHeads>*>(s_scores + kHeads * kTile);
+
+  // Each (request, KV head) is one task's; the q row is scaled once here.
+  const int group = a.group;
+  const T* q_row = a.q + b * a.q_stride + int64_t(group) * qk_col;
+  for (int e = threadIdx.x; e < kHeads * dq; e += kThreads) {
+    const int i = e / dq, c = e % dq;
+    s_q[i * kMaxHeadDim + c] = i < heads ? to_float(q_row[int64_t(head0 + i) * dq + c]) * a.scale : 0.f;
+  }
+  if (threadIdx.x < kHeads) {
+    state->max[threadIdx.x] = -INFINITY;
+    state->sum[threadIdx.x] = 0.f;
+  }
+
+  // Value accumulation: thread t owns columns (2p, 2p+1), p = t % pairs, for the keys k = kg (mod key_groups) of
+  // every tile; narrow heads leave no thread idle by giving each column pair several key groups.
+  const int pairs = dv / 2;
+  const int key_groups = kThreads / pairs;
+  const int pair = threadIdx.x % pairs, key_group = threadIdx.x / pairs;
+  const bool accumulates = key_group < key_groups;
+  float acc[kHeads][2];
+#pragma unroll
+  for (int i = 0; i < kHeads; ++i) acc[i][0] = acc[i][1] = 0.f;
+
+  auto stage_k = [&](int s) { return stages + s * a.stage_elems; };
+  auto stage_v = [&](int s) {
+    return stages + s * a.stage_elems + (kPaged ? dq * staged_row<T>() : kTile * ldk);
+  };
+  bool pages_ok = true;
+  auto issue = [&](int s, int64_t t0) {
+    const int n = static_cast<int>(min64(kTile, kv_end - t0));
+    pages_ok &= load_tile<T, kPaged>(a, a.k_cache, a.k_stride0, a.k_stride1, b, t0, n, qk_col, dq, ldk, stage_k(s));
+    pages_ok &= load_tile<T, kPaged>(a, a.v_cache, a.v_stride0, a.v_stride1, b, t0, n, v_col, dv, ldv, stage_v(s));
+    cp_async_commit();
+  };
+
+  issue(0, kv_start);
+  int s = 0;
+  for (int64_t t0 = kv_start; t0 < kv_end; t0 += kTile, s ^= 1) {
+    const int n = static_cast<int>(min64(kTile, kv_end - t0));
+    if (t0 + kTile < kv_end) {
+      issue(s ^ 1, t0 + kTile);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const T* k_tile = stage_k(s);
+    const T* v_tile = stage_v(s);
+    if constexpr (kPaged) {
+      transpose_tile(stage_k(s), dq, n, ldk, compute);
+      transpose_tile(stage_v(s), dv, n, ldv, compute + kTile * ldk);
+      __syncthreads();
+      k_tile = compute;
+      v_tile = compute + kTile * ldk;
+    }
+
+    // Scores: the kPerKey threads of a key take interleaved 16-byte packets of its row, then add up by shuffles.
+    {
+      const int key = threadIdx.x / kPerKey, part = threadIdx.x % kPerKey;
+      float dot[kHeads];
+#pragma unroll
+      for (int i = 0; i < kHeads; ++i) dot[i] = 0.f;
+      for (int p = part; p < dq / P; p += kPerKey) {
+        alignas(16) T kv[P];
+        *reinterpret_cast<uint4*>(kv) = *reinterpret_cast<const uint4*>(k_tile + key * ldk + p * P);
+        float kf[P];
+#pragma unroll
+        for (int u = 0; u < P; ++u) kf[u] = to_float(kv[u]);
+#pragma unroll
+        for (int i = 0; i < kHeads; ++i) {
+          const float* qi = s_q + i * kMaxHeadDim + p * P;
+#pragma unroll
+          for (int u = 0; u < P; ++u) dot[i] += qi[u] * kf[u];
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kHeads; ++i) {
+#pragma unroll
+        for (int lane_mask = 1; lane_mask < kPerKey; lane_mask *= 2)
+          dot[i] += __shfl_xor_sync(0xffffffffu, dot[i], lane_mask);
+      }
+      if (part == 0) {
+#pragma unroll
+        for (int i = 0; i < kHeads; ++i) s_scores[i * kTile + key] = key < n ? dot[i] : -INFINITY;
+      }
+    }
+    __syncthreads();
+
+    // Online softmax: warp w updates query heads w, w + 4, ...; scores become probabilities in place.
+    {
+      const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+      for (int i = warp; i < heads; i += kThreads / 32) {
+        float* si = s_scores + i * kTile;
+        float tile_max = -INFINITY;
+        for (int k = lane; k < kTile; k += 32) tile_max = fmaxf(tile_max, si[k]);
+#pragma unroll
+        for (int m = 16; m > 0; m /= 2) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, m));
+        const float old_max = state->max[i];
+        const float new_max = fmaxf(old_max, tile_max);  // finite: the tile has n >= 1 real keys
+        float tile_sum = 0.f;
+        for (int k = lane; k < kTile; k += 32) {
+          const float p = k < n ? __expf(si[k] - new_max) : 0.f;
+          si[k] = p;
+          tile_sum += p;
+        }
+#pragma unroll
+        for (int m = 16; m > 0; m /= 2) tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, m);
+        if (lane == 0) {
+          const float factor = old_max == -INFINITY ? 0.f : __expf(old_max - new_max);
+          state->factor[i] = factor;
+          state->sum[i] = state->sum[i] * factor + tile_sum;
+          state->max[i] = new_max;
+        }
+      }
+    }
+    __syncthreads();
+
+    // Values: acc[i] = acc[i] * factor[i] + sum over this thread's keys of p[i][k] * V[k][2 pair .. 2 pair + 1].
+    if (accumulates) {
+#pragma unroll
+      for (int i = 0; i < kHeads; ++i) {
+        if (i < heads) {
+          acc[i][0] *= state->factor[i];
+          acc[i][1] *= state->factor[i];
+        }
+      }
+      for (int k = key_group; k < n; k += key_groups) {
+        const float v0 = to_float(v_tile[k * ldv + 2 * pair]);
+        const float v1 = to_float(v_tile[k * ldv + 2 * pair + 1]);
+#pragma unroll
+        for (int i = 0; i < kHeads; ++i) {
+          const float p = s_scores[i * kTile + k];
+          acc[i][0] += p * v0;
+          acc[i][1] += p * v1;
+        }
+      }
+    }
+    __syncthreads();  // the stage just read is the next issue's target
+  }
+
+  // Reduce the key groups' accumulators through shared memory (the staging tiles are free now), then normalise.
+  const bool valid = __syncthreads_and(pages_ok);
+  float* reduce = reinterpret_cast<float*>(stages);  // (key_groups, kHeads, dv)
+  if (accumulates) {
+#pragma unroll
+    for (int i = 0; i < kHeads; ++i) {
+      reduce[(key_group * kHeads + i) * dv + 2 * pair] = acc[i][0];
+      reduce[(key_group * kHeads + i) * dv + 2 * pair + 1] = acc[i][1];
+    }
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < heads * dv; e += kThreads) {
+    const int i = e / dv, c = e % dv;
+    float total = 0.f;
+    for (int g = 0; g < key_groups; ++g) total += reduce[(g * kHeads + i) * dv + c];
+    const float sum = state->sum[i];
+    const float value = !valid ? NAN : (sum > 0.f ? total / sum : 0.f);
+    const int h = head0 + i;
+    if (split) {
+      a.partial_out[(int64_t(split_slot) * group + h) * a.max_v_dim + c] = value;
+      if (c == 0) {
+        a.partial_lse[int64_t(split_slot) * group + h] = !valid ? NAN : (sum > 0.f ? state->max[i] + logf(sum) : -INFINITY);
+      }
+    } else {
+      a.out[b * a.out_stride + int64_t(group) * v_col + int64_t(h) * dv + c] = from_float<T>(value);
+    }
+  }
+  __syncthreads();  // shared memory is reused by the next pass or task
+}
+
+// One CTA per plan worker; blockIdx.x is the worker.
+template <typename T, int kHeads, bool kPaged>
+__global__ void __launch_bounds__(kThreads) decode_attention_kernel(const __grid_constant__ DecodeArgs<T> a) {
+  extern __shared__ __align__(16) char smem[];
+  if (!plan_is_usable(a)) return;  // the combine kernel writes NaN everywhere
+  const DecodePlanView plan{a.plan};
+  const int32_t* workers = plan.worker_offsets();
+  const int32_t* split = plan.split_offsets();
+  const int w = blockIdx.x;
+  const int first = workers[w], last = workers[w + 1];
+  if (first < 0 || last > plan.num_tasks() || first > last) return;
+  const int pairs = plan.batch() * plan.num_kv_heads();
+  for (int r = first; r < last; ++r) {
+    const int32_t* rec = plan.records() + int64_t(r) * kDecodeRecordFields;
+    const int bj = rec[0], chunk = rec[1];
+    if (bj < 0 || bj >= pairs) continue;
+    const int64_t b = bj / a.num_kv_heads;
+    const int j = bj % a.num_kv_heads;
+    const int chunks = split[bj + 1] - split[bj];
+    const int64_t length = a.cache_seqlens[b];
+    // Chunks start at multiples of kChunkAlign keys (the planner's rule), which the 16-byte paged loads rely on.
+    const bool in_range = chunk >= 0 && chunk < chunks && rec[2] >= 0 && rec[2] % kChunkAlign == 0 &&
+                          rec[2] < rec[3] && rec[3] <= length && rec[3] <= a.capacity;
+    const bool is_split = chunks > 1;
+    const int slot = split[bj] + chunk;
+    if (!in_range) {
+      // Nothing is read; the outputs this record was to produce become NaN.
+      const int dv = a.v_offsets[j + 1] - a.v_offsets[j];
+      for (int e = threadIdx.x; e < a.group * dv; e += kThreads) {
+        const int h = e / dv, c = e % dv;
+        if (is_split && slot >= 0 && slot < a.plan_capacity) {
+          a.partial_out[(int64_t(slot) * a.group + h) * a.max_v_dim + c] = NAN;
+          if (c == 0) a.partial_lse[int64_t(slot) * a.group + h] = NAN;
+        } else if (!is_split) {
+          a.out[b * a.out_stride + int64_t(a.group) * a.v_offsets[j] + int64_t(h) * dv + c] = from_float<T>(NAN);
+        }
+      }
+      continue;
+    }
+    for (int head0 = 0; head0 < a.group; head0 += kHeads) {
+      run_pass<T, kHeads, kPaged>(a, b, j, rec[2], rec[3], is_split, slot, head0, min(kHeads, a.group - head0),
+                                  smem);
+    }
+  }
+}
+
+// One CTA per (request, KV head): zeros for an empty request, the log-sum-exp merge of a split one, NaN everywhere
+// if the plan cannot be used. Unsplit requests were written by the attention kernel.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) decode_combine_kernel(const __grid_constant__ DecodeArgs<T> a) {
+  const int bj = blockIdx.x;
+  const int64_t b = bj / a.num_kv_heads;
+  const int j = bj % a.num_kv_heads;
+  const int dv = a.v_offsets[j + 1] - a.v_offsets[j];
+  T* out = a.out + b * a.out_stride + int64_t(a.group) * a.v_offsets[j];
+  if (!plan_is_usable(a)) {
+    for (int e = threadIdx.x; e < a.group * dv; e += kThreads) out[e] = from_float<T>(NAN);
+    return;
+  }
+  const DecodePlanView plan{a.plan};
+  const int first = plan.split_offsets()[bj], count = plan.split_offsets()[bj + 1] - first;
+  if (count == 1) return;
+  for (int e = threadIdx.x; e < a.group * dv; e += kThreads) {
+    const int h = e / dv, c = e % dv;
+    if (count <= 0 || first < 0 || first + count > a.plan_capacity) {
+      out[e] = from_float<T>(count == 0 ? 0.f : NAN);
+      continue;
+    }
+    const float* lse = a.partial_lse + int64_t(first) * a.group + h;
+    float lse_max = -INFINITY;
+    bool poisoned = false;
+    for (int s = 0; s < count; ++s) {
+      const float l = lse[int64_t(s) * a.group];
+      poisoned |= isnan(l);
+      lse_max = fmaxf(lse_max, l);
+    }
+    float weight_sum = 0.f, value = 0.f;
+    if (lse_max != -INFINITY) {
+      for (int s = 0; s < count; ++s) {
+        const float weight = __expf(lse[int64_t(s) * a.group] - lse_max);
+        weight_sum += weight;
+        value += weight * a.partial_out[((int64_t(first) + s) * a.group + h) * a.max_v_dim + c];
+      }
+    }
+    out[e] = from_float<T>(poisoned ? NAN : (weight_sum > 0.f ? value / weight_sum : 0.f));
+  }
+}
+
+// The plan's worker count, from its size alone (decode_plan_size is affine in N), so no header is read on the host.
+int64_t plan_workers_from_size(const char* op, int64_t plan_size, int64_t batch, int64_t num_kv_heads) {
+  const int64_t fixed = decode_plan_size(batch, num_kv_heads, 0);
+  const int64_t per_worker = decode_plan_size(batch, num_kv_heads, 1) - fixed;
+  const int64_t workers = (plan_size - fixed) / per_worker;
+  FDC_CHECK(workers >= 1 && fixed + workers * per_worker == plan_size, op, "plan has ", plan_size,
+            " entries, which is no decode plan size for B=", batch, ", H_kv=", num_kv_heads,
+            ": make the plan with fdc::decode_plan for these shapes");
+  return workers;
+}
+
+// Query heads a pass handles: templates for 4, 8 and 16 heads; larger groups take several passes of 16.
+int heads_per_pass(int64_t group) { return group <= 4 ? 4 : (group <= 8 ? 8 : 16); }
+
+template <typename T, int kHeads, bool kPaged>
+void launch(const DecodeArgs<T>& args, int64_t smem_bytes, cudaStream_t stream) {
+  auto kernel = decode_attention_kernel<T, kHeads, kPaged>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(smem_bytes)));
+  kernel<<<args.num_workers, kThreads, smem_bytes, stream>>>(args);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T, int kHeads>
+void launch_layout(const DecodeArgs<T>& args, bool paged, int64_t smem_bytes, cudaStream_t stream) {
+  if (paged) {
+    launch<T, kHeads, true>(args, smem_bytes, stream);
+  } else {
+    launch<T, kHeads, false>(args, smem_bytes, stream);
+  }
+}
+
+// Shared memory of one CTA for the layout's widest heads, in bytes.
+template <typename T>
+int64_t shared_bytes(int max_qk_dim, int max_v_dim, int heads, bool paged, int32_t* stage_elems,
+                     int32_t* compute_elems) {
+  constexpr int kTile = tile_keys<T>();
+  const int64_t token_major = int64_t(kTile) * (padded_k_row<T>(max_qk_dim) + max_v_dim);
+  const int64_t dim_major = int64_t(max_qk_dim + max_v_dim) * staged_row<T>();
+  // The staging tiles also hold the final (key_groups, heads, dv) float reduction: key_groups * dv <= 2 * kThreads.
+  const int64_t reduction = (2 * kThreads * heads * int64_t(sizeof(float)) + sizeof(T) - 1) / sizeof(T);
+  int64_t stage = paged ? dim_major : token_major;
+  stage = std::max(stage, (reduction + 1) / 2);
+  stage = round_up(stage, kPacket<T>);  // each stage starts 16-byte aligned
+  *stage_elems = static_cast<int32_t>(stage);
+  *compute_elems = static_cast<int32_t>(paged ? round_up(token_major, kPacket<T>) : 0);
+  const int64_t floats = int64_t(heads) * kMaxHeadDim + int64_t(heads) * kTile + 3 * heads;
+  return (2 * stage + *compute_elems) * int64_t(sizeof(T)) + floats * int64_t(sizeof(float));
+}
+
+}  // namespace
+
+// q (B, G * W_qk); caches contiguous (B, S_max, W) or paged (num_pages, W, page_size) -> (B, G * W_v).
+at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 const at::Tensor& cache_seqlens, const at::Tensor& qk_offsets,
+                                 const at::Tensor& v_offsets, int64_t group, double scale,
+                                 const std::optional<at::Tensor>& plan,
+                                 const std::optional<at::Tensor>& block_table) {
+  const char* op = "decode_attention";
+  const checks::HostLayout layout = checks::read_layout(op, qk_offsets, &v_offsets, group);
+  checks::check_float(op, "q", q, 2);
+  checks::check_same_dtype(op, "k_cache", k_cache, "q", q);
+  checks::check_same_device(op, "k_cache", k_cache, "q", q);
+  checks::check_width(op, "q", q, group * layout.qk_width(), "group * qk_offsets[-1]");
+  checks::check_scale(op, scale);
+  const int64_t batch = q.size(0);
+  const checks::CacheShape cache = checks::check_cache(op, k_cache, v_cache, block_table, batch, layout);
+  checks::check_int32_vector(op, "cache_seqlens", cache_seqlens, batch);
+  checks::check_same_device(op, "cache_seqlens", cache_seqlens, "q", q);
+  checks::check_vector_aligned(op, "k_cache", k_cache, block_table.has_value());
+  checks::check_vector_aligned(op, "v_cache", v_cache, block_table.has_value());
+  const c10::cuda::CUDAGuard guard(q.device());
+
+  const int64_t hkv = layout.num_kv_heads();
+  FDC_CHECK(hkv <= kMaxKvHeads, op, "the CUDA kernel takes at most ", kMaxKvHeads, " KV heads but qk_offsets has ",
+            hkv);
+  at::Tensor schedule;
+  if (plan) {
+    checks::check_plan_tensor(op, *plan, q, kDecodeHeader);
+    schedule = *plan;
+  } else {
+    schedule = decode_plan_cuda(cache_seqlens, qk_offsets, v_offsets, group, std::nullopt);
+  }
+  const int64_t workers = plan_workers_from_size(op, schedule.size(0), batch, hkv);
+
+  at::Tensor out = at::empty({batch, group * layout.v_width()}, q.options());
+  if (batch == 0) return out;
+  const int max_v_dim = layout.max_v_dim();
+  int max_qk_dim = 0;
+  for (int64_t j = 0; j < hkv; ++j) max_qk_dim = std::max(max_qk_dim, layout.qk_offsets[j + 1] - layout.qk_offsets[j]);
+  const int64_t plan_capacity = decode_plan_capacity(batch, hkv, workers);
+  const auto float_opts = q.options().dtype(at::kFloat);
+  const at::Tensor partial_out = at::empty({plan_capacity, group, max_v_dim}, float_opts);
+  const at::Tensor partial_lse = at::empty({plan_capacity, group}, float_opts);
+  const at::Tensor qc = checks::unit_last_stride(q);
+  const at::Tensor table = block_table ? block_table->contiguous() : at::Tensor();
+  const bool paged = block_table.has_value();
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int heads = heads_per_pass(group);
+
+  FDC_DISPATCH_FLOAT_TYPES(q.scalar_type(), "fdc::decode_attention", [&] {
+    DecodeArgs<scalar_t> args{};
+    args.q = qc.data_ptr<scalar_t>();
+    args.k_cache = k_cache.data_ptr<scalar_t>();
+    args.v_cache = v_cache.data_ptr<scalar_t>();
+    args.cache_seqlens = cache_seqlens.data_ptr<int32_t>();
+    args.block_table = paged ? table.data_ptr<int32_t>() : nullptr;
+    args.plan = schedule.data_ptr<int32_t>();
+    std::copy(layout.qk_offsets.begin(), layout.qk_offsets.end(), args.qk_offsets);
+    std::copy(layout.v_offsets.begin(), layout.v_offsets.end(), args.v_offsets);
+    args.out = out.data_ptr<scalar_t>();
+    args.partial_out = partial_out.data_ptr<float>();
+    args.partial_lse = partial_lse.data_ptr<float>();
+    args.q_stride = qc.stride(0);
+    args.out_stride = out.stride(0);
+    args.k_stride0 = k_cache.stride(0);
+    args.k_stride1 = paged ? 0 : k_cache.stride(1);
+    args.v_stride0 = v_cache.stride(0);
+    args.v_stride1 = paged ? 0 : v_cache.stride(1);
+    args.capacity = cache.capacity;
+    args.page_size = cache.paged.page_size;
+    args.max_pages = cache.paged.max_pages;
+    args.num_pages = cache.paged.num_pages;
+    args.batch = static_cast<int32_t>(batch);
+    args.num_kv_heads = static_cast<int32_t>(hkv);
+    args.group = static_cast<int32_t>(group);
+    args.num_workers = static_cast<int32_t>(workers);
+    args.plan_capacity = static_cast<int32_t>(plan_capacity);
+    args.max_v_dim = max_v_dim;
+    args.scale = static_cast<float>(scale);
+    const int64_t smem = shared_bytes<scalar_t>(max_qk_dim, max_v_dim, heads, paged, &args.stage_elems,
+                                                &args.compute_elems);
+    const int64_t smem_limit = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
+    FDC_CHECK(smem <= smem_limit, op, "heads of widths up to ", max_qk_dim, " (qk) and ", max_v_dim,
+              " (v) in ", c10::toString(q.scalar_type()), " need ", smem, " bytes of shared memory per CTA but the ",
+              "device allows ", smem_limit);
+    switch (heads) {
+      case 4: launch_layout<scalar_t, 4>(args, paged, smem, stream); break;
+      case 8: launch_layout<scalar_t, 8>(args, paged, smem, stream); break;
+      case 16: launch_layout<scalar_t, 16>(args, paged, smem, stream); break;
+      default: FDC_CHECK(false, op, "no kernel for ", heads, " query heads per pass");
+    }
+    decode_combine_kernel<scalar_t><<<static_cast<unsigned>(batch * hkv), kThreads, 0, stream>>>(args);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+}  // namespace fdc::cuda
+
+TORCH_LIBRARY_IMPL(fdc, CUDA, m) { m.impl("decode_attention", &fdc::cuda::decode_attention_cuda); }
