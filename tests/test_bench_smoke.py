@@ -23,3 +23,34 @@ def test_bench_ops_quick(tmp_path):
         assert row["millis"] > 0 and row["metric"] > 0
         if row["method"].startswith("fdc"):
             assert row["verdict"].startswith(("PASS", "MISS"))
+
+
+def test_bench_decode_quick(tmp_path):
+    """bench/bench_decode.py --quick runs on the CPU (no CUDA graph rows, no bandwidth target there) and writes the
+    table and JSON it promises: every baseline, the fdc rows, targets, the balance ablation and the scheduler cost."""
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_decode.py"), "--quick", "--device",
+                             "cpu", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    for text in ("sdpa_full", "palu_sdpa", "fdc_step", "targets", "balance ablation", "scheduler cost"):
+        assert text in result.stdout, text
+    (written,) = list(tmp_path.iterdir())
+    report = json.loads(written.read_text())
+    assert {"device", "torch", "commit", "copy_bandwidth_gbps", "layout", "rows", "targets", "balance_ablation",
+            "scheduler"} <= report.keys()
+    assert report["device_type"] == "cpu" and report["quick"] and report["copy_bandwidth_gbps"] > 0
+    layout = report["layout"]
+    assert all(d % 8 == 0 and 16 <= d <= 128 for d in layout["qk_dims"] + layout["v_dims"])
+    methods = {row["method"] for row in report["rows"]}
+    assert {"sdpa_full", "sdpa_padded", "sdpa_bucketed", "palu_sdpa", "fdc_attention", "fdc_step"} <= methods
+    assert {row["cache"] for row in report["rows"]} >= {"dense", "contiguous", "paged16"}
+    for row in report["rows"]:
+        assert row["micros"] > 0 and row["gbps"] > 0 and row["bytes_read"] > 0
+        assert row["vs_full"] > 0
+    verdicts = {t["verdict"] for t in report["targets"]}
+    assert verdicts <= {"PASS", "MISS", "n/a (cpu)"} and report["targets"]
+    for entry in report["balance_ablation"]:
+        assert entry["lpt"]["makespan"] > 0 and entry["static"]["makespan"] > 0
+        assert entry["lpt"]["micros"] > 0 and entry["static"]["micros"] > 0
+    assert {e["baseline"] for e in report["balance_ablation"]} == {"static_blocks", "static_round_robin"}
+    scheduler = report["scheduler"]
+    assert 0 < scheduler["share"] and scheduler["plan_p99_us"] >= scheduler["plan_us"] > 0

@@ -1,0 +1,410 @@
+"""decode_plan, decode_attention and append_kv on a GPU, against the float64 reference (fdc_ops/reference.py) and the
+CPU ops, over fresh random configurations each run: float32/float16/bfloat16, contiguous and paged caches with NaN in
+every slot and page that must not be read, non-contiguous queries, sequences of 32K keys and more, one very long
+request among many short ones, G from 1 to 8 and 16, explicit plans for 1, 3 and 132 workers, a decode step captured
+in a CUDA graph and replayed over changed lengths and cache contents, a negative length (NaN output, status in the
+plan), and torch.library.opcheck on CUDA inputs.
+
+CUDA conventions of the ops: qk_offsets/v_offsets stay int32 CPU tensors; cache_seqlens, block_table, cu_seqlens and
+plans live on the GPU; the default worker count is the number of SMs; plan entry [7] is the planner's status (0: ok).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import DTYPES, Layout, assert_close_to_reference, case_generator, offsets, random_layout, \
+    random_lengths
+from fdc_ops import ops, reference
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU visible: these tests run the fdc decode ops on a GPU", allow_module_level=True)
+if not all(torch._C._dispatch_has_kernel_for_dispatch_key(f"fdc::{op}", "CUDA")
+           for op in ("decode_plan", "decode_attention")):
+    pytest.skip("this build of fdc_ops._C has no CUDA kernels for fdc::decode_plan / fdc::decode_attention (built "
+                "without a CUDA toolkit, with FDC_CUDA=0, or before the kernels existed): rebuild to run these tests",
+                allow_module_level=True)
+
+DEVICE = torch.device("cuda")
+NUM_SMS = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+CASES = 40  # per cache kind and run
+HAS_APPEND_KV = torch._C._dispatch_has_kernel_for_dispatch_key("fdc::append_kv", "CUDA")
+needs_append_kv = pytest.mark.skipif(not HAS_APPEND_KV, reason="this build has no CUDA kernel for fdc::append_kv")
+
+
+def _randn(shape, dtype, generator):
+    return torch.randn(shape, generator=generator).to(dtype)
+
+
+def _strided_on_device(t: torch.Tensor, rng) -> torch.Tensor:
+    """t (2-D, CPU) on the GPU as a non-contiguous tensor: rows inside a wider NaN buffer, or column-major."""
+    if rng.random() < 0.25:
+        return t.T.contiguous().to(DEVICE).T
+    pad = rng.randint(1, 24)
+    start = rng.randint(0, pad)
+    wide = torch.full((t.shape[0], t.shape[1] + pad), float("nan"), dtype=t.dtype, device=DEVICE)
+    wide[:, start:start + t.shape[1]] = t.to(DEVICE)
+    return wide[:, start:start + t.shape[1]]
+
+
+def _block_table(lengths: list[int], capacity: int, page_size: int, rng) -> tuple[torch.Tensor, int]:
+    """A shuffled page assignment (CPU int32); entries past each request's pages are -1 and never read."""
+    pages_needed = [-(-length // page_size) for length in lengths]
+    num_pages = sum(pages_needed) + rng.randint(0, 3)
+    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+    table = torch.full((len(lengths), max(1, -(-capacity // page_size))), -1, dtype=torch.int32)
+    taken = 0
+    for b, count in enumerate(pages_needed):
+        table[b, :count] = order[taken:taken + count].to(torch.int32)
+        taken += count
+    return table, num_pages
+
+
+def _to_pages(cache: torch.Tensor, lengths: list[int], table: torch.Tensor, num_pages: int, page_size: int):
+    """A contiguous cache (B, S, W) as NaN-poisoned dim-major pages (num_pages, W, page_size): each request's rows
+    padded with NaN to whole pages, one scatter per request (sequences here run to tens of thousands of keys)."""
+    width = cache.shape[2]
+    paged = torch.full((num_pages, width, page_size), float("nan"), dtype=cache.dtype)
+    for b, length in enumerate(lengths):
+        count = -(-length // page_size)
+        if count == 0:
+            continue
+        rows = torch.full((count * page_size, width), float("nan"), dtype=cache.dtype)
+        rows[:length] = cache[b, :length]
+        paged[table[b, :count].long()] = rows.view(count, page_size, width).transpose(1, 2)
+    return paged
+
+
+class DecodeInputs:
+    """One decode problem on the CPU (for the reference and the CPU op) and on the GPU."""
+
+    def __init__(self, gen, rng, layout: Layout, dtype, lengths: list[int], paged: bool, page_size: int = 16,
+                 extra_capacity: int = 0):
+        self.layout, self.dtype, self.lengths = layout, dtype, lengths
+        batch = len(lengths)
+        capacity = max(max(lengths), 1) + extra_capacity
+        self.seqlens = torch.tensor(lengths, dtype=torch.int32)
+        k_cache = torch.full((batch, capacity, layout.qk_width), float("nan"), dtype=dtype)
+        v_cache = torch.full((batch, capacity, layout.v_width), float("nan"), dtype=dtype)
+        for b, length in enumerate(lengths):
+            k_cache[b, :length] = _randn((length, layout.qk_width), dtype, gen)
+            v_cache[b, :length] = _randn((length, layout.v_width), dtype, gen)
+        self.block_table = None
+        if paged:
+            self.block_table, num_pages = _block_table(lengths, capacity, page_size, rng)
+            k_cache = _to_pages(k_cache, lengths, self.block_table, num_pages, page_size)
+            v_cache = _to_pages(v_cache, lengths, self.block_table, num_pages, page_size)
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.q = _randn((batch, layout.group * layout.qk_width), dtype, gen)
+        self.scale = rng.uniform(0.05, 0.5)
+        self.q_dev = _strided_on_device(self.q, rng)
+        self.k_dev, self.v_dev = k_cache.to(DEVICE), v_cache.to(DEVICE)
+        self.seqlens_dev = self.seqlens.to(DEVICE)
+        self.block_table_dev = None if self.block_table is None else self.block_table.to(DEVICE)
+
+    def cpu_args(self):
+        lo = self.layout
+        return (self.q, self.k_cache, self.v_cache, self.seqlens, lo.qk_offsets, lo.v_offsets, lo.group, self.scale)
+
+    def run_cuda(self, plan=None) -> torch.Tensor:
+        lo = self.layout
+        out = ops.decode_attention(self.q_dev, self.k_dev, self.v_dev, self.seqlens_dev, lo.qk_offsets, lo.v_offsets,
+                                   lo.group, self.scale, plan, self.block_table_dev)
+        assert out.device.type == "cuda" and out.dtype == self.dtype
+        return out
+
+    def check(self, out: torch.Tensor, what: str):
+        """out (from the GPU) against the float64 reference and against the CPU op on the same inputs."""
+        args = self.cpu_args()
+        expected = reference.decode_attention_ref(*args, block_table=self.block_table)
+        torch_lowp = reference.decode_attention_ref(*args, block_table=self.block_table, compute_dtype=self.dtype)
+        out = out.cpu()
+        assert_close_to_reference(out, expected, torch_lowp, f"{what} (cuda vs float64 reference)")
+        cpu = ops.decode_attention(*args, block_table=self.block_table)
+        assert_close_to_cpu(out, cpu, expected, torch_lowp, what)
+
+
+def assert_close_to_cpu(actual: torch.Tensor, cpu: torch.Tensor, expected64: torch.Tensor, torch_lowp: torch.Tensor,
+                        what: str):
+    """The GPU and CPU ops each lie within conftest's tolerance of the float64 reference, so within twice that of
+    each other (same rule: a multiple of torch's own error at this precision plus 16 eps of the output's scale)."""
+    if actual.numel() == 0:
+        return
+    torch_error = float((torch_lowp.double() - expected64).abs().max())
+    eps = torch.finfo(actual.dtype).eps
+    scale = max(1.0, float(expected64.abs().max()))
+    factor = 10 if actual.dtype == torch.float32 else 4
+    tolerance = 2 * (factor * torch_error + 16 * eps * scale)
+    error = float((actual.double() - cpu.double()).abs().max())
+    assert error <= tolerance, f"{what}: cuda vs cpu op max difference {error:.3g} > {tolerance:.3g}"
+
+
+def _plan_cuda(inputs: DecodeInputs, num_workers=None) -> torch.Tensor:
+    lo = inputs.layout
+    plan = ops.decode_plan(inputs.seqlens_dev, lo.qk_offsets, lo.v_offsets, lo.group, num_workers)
+    assert plan.device.type == "cuda" and plan.dtype == torch.int32
+    return plan
+
+
+def _check_plan_matches_cpu(inputs: DecodeInputs, plan: torch.Tensor, num_workers: int, what: str):
+    """The device planner and the host planner are the same code: identical plans, integer for integer."""
+    lo = inputs.layout
+    cpu_plan = ops.decode_plan(inputs.seqlens, lo.qk_offsets, lo.v_offsets, lo.group, num_workers)
+    assert plan.shape == cpu_plan.shape, f"{what}: plan size {plan.shape} != cpu {cpu_plan.shape}"
+    assert int(plan[7]) == 0, f"{what}: plan status {int(plan[7])} for valid lengths"
+    assert torch.equal(plan.cpu(), cpu_plan), f"{what}: cuda plan differs from the cpu plan"
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("case", range(CASES))
+def test_decode_attention_cuda(case, paged):
+    gen, rng, replay = case_generator(f"cuda decode_attention paged={paged}", case)
+    layout = random_layout(rng)
+    dtype = rng.choice(DTYPES)
+    lengths = random_lengths(rng, rng.randint(1, 6), choices=(0, 1, 5, 64, 65, 300, 700, 2049))
+    if rng.random() < 0.2:
+        lengths[0] = 5000  # split into chunks over many SMs
+    inputs = DecodeInputs(gen, rng, layout, dtype, lengths, paged, rng.choice([1, 3, 16, 64, 100]),
+                          extra_capacity=rng.randint(0, 20))
+    what = f"cuda decode_attention paged={paged} G={layout.group} {dtype} lengths={lengths} {replay}"
+    plan = None
+    if rng.random() < 0.5:
+        workers = rng.choice([None, 1, 3, 8, 40, NUM_SMS])
+        plan = _plan_cuda(inputs, workers)
+        _check_plan_matches_cpu(inputs, plan, workers or NUM_SMS, what)
+    inputs.check(inputs.run_cuda(plan), what)
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 6, 7, 8, 16])
+def test_group_sizes(group):
+    """Every G up to 8, and 16: a group larger than one 8-row tile of query heads."""
+    gen, rng, replay = case_generator(f"cuda decode group={group}", 0)
+    base = random_layout(rng, max_kv_heads=4)
+    layout = Layout(base.qk_dims, base.v_dims, group)
+    for dtype in DTYPES:
+        lengths = random_lengths(rng, 3, choices=(0, 1, 17, 300, 1500))
+        paged = rng.random() < 0.5
+        inputs = DecodeInputs(gen, rng, layout, dtype, lengths, paged, rng.choice([16, 64]))
+        inputs.check(inputs.run_cuda(), f"cuda decode G={group} {dtype} paged={paged} lengths={lengths} {replay}")
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_long_sequences(dtype, paged):
+    """32K keys and more (many chunks of one (request, head), merged by log-sum-exp), odd lengths."""
+    gen, rng, replay = case_generator(f"cuda decode long {dtype} paged={paged}", 0)
+    layout = random_layout(rng, max_kv_heads=4, max_group=8)
+    lengths = [32768 + rng.randint(0, 3000), rng.choice([1, 4097, 32768])]
+    inputs = DecodeInputs(gen, rng, layout, dtype, lengths, paged, rng.choice([16, 64]))
+    inputs.check(inputs.run_cuda(), f"cuda decode long lengths={lengths} {dtype} paged={paged} {replay}")
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_one_long_request_among_many_short(paged):
+    """One very long request and many short ones: the long one is split over SMs, the short ones are not."""
+    gen, rng, replay = case_generator(f"cuda decode mixed paged={paged}", 0)
+    layout = random_layout(rng, max_kv_heads=8, max_group=4)
+    dtype = rng.choice(DTYPES)
+    lengths = [40000 + rng.randint(0, 999)] + random_lengths(rng, 30, choices=(0, 1, 7, 64, 257, 1024))
+    rng.shuffle(lengths)
+    inputs = DecodeInputs(gen, rng, layout, dtype, lengths, paged, 64)
+    what = f"cuda decode mixed G={layout.group} {dtype} paged={paged} {replay}"
+    plan = _plan_cuda(inputs)
+    _check_plan_matches_cpu(inputs, plan, NUM_SMS, what)
+    inputs.check(inputs.run_cuda(plan), what)
+
+
+@pytest.mark.parametrize("workers", [1, 3, 132])
+def test_explicit_plans(workers):
+    """Plans for 1, 3 and 132 workers (more or fewer than the SMs) give the reference's results and equal the CPU
+    planner's plans; the plan made inside the op agrees with them."""
+    gen, rng, replay = case_generator(f"cuda decode workers={workers}", 0)
+    layout = random_layout(rng, max_kv_heads=6, max_group=8)
+    for dtype in DTYPES:
+        paged = rng.random() < 0.5
+        lengths = [9000, 0, 1, 700, rng.randint(1, 3000)]
+        inputs = DecodeInputs(gen, rng, layout, dtype, lengths, paged, 16)
+        what = f"cuda decode workers={workers} {dtype} paged={paged} {replay}"
+        plan = _plan_cuda(inputs, workers)
+        assert int(plan[3]) == workers, f"{what}: plan has {int(plan[3])} workers"
+        _check_plan_matches_cpu(inputs, plan, workers, what)
+        with_plan = inputs.run_cuda(plan)
+        inputs.check(with_plan, what)
+        if dtype == torch.float32:
+            torch.testing.assert_close(with_plan, inputs.run_cuda(), rtol=1e-4, atol=1e-5, msg=what)
+
+
+def test_default_workers_are_the_sms():
+    gen, rng, replay = case_generator("cuda decode default workers", 0)
+    layout = random_layout(rng)
+    inputs = DecodeInputs(gen, rng, layout, torch.float16, [100, 3000], False)
+    plan = _plan_cuda(inputs)
+    assert int(plan[3]) == NUM_SMS, f"default worker count {int(plan[3])}, SMs {NUM_SMS} {replay}"
+    _check_plan_matches_cpu(inputs, plan, NUM_SMS, f"default workers {replay}")
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_cuda_graph_replay(paged):
+    """decode_plan + decode_attention captured once; between replays the lengths, the cache rows, the queries (and
+    the block table) change in place, and every replay matches the CPU op on the new contents."""
+    gen, rng, replay = case_generator(f"cuda graph paged={paged}", 0)
+    layout = random_layout(rng, max_kv_heads=6, max_group=8)
+    dtype = rng.choice(DTYPES)
+    batch, capacity, page_size = 5, 4096, 16
+    first = [capacity, 0, 1, 300, 2000]
+    inputs = DecodeInputs(gen, rng, layout, dtype, first, paged, page_size)
+    if paged:  # every request owns pages for the full capacity, so any later length fits the captured table
+        table, num_pages = _block_table([capacity] * batch, capacity, page_size, rng)
+        inputs.block_table, inputs.block_table_dev = table, table.to(DEVICE)
+        inputs.k_cache = torch.full((num_pages, layout.qk_width, page_size), float("nan"), dtype=dtype)
+        inputs.v_cache = torch.full((num_pages, layout.v_width, page_size), float("nan"), dtype=dtype)
+        inputs.k_dev, inputs.v_dev = inputs.k_cache.to(DEVICE), inputs.v_cache.to(DEVICE)
+    q_static = inputs.q_dev
+
+    def step():
+        plan = ops.decode_plan(inputs.seqlens_dev, layout.qk_offsets, layout.v_offsets, layout.group)
+        return ops.decode_attention(q_static, inputs.k_dev, inputs.v_dev, inputs.seqlens_dev, layout.qk_offsets,
+                                    layout.v_offsets, layout.group, inputs.scale, plan, inputs.block_table_dev)
+
+    def refill(lengths):
+        """New lengths and fresh cache contents (NaN outside them), written in place into the captured tensors."""
+        contiguous_k = torch.full((batch, capacity, layout.qk_width), float("nan"), dtype=dtype)
+        contiguous_v = torch.full((batch, capacity, layout.v_width), float("nan"), dtype=dtype)
+        for b, length in enumerate(lengths):
+            contiguous_k[b, :length] = _randn((length, layout.qk_width), dtype, gen)
+            contiguous_v[b, :length] = _randn((length, layout.v_width), dtype, gen)
+        if paged:
+            contiguous_k = _to_pages(contiguous_k, lengths, inputs.block_table, inputs.k_cache.shape[0], page_size)
+            contiguous_v = _to_pages(contiguous_v, lengths, inputs.block_table, inputs.v_cache.shape[0], page_size)
+        inputs.k_cache, inputs.v_cache = contiguous_k, contiguous_v
+        inputs.k_dev.copy_(contiguous_k)
+        inputs.v_dev.copy_(contiguous_v)
+        inputs.seqlens = torch.tensor(lengths, dtype=torch.int32)
+        inputs.seqlens_dev.copy_(inputs.seqlens)
+        inputs.q = _randn((batch, layout.group * layout.qk_width), dtype, gen)
+        q_static.copy_(inputs.q)
+
+    refill(first)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+
+    for replay_index, lengths in enumerate([first, [1, 4096, 0, 17, 999], [0, 0, 0, 0, 0], [333, 2, 4000, 64, 1],
+                                            [rng.randint(0, capacity) for _ in range(batch)]]):
+        refill(lengths)
+        graph.replay()
+        torch.cuda.synchronize()
+        inputs.check(out.clone(), f"cuda graph replay {replay_index} lengths={lengths} paged={paged} {dtype} {replay}")
+
+
+@needs_append_kv
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("case", range(10))
+def test_append_kv_then_decode_cuda(case, paged):
+    """append_kv on the GPU writes exactly the reference's rows (others bit-identical), then decode over them."""
+    gen, rng, replay = case_generator(f"cuda append_kv paged={paged}", case)
+    layout = random_layout(rng, max_kv_heads=6, max_group=8)
+    dtype = rng.choice(DTYPES)
+    batch = rng.randint(1, 5)
+    start = random_lengths(rng, batch, choices=(0, 1, 5, 20, 300))
+    new = random_lengths(rng, batch, choices=(0, 1, 1, 3, 17, 70))
+    capacity = max(s + n for s, n in zip(start, new)) + rng.randint(1, 4)
+    page_size = rng.choice([1, 4, 16, 64])
+    k_cache = _randn((batch, capacity, layout.qk_width), dtype, gen)
+    v_cache = _randn((batch, capacity, layout.v_width), dtype, gen)
+    block_table = None
+    if paged:
+        block_table, num_pages = _block_table([capacity] * batch, capacity, page_size, rng)
+        k_cache = _to_pages(k_cache, [capacity] * batch, block_table, num_pages, page_size)
+        v_cache = _to_pages(v_cache, [capacity] * batch, block_table, num_pages, page_size)
+    cu = offsets(new)
+    k_new = _randn((int(cu[-1]), layout.qk_width), dtype, gen)
+    v_new = _randn((int(cu[-1]), layout.v_width), dtype, gen)
+    seqlens = torch.tensor(start, dtype=torch.int32)
+    expected_k, expected_v = reference.append_kv_ref(k_cache, v_cache, k_new, v_new, cu, seqlens, block_table)
+
+    k_dev, v_dev = k_cache.to(DEVICE), v_cache.to(DEVICE)
+    table_dev = None if block_table is None else block_table.to(DEVICE)
+    seqlens_dev = seqlens.to(DEVICE)
+    ops.append_kv(k_dev, v_dev, _strided_on_device(k_new, rng), v_new.to(DEVICE), cu.to(DEVICE), seqlens_dev,
+                  layout.qk_offsets, layout.v_offsets, table_dev)
+    assert torch.equal(k_dev.cpu().nan_to_num(7.0), expected_k.nan_to_num(7.0)), f"cuda append_kv k {replay}"
+    assert torch.equal(v_dev.cpu().nan_to_num(7.0), expected_v.nan_to_num(7.0)), f"cuda append_kv v {replay}"
+    assert seqlens_dev.cpu().tolist() == start, "append_kv must not advance cache_seqlens"
+
+    grown = seqlens + torch.tensor(new, dtype=torch.int32)
+    q = _randn((batch, layout.group * layout.qk_width), dtype, gen)
+    out = ops.decode_attention(q.to(DEVICE), k_dev, v_dev, grown.to(DEVICE), layout.qk_offsets, layout.v_offsets,
+                               layout.group, 0.2, None, table_dev).cpu()
+    args = (q, expected_k, expected_v, grown, layout.qk_offsets, layout.v_offsets, layout.group, 0.2)
+    expected = reference.decode_attention_ref(*args, block_table=block_table)
+    torch_lowp = reference.decode_attention_ref(*args, block_table=block_table, compute_dtype=dtype)
+    assert_close_to_reference(out, expected, torch_lowp, f"cuda decode after append_kv paged={paged} {replay}")
+
+
+@pytest.mark.parametrize("with_plan", [False, True])
+def test_negative_length_gives_nan(with_plan):
+    """The device planner cannot raise without a host round trip: a negative cache_seqlens entry sets the plan's
+    status (entry [7]) and the attention output is NaN, never a silent wrong answer."""
+    gen, rng, _ = case_generator("cuda decode negative", 0)
+    layout = random_layout(rng)
+    inputs = DecodeInputs(gen, rng, layout, torch.float16, [10, 20, 30], False)
+    inputs.seqlens_dev = torch.tensor([10, -1, 30], dtype=torch.int32, device=DEVICE)
+    plan = None
+    if with_plan:
+        plan = _plan_cuda(inputs)
+        assert int(plan[7]) != 0, "a negative length must set the plan's status"
+    out = inputs.run_cuda(plan)
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all(), "decode_attention over a failed plan must return NaN"
+
+
+def _opcheck_inputs():
+    qk_dims, v_dims, group = [8, 16], [16, 8], 2
+    qk_offsets, v_offsets = offsets(qk_dims), offsets(v_dims)
+    gen = torch.Generator().manual_seed(0)
+
+    def dev(t):
+        return t.to(DEVICE)
+
+    seqlens = dev(torch.tensor([3, 2], dtype=torch.int32))
+    q = dev(torch.randn(2, group * 24, generator=gen))
+    k, v = dev(torch.randn(2, 24, generator=gen)), dev(torch.randn(2, 24, generator=gen))
+    k_cache, v_cache = dev(torch.randn(2, 6, 24, generator=gen)), dev(torch.randn(2, 6, 24, generator=gen))
+    block_table = dev(torch.tensor([[1, 0], [2, -1]], dtype=torch.int32))
+    k_pages, v_pages = dev(torch.randn(3, 24, 4, generator=gen)), dev(torch.randn(3, 24, 4, generator=gen))
+    cu = dev(torch.tensor([0, 1, 2], dtype=torch.int32))
+    cases = {
+        "decode_plan": (seqlens, qk_offsets, v_offsets, group, 3),
+        # The fake must size the default plan as the CUDA kernel does (SM count workers), not by CPU threads.
+        "decode_plan_default_workers": (seqlens, qk_offsets, v_offsets, group, None),
+        "decode_attention": (q, k_cache, v_cache, seqlens, qk_offsets, v_offsets, group, 0.25, None, None),
+        "decode_attention_paged": (q, k_pages, v_pages, seqlens, qk_offsets, v_offsets, group, 0.25, None,
+                                   block_table),
+        "decode_attention_plan": (q, k_cache, v_cache, seqlens, qk_offsets, v_offsets, group, 0.25,
+                                  ops.decode_plan(seqlens, qk_offsets, v_offsets, group, 5), None),
+    }
+    if HAS_APPEND_KV:
+        cases["append_kv"] = (k_cache, v_cache, k, v, cu, seqlens, qk_offsets, v_offsets, None)
+        cases["append_kv_paged"] = (k_pages, v_pages, k, v, cu, seqlens, qk_offsets, v_offsets, block_table)
+    return cases
+
+
+OPCHECK_OPS = {"decode_plan": "decode_plan", "decode_plan_default_workers": "decode_plan",
+               "decode_attention": "decode_attention", "decode_attention_paged": "decode_attention",
+               "decode_attention_plan": "decode_attention", "append_kv": "append_kv", "append_kv_paged": "append_kv"}
+
+
+@pytest.mark.parametrize("name", list(OPCHECK_OPS))
+def test_opcheck_cuda(name):
+    inputs = _opcheck_inputs()
+    if name not in inputs:
+        pytest.skip("this build has no CUDA kernel for fdc::append_kv")
+    torch.library.opcheck(getattr(torch.ops.fdc, OPCHECK_OPS[name]).default, inputs[name])
