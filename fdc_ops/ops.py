@@ -32,6 +32,7 @@ from . import _C  # noqa: F401  (loads the op registrations)
 
 __all__ = [
     "rotate_compress",
+    "rope_rotate_compress",
     "prefill_plan",
     "prefill_attention",
     "decode_plan",
@@ -69,6 +70,30 @@ def rotate_compress(x: torch.Tensor, rot: torch.Tensor, qk_offsets: torch.Tensor
         ``(T, group * qk_offsets[-1])``: head ``h``'s segment is ``x[:, h, :] @ rot[h // group, :, :qk_dim]``.
     """
     return torch.ops.fdc.rotate_compress(x, rot, qk_offsets, group)
+
+
+def rope_rotate_compress(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: torch.Tensor,
+                         qk_offsets: torch.Tensor, group: int) -> torch.Tensor:
+    """RoPE and :func:`rotate_compress` in one pass: ``rotate_compress(rope(x), rot, qk_offsets, group)``.
+
+    RoPE is Hugging Face's rotate-half form (``apply_rotary_pos_emb``), partial when ``rotary_dim < D`` (Phi-3):
+    with ``half = rotary_dim // 2``, column ``d`` of each head becomes ``x[d] * cos[d] - x[d + half] * sin[d]`` for
+    ``d < half``, ``x[d] * cos[d] + x[d - half] * sin[d]`` for ``half <= d < rotary_dim``, and stays ``x[d]`` for
+    ``d >= rotary_dim``. The rotated values are not rounded to ``x``'s dtype before the product (float32 throughout),
+    so the result is slightly more accurate than RoPE in low precision followed by :func:`rotate_compress`.
+
+    Args:
+        x: ``(T, G * H_kv, D)`` pre-RoPE queries (``group=G``) or keys (``group=1``).
+        cos, sin: ``(T, rotary_dim)`` per-token tables, dtype and device of ``x``; ``rotary_dim`` even, in ``[2, D]``.
+            Hugging Face's ``(B, S, rotary_dim)`` tables become these by selecting the same tokens as ``x``.
+        rot: ``(H_kv, D, R_max)`` truncated rotations, ``R_max >= max(qk_dim)``, dtype of ``x``.
+        qk_offsets: ``(H_kv + 1,)`` int32 CPU prefix sums of the per-KV-head widths.
+        group: query heads per KV head in ``x`` (1 for keys).
+
+    Returns:
+        ``(T, group * qk_offsets[-1])``, dtype of ``x``, packed as :func:`rotate_compress`'s output.
+    """
+    return torch.ops.fdc.rope_rotate_compress(x, cos, sin, rot, qk_offsets, group)
 
 
 def prefill_plan(
@@ -224,6 +249,12 @@ def append_kv(
 @torch.library.register_fake("fdc::rotate_compress")
 def _rotate_compress_fake(x, rot, qk_offsets, group):
     # The packed width is the data qk_offsets[-1], which fake tensors do not carry: it is a dynamic size.
+    width = torch.library.get_ctx().new_dynamic_size()
+    return x.new_empty((x.shape[0], width))
+
+
+@torch.library.register_fake("fdc::rope_rotate_compress")
+def _rope_rotate_compress_fake(x, cos, sin, rot, qk_offsets, group):
     width = torch.library.get_ctx().new_dynamic_size()
     return x.new_empty((x.shape[0], width))
 
