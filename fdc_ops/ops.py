@@ -230,16 +230,32 @@ def append_kv(
     """Writes new compressed K/V rows into a cache, in place, after each request's current rows.
 
     Rows ``cu_seqlens[b] .. cu_seqlens[b+1]`` of ``k``/``v`` go to positions ``cache_seqlens[b] ...`` of request
-    ``b``. ``cache_seqlens`` is not changed (the caller advances it). Every write is checked before any is made:
-    a request that would overflow its cache (or its pages) raises and leaves the cache untouched.
+    ``b``. ``cache_seqlens`` is not changed (the caller advances it).
+
+    Checks differ by device, because on CUDA the values of ``cu_seqlens``, ``cache_seqlens`` and ``block_table`` are
+    never read on the host (that would synchronise the stream and make a decode step impossible to capture in a
+    CUDA graph):
+
+    - CPU: every write is checked before any is made; bad ``cu_seqlens`` (decreasing, negative, past ``T``),
+      ``cache_seqlens`` (negative, past the capacity), a request that would overflow its cache, or a block-table
+      entry it needs outside ``[0, num_pages)`` raises ``RuntimeError`` and leaves the caches untouched.
+    - CUDA: the host checks everything shapes, dtypes and devices tell (the layout, widths, row counts, dtypes,
+      ``cu_seqlens`` and ``cache_seqlens`` int32 of length ``B + 1`` and ``B`` and on the cache's device, the cache
+      and block-table shapes); values are checked on the device, where a bad one never raises but is skipped: a
+      request ``b`` writes nothing unless ``0 <= cu_seqlens[b] <= cu_seqlens[b+1] <= T``, ``cache_seqlens[b] >= 0``
+      and ``cache_seqlens[b] + new rows <= capacity``; a row whose block-table entry is outside ``[0, num_pages)`` is
+      not written (the request's other rows are); rows outside ``[cu_seqlens[0], cu_seqlens[B])`` are not written.
+      If ``cu_seqlens`` is not non-decreasing, which rows are written is unspecified, but no write leaves the
+      caches. Nothing reports a skipped row: validate on the host beforehand when inputs are untrusted.
 
     Args:
         k_cache, v_cache: contiguous ``(B, S_max, width)`` caches with unit-stride rows, or paged
             ``(num_pages, width, page_size)`` caches with contiguous pages; written in place.
         k: ``(T, qk_offsets[-1])`` new compressed keys, dtype of the cache.
         v: ``(T, v_offsets[-1])`` new compressed values.
-        cu_seqlens: ``(B + 1,)`` int32 boundaries of each request's new rows in ``k``/``v``.
-        cache_seqlens: ``(B,)`` int32 current cache lengths.
+        cu_seqlens: ``(B + 1,)`` int32 boundaries of each request's new rows in ``k``/``v`` (on CUDA: on the
+            cache's device).
+        cache_seqlens: ``(B,)`` int32 current cache lengths (on CUDA: on the cache's device).
         qk_offsets, v_offsets: ``(H_kv + 1,)`` int32 CPU prefix sums of the head widths.
         block_table: ``(B, max_pages)`` int32 for a paged cache, None for a contiguous one.
     """
