@@ -116,7 +116,8 @@ def rope_tables(positions: torch.Tensor, rotary_dim: int, dtype: torch.dtype, ba
 def random_rope_inputs(rng, gen, layout, dtype, group, device="cpu"):
     """Pre-RoPE x (T, G * H_kv, D) in one of several non-contiguous or misaligned layouts, cos/sin (T, rotary_dim)
     with full or partial rotary (Phi-3 style), and rot (H_kv, D, R_max). D is now and then not a multiple of 8, and
-    rotary_dim / 2 not a multiple of 8 (neither allows 16-byte loads)."""
+    rotary_dim / 2 not a multiple of 8 (neither allows 16-byte loads). x is laid out on `device` itself, since
+    moving a view to another device would make it contiguous and aligned."""
     head_dim = max(max(layout.qk_dims), 8 * rng.randint(1, 32)) + rng.choice([0, 0, 0, 2, 5])
     full = head_dim - head_dim % 2  # rotary_dim is even
     rotary_dim = rng.choice([full, full, 2 * max(1, (3 * head_dim) // 8), 2 * rng.randint(1, head_dim // 2)])
@@ -124,17 +125,17 @@ def random_rope_inputs(rng, gen, layout, dtype, group, device="cpu"):
     heads = layout.num_kv_heads * group
     kind = rng.choice(["transposed", "padded", "strided", "misaligned"])
     if kind == "transposed":  # (heads, T, D) storage, as after q.transpose(1, 2) of a (B, H, S, D) projection
-        x = _randn_as((heads, tokens, head_dim), dtype, gen).transpose(0, 1)
+        x = _randn_as((heads, tokens, head_dim), dtype, gen).to(device).transpose(0, 1)
     elif kind == "padded":  # rows of a wider buffer: unit-stride rows, padded heads
-        x = _randn_as((tokens, heads, head_dim + 8 * rng.randint(1, 3)), dtype, gen)[:, :, :head_dim]
+        x = _randn_as((tokens, heads, head_dim + 8 * rng.randint(1, 3)), dtype, gen).to(device)[:, :, :head_dim]
     elif kind == "strided":  # non-unit stride in the last dimension: the op must copy
-        x = _randn_as((tokens, heads, 2 * head_dim), dtype, gen)[:, :, ::2]
+        x = _randn_as((tokens, heads, 2 * head_dim), dtype, gen).to(device)[:, :, ::2]
     else:  # contiguous, but one element past a 16-byte boundary
-        x = _randn_as((tokens * heads * head_dim + 1,), dtype, gen)[1:].view(tokens, heads, head_dim)
+        x = _randn_as((tokens * heads * head_dim + 1,), dtype, gen).to(device)[1:].view(tokens, heads, head_dim)
     positions = torch.randint(0, 4096, (tokens,), generator=gen)
     cos, sin = rope_tables(positions, rotary_dim, dtype)
     rot = _randn_as((layout.num_kv_heads, head_dim, max(layout.qk_dims) + 8 * rng.randint(0, 2)), dtype, gen)
-    return x.to(device), cos.to(device), sin.to(device), rot.to(device)
+    return x, cos.to(device), sin.to(device), rot.to(device)
 
 
 def random_block_table(lengths: list[int], capacity: int, page_size: int, rng) -> tuple[torch.Tensor, int]:
