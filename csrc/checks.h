@@ -244,6 +244,8 @@ inline CacheShape check_cache(const char* op, const at::Tensor& k_cache, const a
 // The argument checks of append_kv that need no tensor's values: layout, dtypes, devices, widths, the metadata
 // vectors' dtype and length, the cache shapes. The CPU op then reads and checks the values; the CUDA op never does
 // (a host read would synchronise the stream and break CUDA-graph capture), its kernel skips what it cannot place.
+// Shapes: caches (B, S_max, W) or paged (num_pages, W, page_size), k (T, qk_offsets[-1]), v (T, v_offsets[-1]),
+// cu_seqlens (B + 1), cache_seqlens (B), block_table (B, max_pages).
 struct AppendShape {
   HostLayout layout;
   int64_t batch = 0;

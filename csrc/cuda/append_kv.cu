@@ -144,6 +144,7 @@ __global__ void __launch_bounds__(kPagedTile * kPagedThreadRows)
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// src (T, width) with unit-stride rows; cache (B, S_max, width) or (num_pages, width, page_size).
 template <typename Bits>
 AppendTarget<Bits> target(const at::Tensor& src, at::Tensor& cache, int64_t width) {
   AppendTarget<Bits> t;
@@ -183,6 +184,9 @@ void launch_append(const AppendRequests& q, const AppendTarget<Bits>& k, const A
 
 }  // namespace
 
+// k_cache, v_cache (B, S_max, W) or paged (num_pages, W, page_size), written in place; k (T, qk_offsets[-1]),
+// v (T, v_offsets[-1]); cu_seqlens (B + 1), cache_seqlens (B) and block_table (B, max_pages) int32 on the caches'
+// device; qk_offsets, v_offsets (H_kv + 1) int32 on the CPU.
 void append_kv_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& cu_seqlens, const at::Tensor& cache_seqlens, const at::Tensor& qk_offsets,
                     const at::Tensor& v_offsets, const std::optional<at::Tensor>& block_table) {

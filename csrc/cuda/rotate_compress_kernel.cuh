@@ -53,8 +53,9 @@ struct RotateArgs {
   int32_t offsets[kRotateHeadsPerLaunch + 1];  // qk_offsets[first_head ...], one more than the launch's heads
 };
 
-// Loads kPacket<T> elements of x's row at column d into v as float32: one 16-byte load when kVector (the host
-// checked alignment and that D is a multiple of the packet), else element by element with columns >= D as 0.
+// Loads elements [d, d + kPacket<T>) of `row` (a row of x, cos, sin or rot, `limit` elements wide) into v as
+// float32: one 16-byte load when kVector (the host checked alignment and that the row's width in use is a multiple
+// of the packet), else element by element; elements at or past `limit` read as 0.
 template <typename T, bool kVector>
 __device__ __forceinline__ void load_packet(const T* row, int32_t d, int32_t limit, float* v) {
   if constexpr (kVector) {
@@ -73,7 +74,7 @@ __device__ __forceinline__ void load_packet(const T* row, int32_t d, int32_t lim
   }
 }
 
-// x[token, head, d .. d + kPacket) with RoPE applied when kRope:
+// x[token, head, d .. d + kPacket) with RoPE applied when kRope (`row` is x[token, head, :], D elements):
 //   d <  half:            x[d] * cos[d] - x[d + half] * sin[d]
 //   half <= d < 2 * half: x[d] * cos[d] + x[d - half] * sin[d]
 //   d >= 2 * half:        x[d]
