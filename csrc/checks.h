@@ -172,7 +172,8 @@ inline void check_scale(const char* op, double scale) {
   FDC_CHECK(std::isfinite(scale) && scale > 0, op, "scale must be a positive finite number but got ", scale);
 }
 
-// A tensor a CUDA kernel reads in device memory.
+// A tensor a CUDA kernel reads or writes: on a CUDA device (the dispatcher picks the CUDA kernel when any argument
+// is a CUDA tensor, so the others must be checked).
 inline void check_cuda_tensor(const char* op, const char* name, const at::Tensor& t) {
   FDC_CHECK(t.is_cuda(), op, name, " must be a CUDA tensor but is on ", t.device());
 }
@@ -269,6 +270,89 @@ inline void check_vector_aligned(const char* op, const char* name, const at::Ten
   FDC_CHECK(reinterpret_cast<uintptr_t>(cache.data_ptr()) % 16 == 0 && strides_ok, op, name,
             " must start at a 16-byte aligned address with strides that are multiples of 16 bytes (", packet,
             " elements) but got strides ", cache.strides(), " at offset ", cache.storage_offset());
+}
+
+// The argument checks of append_kv that need no tensor's values: layout, dtypes, devices, widths, the metadata
+// vectors' dtype and length, the cache shapes. The CPU op then reads and checks the values; the CUDA op never does
+// (a host read would synchronise the stream and break CUDA-graph capture), its kernel skips what it cannot place.
+// Shapes: caches (B, S_max, W) or paged (num_pages, W, page_size), k (T, qk_offsets[-1]), v (T, v_offsets[-1]),
+// cu_seqlens (B + 1), cache_seqlens (B), block_table (B, max_pages).
+struct AppendShape {
+  HostLayout layout;
+  int64_t batch = 0;
+  CacheShape cache;
+};
+
+inline AppendShape check_append_kv(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens,
+                                   const at::Tensor& cache_seqlens, const at::Tensor& qk_offsets,
+                                   const at::Tensor& v_offsets, const std::optional<at::Tensor>& block_table) {
+  AppendShape shape;
+  shape.layout = read_layout(op, qk_offsets, &v_offsets, 1);
+  check_float(op, "k", k, 2);
+  check_float(op, "v", v, 2);
+  check_same_dtype(op, "k", k, "k_cache", k_cache);
+  check_same_dtype(op, "v", v, "k_cache", k_cache);
+  check_same_device(op, "k", k, "k_cache", k_cache);
+  check_same_device(op, "v", v, "k_cache", k_cache);
+  check_width(op, "k", k, shape.layout.qk_width(), "qk_offsets[-1]");
+  check_width(op, "v", v, shape.layout.v_width(), "v_offsets[-1]");
+  FDC_CHECK(v.size(0) == k.size(0), op, "v must have the ", k.size(0), " rows of k but got shape ", v.sizes());
+  check_int32_vector(op, "cache_seqlens", cache_seqlens, -1);
+  shape.batch = cache_seqlens.size(0);
+  check_int32_vector(op, "cu_seqlens", cu_seqlens, shape.batch + 1);
+  shape.cache = check_cache(op, k_cache, v_cache, block_table, shape.batch, shape.layout);
+  return shape;
+}
+
+// rotate_compress and rope_rotate_compress: x (T, G * H_kv, D) and rot (H_kv, D, R_max >= every qk width), one
+// float dtype and device.
+struct RotateShape {
+  HostLayout layout;
+  int64_t tokens = 0;     // T
+  int64_t head_dim = 0;   // D
+  int32_t max_dim = 0;    // widest head of the layout
+};
+
+inline RotateShape check_rotate_compress(const char* op, const at::Tensor& x, const at::Tensor& rot,
+                                         const at::Tensor& qk_offsets, int64_t group) {
+  check_float(op, "x", x, 3);
+  check_float(op, "rot", rot, 3);
+  check_same_dtype(op, "rot", rot, "x", x);
+  check_same_device(op, "rot", rot, "x", x);
+  RotateShape shape;
+  shape.layout = read_layout(op, qk_offsets, nullptr, group);
+  const int64_t hkv = shape.layout.num_kv_heads();
+  shape.tokens = x.size(0);
+  shape.head_dim = x.size(2);
+  FDC_CHECK(x.size(1) == group * hkv, op, "x must have group * H_kv = ", group, " * ", hkv, " = ", group * hkv,
+            " heads in dimension 1 but got shape ", x.sizes());
+  for (int64_t j = 0; j < hkv; ++j) {
+    shape.max_dim = std::max(shape.max_dim, shape.layout.qk_offsets[j + 1] - shape.layout.qk_offsets[j]);
+  }
+  FDC_CHECK(rot.size(0) == hkv && rot.size(1) == shape.head_dim && rot.size(2) >= shape.max_dim, op,
+            "rot must have shape (H_kv=", hkv, ", D=", shape.head_dim, ", R_max>=", shape.max_dim, ") but got ",
+            rot.sizes());
+  return shape;
+}
+
+// rope_rotate_compress: cos and sin (T, rotary_dim) in x's dtype and on x's device, rotary_dim even and in [2, D].
+// Returns rotary_dim.
+inline int64_t check_rope_tables(const char* op, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& x) {
+  check_float(op, "cos", cos, 2);
+  check_float(op, "sin", sin, 2);
+  check_same_dtype(op, "cos", cos, "x", x);
+  check_same_dtype(op, "sin", sin, "x", x);
+  check_same_device(op, "cos", cos, "x", x);
+  check_same_device(op, "sin", sin, "x", x);
+  const int64_t rotary_dim = cos.size(1);
+  FDC_CHECK(cos.size(0) == x.size(0), op, "cos must have the T=", x.size(0), " rows of x but got shape ",
+            cos.sizes());
+  FDC_CHECK(rotary_dim >= 2 && rotary_dim % 2 == 0 && rotary_dim <= x.size(2), op,
+            "cos must have an even number of columns (rotary_dim) in [2, D=", x.size(2), "] but got shape ",
+            cos.sizes());
+  check_shape(op, "sin", sin, cos.sizes());
+  return rotary_dim;
 }
 
 // Block-table entries are read lazily by kernels; this checks the ones a sequence of length seqlen will touch.

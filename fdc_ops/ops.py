@@ -32,6 +32,7 @@ from . import _C  # noqa: F401  (loads the op registrations)
 
 __all__ = [
     "rotate_compress",
+    "rope_rotate_compress",
     "prefill_plan",
     "prefill_attention",
     "decode_plan",
@@ -69,6 +70,30 @@ def rotate_compress(x: torch.Tensor, rot: torch.Tensor, qk_offsets: torch.Tensor
         ``(T, group * qk_offsets[-1])``: head ``h``'s segment is ``x[:, h, :] @ rot[h // group, :, :qk_dim]``.
     """
     return torch.ops.fdc.rotate_compress(x, rot, qk_offsets, group)
+
+
+def rope_rotate_compress(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: torch.Tensor,
+                         qk_offsets: torch.Tensor, group: int) -> torch.Tensor:
+    """RoPE and :func:`rotate_compress` in one pass: ``rotate_compress(rope(x), rot, qk_offsets, group)``.
+
+    RoPE is Hugging Face's rotate-half form (``apply_rotary_pos_emb``), partial when ``rotary_dim < D`` (Phi-3):
+    with ``half = rotary_dim // 2``, column ``d`` of each head becomes ``x[d] * cos[d] - x[d + half] * sin[d]`` for
+    ``d < half``, ``x[d] * cos[d] + x[d - half] * sin[d]`` for ``half <= d < rotary_dim``, and stays ``x[d]`` for
+    ``d >= rotary_dim``. The rotated values are not rounded to ``x``'s dtype before the product (float32 throughout),
+    so the result is slightly more accurate than RoPE in low precision followed by :func:`rotate_compress`.
+
+    Args:
+        x: ``(T, G * H_kv, D)`` pre-RoPE queries (``group=G``) or keys (``group=1``).
+        cos, sin: ``(T, rotary_dim)`` per-token tables, dtype and device of ``x``; ``rotary_dim`` even, in ``[2, D]``.
+            Hugging Face's ``(B, S, rotary_dim)`` tables become these by selecting the same tokens as ``x``.
+        rot: ``(H_kv, D, R_max)`` truncated rotations, ``R_max >= max(qk_dim)``, dtype of ``x``.
+        qk_offsets: ``(H_kv + 1,)`` int32 CPU prefix sums of the per-KV-head widths.
+        group: query heads per KV head in ``x`` (1 for keys).
+
+    Returns:
+        ``(T, group * qk_offsets[-1])``, dtype of ``x``, packed as :func:`rotate_compress`'s output.
+    """
+    return torch.ops.fdc.rope_rotate_compress(x, cos, sin, rot, qk_offsets, group)
 
 
 def prefill_plan(
@@ -223,16 +248,32 @@ def append_kv(
     """Writes new compressed K/V rows into a cache, in place, after each request's current rows.
 
     Rows ``cu_seqlens[b] .. cu_seqlens[b+1]`` of ``k``/``v`` go to positions ``cache_seqlens[b] ...`` of request
-    ``b``. ``cache_seqlens`` is not changed (the caller advances it). Every write is checked before any is made:
-    a request that would overflow its cache (or its pages) raises and leaves the cache untouched.
+    ``b``. ``cache_seqlens`` is not changed (the caller advances it).
+
+    Checks differ by device, because on CUDA the values of ``cu_seqlens``, ``cache_seqlens`` and ``block_table`` are
+    never read on the host (that would synchronise the stream and make a decode step impossible to capture in a
+    CUDA graph):
+
+    - CPU: every write is checked before any is made; bad ``cu_seqlens`` (decreasing, negative, past ``T``),
+      ``cache_seqlens`` (negative, past the capacity), a request that would overflow its cache, or a block-table
+      entry it needs outside ``[0, num_pages)`` raises ``RuntimeError`` and leaves the caches untouched.
+    - CUDA: the host checks everything shapes, dtypes and devices tell (the layout, widths, row counts, dtypes,
+      ``cu_seqlens`` and ``cache_seqlens`` int32 of length ``B + 1`` and ``B`` and on the cache's device, the cache
+      and block-table shapes); values are checked on the device, where a bad one never raises but is skipped: a
+      request ``b`` writes nothing unless ``0 <= cu_seqlens[b] <= cu_seqlens[b+1] <= T``, ``cache_seqlens[b] >= 0``
+      and ``cache_seqlens[b] + new rows <= capacity``; a row whose block-table entry is outside ``[0, num_pages)`` is
+      not written (the request's other rows are); rows outside ``[cu_seqlens[0], cu_seqlens[B])`` are not written.
+      If ``cu_seqlens`` is not non-decreasing, which rows are written is unspecified, but no write leaves the
+      caches. Nothing reports a skipped row: validate on the host beforehand when inputs are untrusted.
 
     Args:
         k_cache, v_cache: contiguous ``(B, S_max, width)`` caches with unit-stride rows, or paged
             ``(num_pages, width, page_size)`` caches with contiguous pages; written in place.
         k: ``(T, qk_offsets[-1])`` new compressed keys, dtype of the cache.
         v: ``(T, v_offsets[-1])`` new compressed values.
-        cu_seqlens: ``(B + 1,)`` int32 boundaries of each request's new rows in ``k``/``v``.
-        cache_seqlens: ``(B,)`` int32 current cache lengths.
+        cu_seqlens: ``(B + 1,)`` int32 boundaries of each request's new rows in ``k``/``v`` (on CUDA: on the
+            cache's device).
+        cache_seqlens: ``(B,)`` int32 current cache lengths (on CUDA: on the cache's device).
         qk_offsets, v_offsets: ``(H_kv + 1,)`` int32 CPU prefix sums of the head widths.
         block_table: ``(B, max_pages)`` int32 for a paged cache, None for a contiguous one.
     """
@@ -242,6 +283,12 @@ def append_kv(
 @torch.library.register_fake("fdc::rotate_compress")
 def _rotate_compress_fake(x, rot, qk_offsets, group):
     # The packed width is the data qk_offsets[-1], which fake tensors do not carry: it is a dynamic size.
+    width = torch.library.get_ctx().new_dynamic_size()
+    return x.new_empty((x.shape[0], width))
+
+
+@torch.library.register_fake("fdc::rope_rotate_compress")
+def _rope_rotate_compress_fake(x, cos, sin, rot, qk_offsets, group):
     width = torch.library.get_ctx().new_dynamic_size()
     return x.new_empty((x.shape[0], width))
 

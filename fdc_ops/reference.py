@@ -43,6 +43,27 @@ def rotate_compress_ref(x: torch.Tensor, rot: torch.Tensor, qk_offsets: torch.Te
     return torch.cat(segments, dim=1)
 
 
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             compute_dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Rotate-half RoPE (Hugging Face's apply_rotary_pos_emb, partial rotary as in Phi-3) in compute_dtype.
+
+    x (T, heads, D), cos and sin (T, rotary_dim): the first rotary_dim columns are rotated, the rest pass through.
+    """
+    x, cos, sin = x.to(compute_dtype), cos.to(compute_dtype)[:, None, :], sin.to(compute_dtype)[:, None, :]
+    rotary_dim = cos.shape[-1]
+    rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
+    first, second = rotated[..., : rotary_dim // 2], rotated[..., rotary_dim // 2:]
+    half_turned = torch.cat([-second, first], dim=-1)
+    return torch.cat([rotated * cos + half_turned * sin, passed], dim=-1)
+
+
+def rope_rotate_compress_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: torch.Tensor,
+                             qk_offsets: torch.Tensor, group: int,
+                             compute_dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """rotate_compress_ref(rope_ref(x, cos, sin), ...): x (T, G * H_kv, D) pre-RoPE -> (T, G * qk_offsets[-1])."""
+    return rotate_compress_ref(rope_ref(x, cos, sin, compute_dtype), rot, qk_offsets, group, compute_dtype)
+
+
 def prefill_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group, scale, causal,
                           compute_dtype: torch.dtype = torch.float64):
     """q (T_q, G * W_qk), k (T_k, W_qk), v (T_k, W_v) -> (T_q, G * W_v) (see ops.prefill_attention)."""

@@ -101,6 +101,67 @@ def strided_rows(t: torch.Tensor, rng: random.Random) -> torch.Tensor:
     return wide[:, start:start + t.shape[1]]
 
 
+def _randn_as(shape, dtype, generator):
+    return torch.randn(shape, generator=generator).to(dtype)
+
+
+def rope_tables(positions: torch.Tensor, rotary_dim: int, dtype: torch.dtype, base: float = 10000.0):
+    """Hugging Face's cos/sin tables (T, rotary_dim) for these positions: frequencies repeated over both halves."""
+    inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def random_rope_inputs(rng, gen, layout, dtype, group, device="cpu"):
+    """Pre-RoPE x (T, G * H_kv, D) in one of several non-contiguous or misaligned layouts, cos/sin (T, rotary_dim)
+    with full or partial rotary (Phi-3 style), and rot (H_kv, D, R_max). D is now and then not a multiple of 8, and
+    rotary_dim / 2 not a multiple of 8 (neither allows 16-byte loads). x is laid out on `device` itself, since
+    moving a view to another device would make it contiguous and aligned."""
+    head_dim = max(max(layout.qk_dims), 8 * rng.randint(1, 32)) + rng.choice([0, 0, 0, 2, 5])
+    full = head_dim - head_dim % 2  # rotary_dim is even
+    rotary_dim = rng.choice([full, full, 2 * max(1, (3 * head_dim) // 8), 2 * rng.randint(1, head_dim // 2)])
+    tokens = rng.choice([0, 1, 5, 37, 130])
+    heads = layout.num_kv_heads * group
+    kind = rng.choice(["transposed", "padded", "strided", "misaligned"])
+    if kind == "transposed":  # (heads, T, D) storage, as after q.transpose(1, 2) of a (B, H, S, D) projection
+        x = _randn_as((heads, tokens, head_dim), dtype, gen).to(device).transpose(0, 1)
+    elif kind == "padded":  # rows of a wider buffer: unit-stride rows, padded heads
+        x = _randn_as((tokens, heads, head_dim + 8 * rng.randint(1, 3)), dtype, gen).to(device)[:, :, :head_dim]
+    elif kind == "strided":  # non-unit stride in the last dimension: the op must copy
+        x = _randn_as((tokens, heads, 2 * head_dim), dtype, gen).to(device)[:, :, ::2]
+    else:  # contiguous, but one element past a 16-byte boundary
+        x = _randn_as((tokens * heads * head_dim + 1,), dtype, gen).to(device)[1:].view(tokens, heads, head_dim)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    cos, sin = rope_tables(positions, rotary_dim, dtype)
+    rot = _randn_as((layout.num_kv_heads, head_dim, max(layout.qk_dims) + 8 * rng.randint(0, 2)), dtype, gen)
+    return x, cos.to(device), sin.to(device), rot.to(device)
+
+
+def random_block_table(lengths: list[int], capacity: int, page_size: int, rng) -> tuple[torch.Tensor, int]:
+    """A shuffled page assignment for requests of these lengths; unused entries are -1 (never read)."""
+    pages_needed = [-(-length // page_size) for length in lengths]
+    num_pages = sum(pages_needed) + rng.randint(0, 3)
+    order = list(range(num_pages))
+    rng.shuffle(order)
+    table = torch.full((len(lengths), -(-capacity // page_size)), -1, dtype=torch.int32)
+    taken = 0
+    for b, count in enumerate(pages_needed):
+        table[b, :count] = torch.tensor(order[taken:taken + count], dtype=torch.int32)
+        taken += count
+    return table, num_pages
+
+
+def to_pages(cache: torch.Tensor, lengths: list[int], table: torch.Tensor, num_pages: int, page_size: int):
+    """The contiguous cache (B, S, W) as NaN-poisoned dim-major pages (num_pages, W, page_size)."""
+    paged = torch.full((num_pages, cache.shape[2], page_size), float("nan"), dtype=cache.dtype)
+    for b, length in enumerate(lengths):
+        for p in range(-(-length // page_size)):
+            rows = cache[b, p * page_size:min(length, (p + 1) * page_size)]
+            paged[int(table[b, p]), :, :rows.shape[0]] = rows.T
+    return paged
+
+
 def assert_close_to_reference(actual: torch.Tensor, expected64: torch.Tensor, torch_lowp: torch.Tensor, what: str):
     """Checks `actual` against the float64 reference within a small multiple of PyTorch's own error at actual's
     precision (see the module docstring)."""

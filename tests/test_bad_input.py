@@ -173,6 +173,25 @@ def test_rotate_compress_bad_input():
         ops.rotate_compress(x[0], rot, QK, G)
 
 
+@pytest.mark.parametrize("name, value, argument", [
+    ("cos", torch.randn(4, 16), r"cos must have the T=3 rows of x"),
+    ("cos", torch.randn(3, 15), r"cos must have an even number of columns \(rotary_dim\) in \[2, D=32\]"),
+    ("cos", torch.randn(3, 40), r"cos must have an even number of columns"),
+    ("cos", torch.randn(3, 16, 1), "cos must have 2 dimensions"),
+    ("cos", torch.randn(3, 16).half(), "cos must have the dtype of x"),
+    ("sin", torch.randn(3, 8), r"sin must have shape \[3, 16\]"),
+    ("sin", torch.randn(3, 16).bfloat16(), "sin must have the dtype of x"),
+    ("rot", torch.randn(2, 32, 8), r"rot must have shape \(H_kv=2, D=32, R_max>=16\)"),
+    ("group", 3, r"x must have group \* H_kv = 3 \* 2 = 6 heads"),
+])
+def test_rope_rotate_compress_bad_input(name, value, argument):
+    args = dict(x=torch.randn(3, 4, 32), cos=torch.randn(3, 16), sin=torch.randn(3, 16), rot=torch.randn(2, 32, 16),
+                qk_offsets=QK, group=G)
+    args[name] = value
+    with raises("rope_rotate_compress", argument):
+        ops.rope_rotate_compress(**args)
+
+
 def test_append_kv_overflow_leaves_the_cache_untouched():
     k_cache, v_cache = torch.randn(2, 6, 24), torch.randn(2, 6, 24)
     before = (k_cache.clone(), v_cache.clone())

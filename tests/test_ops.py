@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DTYPES, assert_close_to_reference, case_generator, offsets, random_layout, random_lengths, \
-    strided_rows
+from conftest import DTYPES, assert_close_to_reference, case_generator, offsets, random_block_table, random_layout, \
+    random_lengths, random_rope_inputs, rope_tables, strided_rows, to_pages
 from fdc_ops import ops, reference
 
 CASES = 60  # per op and run: the issue asks for at least 50 fresh configurations
@@ -34,6 +34,40 @@ def test_rotate_compress(case):
     torch_lowp = reference.rotate_compress_ref(x, rot, layout.qk_offsets, group, compute_dtype=dtype)
     assert out.dtype == dtype
     assert_close_to_reference(out, expected, torch_lowp, f"rotate_compress {replay}")
+
+
+@pytest.mark.parametrize("case", range(CASES))
+def test_rope_rotate_compress(case):
+    gen, rng, replay = case_generator("rope_rotate_compress", case)
+    layout = random_layout(rng)
+    dtype = rng.choice(DTYPES)
+    group = rng.choice([1, layout.group])
+    x, cos, sin, rot = random_rope_inputs(rng, gen, layout, dtype, group)
+    out = ops.rope_rotate_compress(x, cos, sin, rot, layout.qk_offsets, group)
+    args = (x, cos, sin, rot, layout.qk_offsets, group)
+    expected = reference.rope_rotate_compress_ref(*args)
+    torch_lowp = reference.rope_rotate_compress_ref(*args, compute_dtype=dtype)
+    assert out.dtype == dtype
+    assert_close_to_reference(out, expected, torch_lowp,
+                              f"rope_rotate_compress rotary_dim={cos.shape[1]} D={x.shape[2]} {replay}")
+
+
+@pytest.mark.parametrize("rotary_dim", [8, 24, 32])
+def test_rope_reference_is_transformers_rope(rotary_dim):
+    """The reference RoPE is transformers' apply_rotary_pos_emb (Phi-3's, which handles partial rotary), and the
+    fused op equals RoPE followed by rotate_compress."""
+    modeling_phi3 = pytest.importorskip("transformers.models.phi3.modeling_phi3")
+    gen = torch.Generator().manual_seed(rotary_dim)
+    x = torch.randn(6, 4, 32, generator=gen, dtype=torch.float64)  # (T, heads, D)
+    cos, sin = rope_tables(torch.arange(6) * 37, rotary_dim, torch.float64)
+    theirs, _ = modeling_phi3.apply_rotary_pos_emb(x.transpose(0, 1)[None], x.transpose(0, 1)[None], cos[None],
+                                                   sin[None])  # (1, heads, T, D)
+    torch.testing.assert_close(reference.rope_ref(x, cos, sin), theirs[0].transpose(0, 1), rtol=0, atol=1e-12)
+
+    qk_offsets, rot = offsets([16, 8]), torch.randn(2, 32, 16, generator=gen)
+    fused = ops.rope_rotate_compress(x.float(), cos.float(), sin.float(), rot, qk_offsets, 2)
+    two_pass = ops.rotate_compress(reference.rope_ref(x, cos, sin).float(), rot, qk_offsets, 2)
+    torch.testing.assert_close(fused, two_pass, rtol=1e-5, atol=1e-5)
 
 
 def _prefill_inputs(rng, gen, layout, dtype):
@@ -70,30 +104,6 @@ def test_prefill_attention(case):
     assert_close_to_reference(out, expected, torch_lowp, f"prefill_attention causal={causal} {replay}")
 
 
-def _block_table(lengths: list[int], capacity: int, page_size: int, rng) -> tuple[torch.Tensor, int]:
-    """A shuffled page assignment for requests of these lengths; unused entries are -1 (never read)."""
-    pages_needed = [-(-length // page_size) for length in lengths]
-    num_pages = sum(pages_needed) + rng.randint(0, 3)
-    order = list(range(num_pages))
-    rng.shuffle(order)
-    table = torch.full((len(lengths), -(-capacity // page_size)), -1, dtype=torch.int32)
-    taken = 0
-    for b, count in enumerate(pages_needed):
-        table[b, :count] = torch.tensor(order[taken:taken + count], dtype=torch.int32)
-        taken += count
-    return table, num_pages
-
-
-def _to_pages(cache: torch.Tensor, lengths: list[int], table: torch.Tensor, num_pages: int, page_size: int):
-    """The contiguous cache (B, S, W) as NaN-poisoned dim-major pages (num_pages, W, page_size)."""
-    paged = torch.full((num_pages, cache.shape[2], page_size), float("nan"), dtype=cache.dtype)
-    for b, length in enumerate(lengths):
-        for p in range(-(-length // page_size)):
-            rows = cache[b, p * page_size:min(length, (p + 1) * page_size)]
-            paged[int(table[b, p]), :, :rows.shape[0]] = rows.T
-    return paged
-
-
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("case", range(CASES))
 def test_decode_attention(case, paged):
@@ -116,9 +126,9 @@ def test_decode_attention(case, paged):
     block_table = None
     if paged:
         page_size = rng.choice([1, 3, 16, 64, 100])
-        block_table, num_pages = _block_table(lengths, capacity, page_size, rng)
-        k_cache = _to_pages(k_cache, lengths, block_table, num_pages, page_size)
-        v_cache = _to_pages(v_cache, lengths, block_table, num_pages, page_size)
+        block_table, num_pages = random_block_table(lengths, capacity, page_size, rng)
+        k_cache = to_pages(k_cache, lengths, block_table, num_pages, page_size)
+        v_cache = to_pages(v_cache, lengths, block_table, num_pages, page_size)
     plan = None
     if rng.random() < 0.6:
         plan = ops.decode_plan(seqlens, layout.qk_offsets, layout.v_offsets, layout.group,
@@ -147,9 +157,9 @@ def test_append_kv_then_decode(case, paged):
     v_cache = _randn((batch, capacity, layout.v_width), dtype, gen)
     block_table = None
     if paged:
-        block_table, num_pages = _block_table([capacity] * batch, capacity, page_size, rng)
-        k_cache = _to_pages(k_cache, [capacity] * batch, block_table, num_pages, page_size)
-        v_cache = _to_pages(v_cache, [capacity] * batch, block_table, num_pages, page_size)
+        block_table, num_pages = random_block_table([capacity] * batch, capacity, page_size, rng)
+        k_cache = to_pages(k_cache, [capacity] * batch, block_table, num_pages, page_size)
+        v_cache = to_pages(v_cache, [capacity] * batch, block_table, num_pages, page_size)
     cu = offsets(new)
     k_new = strided_rows(_randn((int(cu[-1]), layout.qk_width), dtype, gen), rng)
     v_new = _randn((int(cu[-1]), layout.v_width), dtype, gen)
@@ -212,8 +222,10 @@ def _opcheck_inputs():
     v_pages = torch.randn(3, 24, 4, generator=gen)
     x = torch.randn(5, 4, 32, generator=gen)
     rot = torch.randn(2, 32, 16, generator=gen)
+    cos, sin = rope_tables(torch.arange(5), 24, torch.float32)
     return {
         "rotate_compress": (x, rot, qk_offsets, group),
+        "rope_rotate_compress": (x, cos, sin, rot, qk_offsets, group),
         "prefill_plan": (cu, cu, qk_offsets, v_offsets, group, True, 3, 64),
         "prefill_attention": (q, k, v, cu, cu, qk_offsets, v_offsets, group, 0.25, True, None),
         "decode_plan": (seqlens, qk_offsets, v_offsets, group, 3),

@@ -29,23 +29,13 @@ void append_kv_cpu(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k
                    const at::Tensor& cu_seqlens, const at::Tensor& cache_seqlens, const at::Tensor& qk_offsets,
                    const at::Tensor& v_offsets, const std::optional<at::Tensor>& block_table) {
   const char* op = "append_kv";
-  const checks::HostLayout layout = checks::read_layout(op, qk_offsets, &v_offsets, 1);
-  checks::check_float(op, "k", k, 2);
-  checks::check_float(op, "v", v, 2);
-  checks::check_same_dtype(op, "k", k, "k_cache", k_cache);
-  checks::check_same_dtype(op, "v", v, "k_cache", k_cache);
-  checks::check_same_device(op, "k", k, "k_cache", k_cache);
-  checks::check_same_device(op, "v", v, "k_cache", k_cache);
-  checks::check_width(op, "k", k, layout.qk_width(), "qk_offsets[-1]");
-  checks::check_width(op, "v", v, layout.v_width(), "v_offsets[-1]");
-  FDC_CHECK(v.size(0) == k.size(0), op, "v must have the ", k.size(0), " rows of k but got shape ", v.sizes());
-
-  checks::check_int32_vector(op, "cache_seqlens", cache_seqlens, -1);
-  const int64_t batch = cache_seqlens.size(0);
+  const checks::AppendShape shape = checks::check_append_kv(op, k_cache, v_cache, k, v, cu_seqlens, cache_seqlens,
+                                                            qk_offsets, v_offsets, block_table);
+  const checks::HostLayout& layout = shape.layout;
+  const int64_t batch = shape.batch;
   const std::vector<int32_t> cu = checks::read_cu_seqlens(op, "cu_seqlens", cu_seqlens, batch, k.size(0), "k");
-  const checks::CacheShape cache = checks::check_cache(op, k_cache, v_cache, block_table, batch, layout);
-  const checks::PagedCache& paged = cache.paged;
-  const int64_t capacity = cache.capacity;
+  const checks::PagedCache& paged = shape.cache.paged;
+  const int64_t capacity = shape.cache.capacity;
   std::vector<int32_t> table;
   if (block_table) {
     const at::Tensor t = block_table->contiguous();

@@ -28,6 +28,11 @@ at::Tensor prefill_plan_cpu(const at::Tensor& cu_seqlens_q, const at::Tensor& cu
 at::Tensor decode_plan_cpu(const at::Tensor& cache_seqlens, const at::Tensor& qk_offsets, const at::Tensor& v_offsets,
                            int64_t group, std::optional<int64_t> num_workers);
 
+// The product of rotate_compress and rope_rotate_compress: x_float (T, G * H_kv, D) float32 times
+// rot (H_kv, D, R_max) truncated per head, written into out (T, G * qk_offsets[-1]).
+void rotate_into_packed(const at::Tensor& x_float, const at::Tensor& rot, const checks::HostLayout& layout,
+                        int64_t group, at::Tensor& out);
+
 inline float to_float(float x) { return x; }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
