@@ -142,8 +142,6 @@ __global__ void __launch_bounds__(kPagedTile * kPagedThreadRows)
   }
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 // src (T, width) with unit-stride rows; cache (B, S_max, width) or (num_pages, width, page_size).
 template <typename Bits>
 AppendTarget<Bits> target(const at::Tensor& src, at::Tensor& cache, int64_t width) {
@@ -160,7 +158,7 @@ AppendTarget<Bits> target(const at::Tensor& src, at::Tensor& cache, int64_t widt
 template <typename Bits>
 bool vectorizable(const AppendTarget<Bits>& t) {
   constexpr int64_t kPack = 16 / sizeof(Bits);
-  return aligned16(t.src) && aligned16(t.cache) && t.src_stride % kPack == 0 && t.cache_stride0 % kPack == 0 &&
+  return is_aligned16(t.src) && is_aligned16(t.cache) && t.src_stride % kPack == 0 && t.cache_stride0 % kPack == 0 &&
          t.cache_stride1 % kPack == 0 && t.width % kPack == 0;
 }
 
@@ -193,7 +191,7 @@ void append_kv_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& 
   const char* op = "append_kv";
   const checks::AppendShape shape = checks::check_append_kv(op, k_cache, v_cache, k, v, cu_seqlens, cache_seqlens,
                                                             qk_offsets, v_offsets, block_table);
-  checks::check_cuda(op, "k_cache", k_cache);
+  checks::check_cuda_tensor(op, "k_cache", k_cache);
   checks::check_same_device(op, "cu_seqlens", cu_seqlens, "k_cache", k_cache);
   checks::check_same_device(op, "cache_seqlens", cache_seqlens, "k_cache", k_cache);
   const int64_t rows = k.size(0);

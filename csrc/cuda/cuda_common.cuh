@@ -29,8 +29,28 @@ __device__ __forceinline__ T from_float(float x) {
 template <typename T>
 constexpr int kPacket = 16 / static_cast<int>(sizeof(T));
 
+// Whether p may be read or written in 16-byte packets.
+inline bool is_aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// cp.async: 16-byte copies from global to shared memory that do not hold up the issuing thread; commit_group closes
+// a batch, wait<N> blocks until at most N batches are still in flight (a __syncthreads must follow before other
+// threads read the data).
+__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* global_src) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(global_src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
 // Streaming multiprocessors of the current device: the default worker count of the device planners.
 inline int num_sms() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
+
+at::Tensor prefill_plan_cuda(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                             const at::Tensor& qk_offsets, const at::Tensor& v_offsets, int64_t group, bool causal,
+                             std::optional<int64_t> num_workers, int64_t row_block);
 
 at::Tensor decode_plan_cuda(const at::Tensor& cache_seqlens, const at::Tensor& qk_offsets,
                             const at::Tensor& v_offsets, int64_t group, std::optional<int64_t> num_workers);

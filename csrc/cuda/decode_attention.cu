@@ -79,6 +79,7 @@ struct DecodeArgs {
   int64_t capacity;              // rows a request can hold: S_max, or max_pages * page_size
   int64_t page_size, max_pages, num_pages;
   int32_t batch, num_kv_heads, group, num_workers, plan_capacity, max_v_dim;
+  int32_t max_qk_dim;            // the widest qk head: the row length of the scaled queries in shared memory
   float scale;
   // Shared-memory carve-up, in elements of T: two staging tiles, then (paged) one token-major compute tile.
   int32_t stage_elems, compute_elems;
@@ -96,16 +97,6 @@ __device__ bool plan_is_usable(const DecodeArgs<T>& a) {
          a.plan[7] == 0 && plan.num_tasks() >= 0 && plan.num_tasks() <= plan.capacity();
 }
 
-__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* global_src) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(global_src));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-// Waits until at most `kPending` committed groups are still in flight.
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
 
 // Physical location of token t of request b in a paged cache: (page, slot), or page -1 if the block table does not
 // name a valid page for it.
@@ -198,12 +189,12 @@ __device__ void run_pass(const DecodeArgs<T>& a, int64_t b, int j, int64_t kv_st
   const int v_col = a.v_offsets[j], dv = a.v_offsets[j + 1] - v_col;
   const int ldk = padded_k_row<T>(dq), ldv = dv;
 
-  // Carve-up: [stage 0 | stage 1 | compute tile (paged)] in T, then q (kHeads x 256) and scores (kHeads x kTile) in
-  // float, then the softmax state.
+  // Carve-up: [stage 0 | stage 1 | compute tile (paged)] in T, then q (kHeads x max_qk_dim) and scores
+  // (kHeads x kTile) in float, then the softmax state.
   T* stages = reinterpret_cast<T*>(smem);
   T* compute = stages + 2 * a.stage_elems;
   float* s_q = reinterpret_cast<float*>(compute + a.compute_elems);
-  float* s_scores = s_q + kHeads * kMaxHeadDim;
+  float* s_scores = s_q + kHeads * a.max_qk_dim;
   SoftmaxState<kHeads>* state = reinterpret_cast<SoftmaxState<kHeads>*>(s_scores + kHeads * kTile);
 
   // Each (request, KV head) is one task's; the q row is scaled once here.
@@ -211,7 +202,7 @@ __device__ void run_pass(const DecodeArgs<T>& a, int64_t b, int j, int64_t kv_st
   const T* q_row = a.q + b * a.q_stride + int64_t(group) * qk_col;
   for (int e = threadIdx.x; e < kHeads * dq; e += kThreads) {
     const int i = e / dq, c = e % dq;
-    s_q[i * kMaxHeadDim + c] = i < heads ? to_float(q_row[int64_t(head0 + i) * dq + c]) * a.scale : 0.f;
+    s_q[i * a.max_qk_dim + c] = i < heads ? to_float(q_row[int64_t(head0 + i) * dq + c]) * a.scale : 0.f;
   }
   if (threadIdx.x < kHeads) {
     state->max[threadIdx.x] = -INFINITY;
@@ -275,7 +266,7 @@ __device__ void run_pass(const DecodeArgs<T>& a, int64_t b, int j, int64_t kv_st
         for (int u = 0; u < P; ++u) kf[u] = to_float(kv[u]);
 #pragma unroll
         for (int i = 0; i < kHeads; ++i) {
-          const float* qi = s_q + i * kMaxHeadDim + p * P;
+          const float* qi = s_q + i * a.max_qk_dim + p * P;
 #pragma unroll
           for (int u = 0; u < P; ++u) dot[i] += qi[u] * kf[u];
         }
@@ -509,7 +500,7 @@ int64_t shared_bytes(int max_qk_dim, int max_v_dim, int heads, bool paged, int32
   stage = round_up(stage, kPacket<T>);  // each stage starts 16-byte aligned
   *stage_elems = static_cast<int32_t>(stage);
   *compute_elems = static_cast<int32_t>(paged ? round_up(token_major, kPacket<T>) : 0);
-  const int64_t floats = int64_t(heads) * kMaxHeadDim + int64_t(heads) * kTile + 3 * heads;
+  const int64_t floats = int64_t(heads) * max_qk_dim + int64_t(heads) * kTile + 3 * heads;
   return (2 * stage + *compute_elems) * int64_t(sizeof(T)) + floats * int64_t(sizeof(float));
 }
 
@@ -561,7 +552,6 @@ at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
   const at::Tensor table = block_table ? block_table->contiguous() : at::Tensor();
   const bool paged = block_table.has_value();
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const int heads = heads_per_pass(group);
 
   FDC_DISPATCH_FLOAT_TYPES(q.scalar_type(), "fdc::decode_attention", [&] {
     DecodeArgs<scalar_t> args{};
@@ -593,9 +583,16 @@ at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
     args.plan_capacity = static_cast<int32_t>(plan_capacity);
     args.max_v_dim = max_v_dim;
     args.scale = static_cast<float>(scale);
-    const int64_t smem = shared_bytes<scalar_t>(max_qk_dim, max_v_dim, heads, paged, &args.stage_elems,
-                                                &args.compute_elems);
+    args.max_qk_dim = max_qk_dim;
     const int64_t smem_limit = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
+    // Fewer query heads per pass (more passes over the keys) when the widest paged heads leave too little room.
+    int heads = heads_per_pass(group);
+    int64_t smem = shared_bytes<scalar_t>(max_qk_dim, max_v_dim, heads, paged, &args.stage_elems,
+                                          &args.compute_elems);
+    while (smem > smem_limit && heads > 4) {
+      heads /= 2;
+      smem = shared_bytes<scalar_t>(max_qk_dim, max_v_dim, heads, paged, &args.stage_elems, &args.compute_elems);
+    }
     FDC_CHECK(smem <= smem_limit, op, "heads of widths up to ", max_qk_dim, " (qk) and ", max_v_dim,
               " (v) in ", c10::toString(q.scalar_type()), " need ", smem, " bytes of shared memory per CTA but the ",
               "device allows ", smem_limit);

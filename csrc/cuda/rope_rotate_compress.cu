@@ -12,7 +12,7 @@ at::Tensor rope_rotate_compress_cuda(const at::Tensor& x, const at::Tensor& cos,
   const char* op = "rope_rotate_compress";
   const checks::RotateShape shape = checks::check_rotate_compress(op, x, rot, qk_offsets, group);
   checks::check_rope_tables(op, cos, sin, x);
-  checks::check_cuda(op, "x", x);
+  checks::check_cuda_tensor(op, "x", x);
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor cos_rows = checks::unit_last_stride(cos);
   const at::Tensor sin_rows = checks::unit_last_stride(sin);

@@ -10,7 +10,7 @@ at::Tensor rotate_compress_cuda(const at::Tensor& x, const at::Tensor& rot, cons
                                 int64_t group) {
   const char* op = "rotate_compress";
   const checks::RotateShape shape = checks::check_rotate_compress(op, x, rot, qk_offsets, group);
-  checks::check_cuda(op, "x", x);
+  checks::check_cuda_tensor(op, "x", x);
   const c10::cuda::CUDAGuard guard(x.device());
   return launch_rotate_compress<false>(shape, checks::unit_last_stride(x), checks::unit_last_stride(rot), nullptr,
                                        nullptr);

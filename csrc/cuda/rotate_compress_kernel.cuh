@@ -197,8 +197,6 @@ __global__ void __launch_bounds__(kRotateThreads) rotate_compress_kernel(const _
   }
 }
 
-inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 // Runs the kernel for x (T, G * H_kv, D) and rot (H_kv, D, R_max), both with unit-stride rows, and, when kRope,
 // cos and sin (T, rotary_dim) with unit-stride rows. Returns (T, G * qk_offsets[-1]). No host synchronisation.
 template <bool kRope>
@@ -228,8 +226,8 @@ at::Tensor launch_rotate_compress(const checks::RotateShape& shape, const at::Te
     args.tokens = shape.tokens;
     args.head_dim = static_cast<int32_t>(shape.head_dim);
     args.group = static_cast<int32_t>(group);
-    bool vector = aligned16(args.x) && args.x_token_stride % kPack == 0 && args.x_head_stride % kPack == 0 &&
-                  shape.head_dim % kPack == 0 && aligned16(args.rot) && args.rot_head_stride % kPack == 0 &&
+    bool vector = is_aligned16(args.x) && args.x_token_stride % kPack == 0 && args.x_head_stride % kPack == 0 &&
+                  shape.head_dim % kPack == 0 && is_aligned16(args.rot) && args.rot_head_stride % kPack == 0 &&
                   args.rot_row_stride % kPack == 0;
     if constexpr (kRope) {
       args.cos = cos->data_ptr<scalar_t>();
@@ -237,7 +235,7 @@ at::Tensor launch_rotate_compress(const checks::RotateShape& shape, const at::Te
       args.cos_stride = cos->stride(0);
       args.sin_stride = sin->stride(0);
       args.rotary_half = static_cast<int32_t>(cos->size(1) / 2);
-      vector = vector && aligned16(args.cos) && aligned16(args.sin) && args.cos_stride % kPack == 0 &&
+      vector = vector && is_aligned16(args.cos) && is_aligned16(args.sin) && args.cos_stride % kPack == 0 &&
                args.sin_stride % kPack == 0 && args.rotary_half % kPack == 0;
     }
     for (int32_t first = 0; first < layout.num_kv_heads(); first += kRotateHeadsPerLaunch) {
