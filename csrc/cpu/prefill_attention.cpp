@@ -82,31 +82,6 @@ void run_row_tile(const Operands& x, const checks::HostLayout& layout, const Hea
   }
 }
 
-// A plan from the caller must describe exactly these sequences: every record in range and the rows of each
-// (sequence, head) covered in total exactly once.
-void check_plan_records(const char* op, const PrefillPlanView& plan, const std::vector<int32_t>& cu_q) {
-  const int64_t heads = plan.num_heads(), batch = plan.batch();
-  const int32_t* workers = plan.worker_offsets();
-  FDC_CHECK(workers[0] == 0 && workers[plan.num_workers()] == plan.num_records(), op,
-            "plan is corrupt: its record counts disagree");
-  std::vector<int64_t> covered(batch * heads, 0);
-  for (int64_t i = 0; i < plan.num_records(); ++i) {
-    const int32_t* rec = plan.records() + i * kPrefillRecordFields;
-    FDC_CHECK(rec[0] >= 0 && rec[0] < batch && rec[1] >= 0 && rec[1] < heads, op, "plan record ", i,
-              " names sequence ", rec[0], ", head ", rec[1], " outside the batch");
-    const int64_t s_q = cu_q[rec[0] + 1] - cu_q[rec[0]];
-    FDC_CHECK(rec[2] >= 0 && rec[2] < rec[3] && rec[3] <= s_q, op, "plan record ", i, " (rows ", rec[2], "..",
-              rec[3], " of sequence ", rec[0], " with ", s_q, " queries) does not fit cu_seqlens_q: make the plan "
-              "from the same cu_seqlens");
-    covered[rec[0] * heads + rec[1]] += rec[3] - rec[2];
-  }
-  for (int64_t bh = 0; bh < batch * heads; ++bh) {
-    const int64_t s_q = cu_q[bh / heads + 1] - cu_q[bh / heads];
-    FDC_CHECK(covered[bh] == s_q, op, "plan covers ", covered[bh], " rows of sequence ", bh / heads, ", head ",
-              bh % heads, " but it has ", s_q, ": make the plan from the same cu_seqlens");
-  }
-}
-
 }  // namespace
 
 // q (T_q, G * W_qk), k (T_k, W_qk), v (T_k, W_v) -> (T_q, G * W_v).
@@ -143,7 +118,7 @@ at::Tensor prefill_attention_cpu(const at::Tensor& q, const at::Tensor& k, const
                                 kDefaultRowBlock);
   }
   const PrefillPlanView view{schedule.data_ptr<int32_t>()};
-  check_plan_records(op, view, cu_q);
+  checks::check_prefill_plan_records(op, view, cu_q);
 
   // Float32 operands with unit column stride (float32 row-strided inputs are used in place).
   const at::Tensor qf = checks::unit_last_stride(q.to(at::kFloat));
