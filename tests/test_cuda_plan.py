@@ -4,6 +4,8 @@ and a build with the CUDA kernels; skipped otherwise."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -15,7 +17,7 @@ HAS_CUDA_PLANNER = torch.cuda.is_available() and torch._C._dispatch_has_kernel_f
 pytestmark = pytest.mark.skipif(not HAS_CUDA_PLANNER,
                                 reason="needs a CUDA device and fdc_ops built with its CUDA kernels")
 
-CASES = 200
+CASES = int(os.environ.get("FDC_CUDA_CASES", 200))
 WORKER_COUNTS = (1, 7, 132, 264)
 STATUS_BAD_SEQLENS = 2  # fdc::Status::kBadSeqlens, include/fdc/common.h
 
