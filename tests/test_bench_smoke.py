@@ -54,3 +54,38 @@ def test_bench_decode_quick(tmp_path):
     assert {e["baseline"] for e in report["balance_ablation"]} == {"static_blocks", "static_round_robin"}
     scheduler = report["scheduler"]
     assert 0 < scheduler["share"] and scheduler["plan_p99_us"] >= scheduler["plan_us"] > 0
+
+
+def test_bench_prefill_quick(tmp_path):
+    """bench/bench_prefill.py --quick runs on the CPU and writes the table and JSON it promises: the matmul peak,
+    every baseline and fdc row, targets, the balance ablation (its Python planner equal to prefill_plan's) and the
+    planning cost."""
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_prefill.py"), "--quick", "--device",
+                             "cpu", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    for text in ("sdpa_full", "sdpa_bucketed", "fdc_attention", "targets", "balance ablation", "planning cost"):
+        assert text in result.stdout, text
+    (written,) = list(tmp_path.iterdir())
+    report = json.loads(written.read_text())
+    assert {"device", "torch", "commit", "matmul_peak_tflops", "layout", "rows", "targets", "balance_ablation",
+            "planning"} <= report.keys()
+    assert report["device_type"] == "cpu" and report["quick"] and report["matmul_peak_tflops"] > 0
+    layout = report["layout"]
+    assert all(d % 8 == 0 and 16 <= d <= 128 for d in layout["qk_dims"] + layout["v_dims"])
+    assert 0.4 <= layout["width_ratio"] <= 0.6
+    methods = {row["method"] for row in report["rows"]}
+    assert {"sdpa_full", "sdpa_padded", "sdpa_bucketed", "fdc_attention", "fdc_step"} <= methods
+    assert {row["causal"] for row in report["rows"]} == {True, False}
+    for row in report["rows"]:
+        assert row["micros"] > 0 and row["tflops"] > 0 and row["useful_flops"] > 0 and row["vs_full"] > 0, row
+    verdicts = {t["verdict"] for t in report["targets"]}
+    assert verdicts <= {"PASS", "MISS"} and report["targets"]
+    for entry in report["balance_ablation"]:
+        assert entry["python_planner_matches_op"], entry["case"]
+        assert set(entry["policies"]) == {"lpt", "no_rescale", "no_redistribution", "no_redistribution_lpt",
+                                          "neither"}
+        for policy in entry["policies"].values():
+            assert policy["micros"] > 0 and policy["makespan"] > 0 and policy["makespan_over_ideal"] >= 1.0
+            assert policy["max_abs_diff_vs_lpt"] < 0.1  # every plan computes the same attention
+    for entry in report["planning"]:
+        assert "error" not in entry and entry["first_us"] > 0 and entry["cached_us"] > 0 and entry["attention_us"] > 0

@@ -1,0 +1,562 @@
+"""prefill_plan and prefill_attention on a GPU, against the float64 reference (fdc_ops/reference.py) and the CPU ops,
+over fresh random configurations each run: float32/float16/bfloat16, causal and not, varlen batches with empty and
+length-1 sequences, odd lengths, key lengths other than the query lengths, NaN in every q/k/v row outside the
+sequences (and rows of q outside them must come back zero), non-contiguous q/k/v, G from 1 to 8, widths multiples of
+8 up to 256 (layouts mixing 8- and 256-wide heads), one 16K causal sequence per dtype, explicit plans for 1, 5 and 132
+workers and row blocks of 16, 64 and 128 (equal integer for integer to the CPU planner's), hand-built unbalanced
+plans (no row-block rescaling, no last-round split, everything on one worker, one record per head) giving the same
+result, torch.library.opcheck on CUDA inputs, and bad input on CUDA raising errors that name the op and argument.
+
+CUDA conventions of the ops: q/k/v, cu_seqlens_q/k and plans live on the GPU; qk_offsets/v_offsets stay int32 CPU
+tensors; the CUDA prefill_plan runs the host planner on the boundaries copied to the host, so its plan equals the CPU
+planner's for the same num_workers, and its default num_workers is the number of SMs. FDC_CUDA_CASES overrides the
+number of random cases (fewer under compute-sanitizer).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from conftest import DTYPES, Layout, assert_close_to_reference, case_generator, offsets, random_layout, \
+    random_lengths
+from fdc_ops import ops, reference
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU visible: these tests run the fdc prefill ops on a GPU", allow_module_level=True)
+if not all(torch._C._dispatch_has_kernel_for_dispatch_key(f"fdc::{op}", "CUDA")
+           for op in ("prefill_plan", "prefill_attention")):
+    pytest.skip("this build of fdc_ops._C has no CUDA kernels for fdc::prefill_plan / fdc::prefill_attention (built "
+                "without a CUDA toolkit, with FDC_CUDA=0, or before the kernels existed): rebuild to run these tests",
+                allow_module_level=True)
+
+DEVICE = torch.device("cuda")
+NUM_SMS = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+CASES = int(os.environ.get("FDC_CUDA_CASES", 40))  # per run; fewer under compute-sanitizer
+ROW_STEP = 16  # include/fdc/prefill_plan.h: kRowStep, rows of a record start on these boundaries
+PLAN_TAG = 0x46444350  # kPrefillPlanTag
+HEADER = 8  # kPrefillHeader
+# Lengths of the random cases: empty, length 1, odd, one 16-row tile and a bit, several row blocks of every width.
+LENGTHS = (0, 1, 2, 7, 16, 33, 64, 100, 257, 511, 1000)
+# Score entries (heads x sum of s_q * s_k) a random case may have: keeps the CPU float64 reference, the bfloat16 one
+# and the CPU op to about a second per case.
+REFERENCE_BUDGET = 8_000_000
+
+
+def _randn(shape, dtype, generator):
+    return torch.randn(shape, generator=generator).to(dtype)
+
+
+def _on_device(t: torch.Tensor, rng, strided: bool) -> torch.Tensor:
+    """t (2-D, CPU) on the GPU; when strided, non-contiguous: rows inside a wider NaN buffer, or column-major."""
+    if not strided:
+        return t.to(DEVICE)
+    if rng.random() < 0.25:
+        return t.T.contiguous().to(DEVICE).T
+    pad = rng.randint(1, 24)
+    start = rng.randint(0, pad)
+    wide = torch.full((t.shape[0], t.shape[1] + pad), float("nan"), dtype=t.dtype, device=DEVICE)
+    wide[:, start:start + t.shape[1]] = t.to(DEVICE)
+    return wide[:, start:start + t.shape[1]]
+
+
+def _rows(lengths: list[int], lead: int, tail: int, width: int, dtype, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cu_seqlens): random rows for each sequence, preceded by `lead` and followed by `tail` NaN rows that
+    belong to no sequence and must never be read."""
+    cu = offsets(lengths) + lead
+    rows = torch.full((lead + sum(lengths) + tail, width), float("nan"), dtype=dtype)
+    rows[lead:lead + sum(lengths)] = _randn((sum(lengths), width), dtype, gen)
+    return rows, cu
+
+
+class PrefillInputs:
+    """One prefill problem on the CPU (for the reference and the CPU op) and on the GPU."""
+
+    def __init__(self, gen, rng, layout: Layout, dtype, lengths_q: list[int], lengths_k: list[int], causal: bool,
+                 strided: bool = True, poison: bool = True):
+        self.layout, self.dtype, self.causal = layout, dtype, causal
+        self.lengths_q, self.lengths_k = lengths_q, lengths_k
+        lead_q, tail_q = (rng.choice([0, 0, 1, 5]), rng.choice([0, 0, 3, 17])) if poison else (0, 0)
+        lead_k, tail_k = (rng.choice([0, 0, 2]), rng.choice([0, 0, 4])) if poison else (0, 0)
+        self.q, self.cu_q = _rows(lengths_q, lead_q, tail_q, layout.group * layout.qk_width, dtype, gen)
+        k, self.cu_k = _rows(lengths_k, lead_k, tail_k, layout.qk_width, dtype, gen)
+        v, cu_v = _rows(lengths_k, lead_k, tail_k, layout.v_width, dtype, gen)
+        assert torch.equal(cu_v, self.cu_k)
+        self.k, self.v = k, v
+        self.scale = rng.uniform(0.05, 0.5)
+        self.q_dev = _on_device(self.q, rng, strided and rng.random() < 0.7)
+        self.k_dev = _on_device(self.k, rng, strided and rng.random() < 0.7)
+        self.v_dev = _on_device(self.v, rng, strided and rng.random() < 0.7)
+        self.cu_q_dev, self.cu_k_dev = self.cu_q.to(DEVICE), self.cu_k.to(DEVICE)
+        self._references = None
+
+    def describe(self) -> str:
+        lo = self.layout
+        return (f"G={lo.group} qk={lo.qk_dims} v={lo.v_dims} {self.dtype} causal={self.causal} "
+                f"q lengths={self.lengths_q} k lengths={self.lengths_k}")
+
+    def cpu_args(self):
+        lo = self.layout
+        return (self.q, self.k, self.v, self.cu_q, self.cu_k, lo.qk_offsets, lo.v_offsets, lo.group, self.scale,
+                self.causal)
+
+    def plan_cuda(self, num_workers=None, row_block=ops.DEFAULT_ROW_BLOCK) -> torch.Tensor:
+        lo = self.layout
+        plan = ops.prefill_plan(self.cu_q_dev, self.cu_k_dev, lo.qk_offsets, lo.v_offsets, lo.group, self.causal,
+                                num_workers, row_block)
+        assert plan.device.type == "cuda" and plan.dtype == torch.int32, f"plan on {plan.device}, {plan.dtype}"
+        return plan
+
+    def plan_cpu(self, num_workers, row_block=ops.DEFAULT_ROW_BLOCK) -> torch.Tensor:
+        lo = self.layout
+        return ops.prefill_plan(self.cu_q, self.cu_k, lo.qk_offsets, lo.v_offsets, lo.group, self.causal,
+                                num_workers, row_block)
+
+    def run_cuda(self, plan=None) -> torch.Tensor:
+        lo = self.layout
+        out = ops.prefill_attention(self.q_dev, self.k_dev, self.v_dev, self.cu_q_dev, self.cu_k_dev, lo.qk_offsets,
+                                    lo.v_offsets, lo.group, self.scale, self.causal, plan)
+        assert out.device.type == "cuda" and out.dtype == self.dtype, f"output on {out.device}, {out.dtype}"
+        assert out.shape == (self.q.shape[0], lo.group * lo.v_width), f"output shape {tuple(out.shape)}"
+        return out
+
+    def check_outside_rows(self, out: torch.Tensor, what: str):
+        """Rows of q before the first and after the last sequence come back exactly zero."""
+        first, last = int(self.cu_q[0]), int(self.cu_q[-1])
+        outside = torch.cat([out[:first], out[last:]])
+        assert torch.equal(outside, torch.zeros_like(outside)), f"{what}: rows outside every sequence are not zero"
+
+    def references(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float64 reference, torch's own result at the input precision), computed once per problem."""
+        if self._references is None:
+            args = self.cpu_args()
+            self._references = (reference.prefill_attention_ref(*args),
+                                reference.prefill_attention_ref(*args, compute_dtype=self.dtype))
+        return self._references
+
+    def check(self, out: torch.Tensor, what: str, against_cpu: bool = True):
+        """out (from the GPU) against the float64 reference and against the CPU op on the same inputs."""
+        out = out.cpu()
+        self.check_outside_rows(out, what)
+        expected, torch_lowp = self.references()
+        assert_close_to_reference(out, expected, torch_lowp, f"{what} (cuda vs float64 reference)")
+        if against_cpu:
+            assert_close_to_cpu(out, ops.prefill_attention(*self.cpu_args()), expected, torch_lowp, what)
+
+
+def assert_close_to_cpu(actual: torch.Tensor, cpu: torch.Tensor, expected64: torch.Tensor, torch_lowp: torch.Tensor,
+                        what: str):
+    """The GPU and CPU ops each lie within conftest's tolerance of the float64 reference, so within twice that of
+    each other (same rule: a multiple of torch's own error at this precision plus 16 eps of the output's scale)."""
+    if actual.numel() == 0:
+        return
+    torch_error = float((torch_lowp.double() - expected64).abs().max())
+    eps = torch.finfo(actual.dtype).eps
+    scale = max(1.0, float(expected64.abs().max()))
+    factor = 10 if actual.dtype == torch.float32 else 4
+    tolerance = 2 * (factor * torch_error + 16 * eps * scale)
+    error = float((actual.double() - cpu.double()).abs().max())
+    assert error <= tolerance, f"{what}: cuda vs cpu op max difference {error:.3g} > {tolerance:.3g}"
+
+
+def assert_same_plan(cpu: torch.Tensor, cuda: torch.Tensor, what: str):
+    """The CUDA planner is the host planner: the same plan, integer for integer."""
+    cuda = cuda.cpu()
+    assert cpu.shape == cuda.shape, f"{what}: plan sizes {cpu.numel()} (cpu) vs {cuda.numel()} (cuda)"
+    differ = (cpu != cuda).nonzero()
+    assert differ.numel() == 0, (f"{what}: {differ.numel()} plan entries differ, first at {int(differ[0])}: "
+                                 f"cpu {int(cpu[differ[0]])} vs cuda {int(cuda[differ[0]])}")
+
+
+def _random_problem(gen, rng, layout: Layout, dtype, causal: bool, batch: int | None = None) -> PrefillInputs:
+    """Varlen lengths as in tests/test_ops.py, longer: keys equal to, more than, or fewer than the queries."""
+    lengths_q = random_lengths(rng, batch or rng.randint(1, 5), choices=LENGTHS)
+    lengths_k = [s + rng.choice([0, 0, 1, 9, 40, 300]) if rng.random() < 0.5 else s for s in lengths_q]
+    if rng.random() < 0.3:  # queries that see fewer keys than there are queries (causal rows that see nothing)
+        lengths_k = [max(0, s - rng.randint(0, 40)) for s in lengths_q]
+    heads = layout.num_kv_heads * layout.group
+    while heads * sum(a * b for a, b in zip(lengths_q, lengths_k)) > REFERENCE_BUDGET:
+        b = max(range(len(lengths_q)), key=lambda i: lengths_q[i] * lengths_k[i])
+        lengths_q[b], lengths_k[b] = (lengths_q[b] + 1) // 3, (lengths_k[b] + 1) // 3
+    return PrefillInputs(gen, rng, layout, dtype, lengths_q, lengths_k, causal)
+
+
+# ------------------------------------------------------------------------------------------------- random configs
+
+
+@pytest.mark.parametrize("case", range(CASES))
+def test_prefill_attention_cuda(case):
+    gen, rng, replay = case_generator("cuda prefill_attention", case)
+    layout = random_layout(rng)
+    dtype = rng.choice(DTYPES)
+    inputs = _random_problem(gen, rng, layout, dtype, causal=rng.random() < 0.5)
+    what = f"cuda prefill_attention {inputs.describe()} {replay}"
+    plan = None
+    if rng.random() < 0.5:
+        workers, row_block = rng.choice([None, 1, 5, 40, NUM_SMS, 2 * NUM_SMS]), rng.choice([16, 32, 64, 128])
+        plan = inputs.plan_cuda(workers, row_block)
+        assert_same_plan(inputs.plan_cpu(workers or NUM_SMS, row_block), plan, what)
+    inputs.check(inputs.run_cuda(plan), what)
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_group_sizes(group):
+    gen, rng, replay = case_generator(f"cuda prefill group={group}", 0)
+    base = random_layout(rng, max_kv_heads=4)
+    layout = Layout(base.qk_dims, base.v_dims, group)
+    for dtype in DTYPES:
+        causal = rng.random() < 0.5
+        inputs = _random_problem(gen, rng, layout, dtype, causal, batch=3)
+        inputs.check(inputs.run_cuda(), f"cuda prefill {inputs.describe()} {replay}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_extreme_widths(dtype, causal):
+    """8-wide and 256-wide heads side by side (the smallest and largest tiles, row blocks rescaled 32x apart), and a
+    head 8 wide for queries/keys but 256 for values and the other way round."""
+    gen, rng, replay = case_generator(f"cuda prefill widths {dtype} causal={causal}", 0)
+    layout = Layout([8, 256, 8, 256, 128], [256, 8, 8, 256, 64], rng.choice([1, 2, 4]))
+    lengths_q = [257, 0, 1, 600, 33]
+    lengths_k = [257, 5, 1, 600, 90]
+    inputs = PrefillInputs(gen, rng, layout, dtype, lengths_q, lengths_k, causal)
+    what = f"cuda prefill {inputs.describe()} {replay}"
+    inputs.check(inputs.run_cuda(), what)
+    plan = inputs.plan_cuda(NUM_SMS, 64)
+    assert_same_plan(inputs.plan_cpu(NUM_SMS, 64), plan, what)
+    inputs.check(inputs.run_cuda(plan), f"{what} (explicit plan)", against_cpu=False)
+
+
+def test_contiguous_and_single_rows():
+    """Contiguous inputs without poisoned rows, and batches of length-1 and empty sequences only."""
+    gen, rng, replay = case_generator("cuda prefill single rows", 0)
+    for dtype in DTYPES:
+        layout = random_layout(rng, max_kv_heads=4, max_group=4)
+        for lengths_q, lengths_k in (([1] * 9, [1] * 9), ([0, 0, 0], [0, 3, 0]), ([1, 0, 1], [40, 0, 1]),
+                                     ([3, 0], [0, 0])):
+            for causal in (False, True):
+                inputs = PrefillInputs(gen, rng, layout, dtype, lengths_q, lengths_k, causal, strided=False,
+                                       poison=False)
+                inputs.check(inputs.run_cuda(), f"cuda prefill {inputs.describe()} {replay}")
+
+
+def test_empty_batch_and_no_rows():
+    """No sequence at all (cu_seqlens [0]) and only rows outside the sequences: zeros of the right shape."""
+    gen, rng, replay = case_generator("cuda prefill empty", 0)
+    layout = random_layout(rng, max_kv_heads=3, max_group=3)
+    for lengths, tail in (([], 0), ([], 5), ([0, 0], 4)):
+        q = torch.full((tail, layout.group * layout.qk_width), float("nan"), dtype=torch.float16, device=DEVICE)
+        k = torch.full((2, layout.qk_width), float("nan"), dtype=torch.float16, device=DEVICE)
+        v = torch.full((2, layout.v_width), float("nan"), dtype=torch.float16, device=DEVICE)
+        cu = offsets(lengths).to(DEVICE)
+        for causal in (False, True):
+            out = ops.prefill_attention(q, k, v, cu, cu, layout.qk_offsets, layout.v_offsets, layout.group, 0.3,
+                                        causal)
+            assert out.shape == (tail, layout.group * layout.v_width) and out.device.type == "cuda", replay
+            assert torch.equal(out, torch.zeros_like(out)), f"lengths {lengths}: rows outside sequences {replay}"
+
+
+# -------------------------------------------------------------------------------------------------- long sequences
+
+
+def _reference_on_device(inputs: PrefillInputs, compute_dtype: torch.dtype, chunk: int = 2048) -> torch.Tensor:
+    """prefill_attention_ref's semantics computed on the GPU in row chunks (a 16K x 16K float64 score matrix per head
+    would not fit the CPU reference's time budget): float64 for the oracle, or the input dtype for torch's own
+    error at that precision. Checked against fdc_ops.reference by test_device_reference_matches_reference."""
+    lo = inputs.layout
+    q, k, v = (t.to(DEVICE, compute_dtype) for t in (inputs.q, inputs.k, inputs.v))
+    qk_off, v_off = lo.qk_offsets.tolist(), lo.v_offsets.tolist()
+    cu_q, cu_k = inputs.cu_q.tolist(), inputs.cu_k.tolist()
+    out = torch.zeros((q.shape[0], lo.group * v_off[-1]), dtype=compute_dtype, device=DEVICE)
+    for b in range(len(cu_q) - 1):
+        s_q, s_k = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        if s_q == 0 or s_k == 0:
+            continue
+        for j in range(lo.num_kv_heads):
+            dq, dv = lo.qk_dims[j], lo.v_dims[j]
+            keys = k[cu_k[b]:cu_k[b + 1], qk_off[j]:qk_off[j + 1]]
+            values = v[cu_k[b]:cu_k[b + 1], v_off[j]:v_off[j + 1]]
+            for r0 in range(0, s_q, chunk):
+                r1 = min(s_q, r0 + chunk)
+                cols = slice(lo.group * qk_off[j], lo.group * qk_off[j] + lo.group * dq)
+                queries = q[cu_q[b] + r0:cu_q[b] + r1, cols].reshape(r1 - r0, lo.group, dq).transpose(0, 1)
+                scores = inputs.scale * (queries @ keys.T)  # (G, rows, s_k)
+                visible = None
+                if inputs.causal:
+                    rows = torch.arange(r0, r1, device=DEVICE)[:, None]
+                    visible = torch.arange(s_k, device=DEVICE)[None, :] <= rows + (s_k - s_q)
+                    scores = scores.masked_fill(~visible, float("-inf"))
+                weights = torch.softmax(scores, dim=-1)
+                if visible is not None:
+                    weights = torch.where(visible.any(dim=1)[None, :, None], weights, torch.zeros_like(weights))
+                result = (weights @ values).transpose(0, 1).reshape(r1 - r0, lo.group * dv)
+                out[cu_q[b] + r0:cu_q[b] + r1, lo.group * v_off[j]:lo.group * v_off[j] + lo.group * dv] = result
+    return out
+
+
+def test_device_reference_matches_reference():
+    """The chunked device reference of the long-sequence test computes what fdc_ops.reference does."""
+    gen, rng, replay = case_generator("cuda prefill device reference", 0)
+    for causal in (False, True):
+        layout = random_layout(rng, max_kv_heads=3, max_group=4)
+        inputs = _random_problem(gen, rng, layout, torch.float32, causal, batch=4)
+        expected = reference.prefill_attention_ref(*inputs.cpu_args())
+        ours = _reference_on_device(inputs, torch.float64, chunk=48).cpu()
+        torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-12, msg=f"{inputs.describe()} {replay}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_long_sequence(dtype):
+    """16K causal queries (odd length, keys a few more than queries, a short sequence beside it): thousands of row
+    blocks of one (sequence, head) spread over all SMs, causal costs 1000x apart, the last round split."""
+    gen, rng, replay = case_generator(f"cuda prefill long {dtype}", 0)
+    layout = random_layout(rng, max_kv_heads=3, max_group=4)
+    s = 16384 + rng.randint(1, 15)
+    inputs = PrefillInputs(gen, rng, layout, dtype, [s, 37], [s + rng.randint(0, 40), 37], causal=True)
+    what = f"cuda prefill long {inputs.describe()} {replay}"
+    plan = inputs.plan_cuda()
+    assert_same_plan(inputs.plan_cpu(NUM_SMS), plan, what)
+    out = inputs.run_cuda(plan).cpu()
+    inputs.check_outside_rows(out, what)
+    expected = _reference_on_device(inputs, torch.float64).cpu()
+    torch_lowp = _reference_on_device(inputs, dtype).cpu()
+    assert_close_to_reference(out, expected, torch_lowp, f"{what} (cuda vs float64 reference)")
+
+
+# ---------------------------------------------------------------------------------------------------------- plans
+
+
+@pytest.mark.parametrize("row_block", [16, 64, 128])
+@pytest.mark.parametrize("workers", [1, 5, 132])
+def test_explicit_plans(workers, row_block):
+    """Plans for 1, 5 and 132 workers and row blocks of 16, 64 and 128 equal the CPU planner's, give the reference's
+    results, and the plan made inside the op gives the same."""
+    gen, rng, replay = case_generator(f"cuda prefill workers={workers} row_block={row_block}", 0)
+    layout = random_layout(rng, max_kv_heads=3, max_group=4)
+    for dtype in DTYPES:
+        causal = rng.random() < 0.5
+        inputs = PrefillInputs(gen, rng, layout, dtype, [1100, 0, 1, 313, rng.randint(1, 500)],
+                               [1100, 0, 7, 313, rng.randint(1, 500)], causal)
+        what = f"cuda prefill workers={workers} row_block={row_block} {inputs.describe()} {replay}"
+        plan = inputs.plan_cuda(workers, row_block)
+        assert int(plan[3]) == workers and int(plan[6]) == row_block, f"{what}: plan header {plan[:HEADER].tolist()}"
+        assert_same_plan(inputs.plan_cpu(workers, row_block), plan, what)
+        with_plan = inputs.run_cuda(plan)
+        inputs.check(with_plan, what)
+        if dtype == torch.float32:
+            torch.testing.assert_close(with_plan, inputs.run_cuda(), rtol=1e-4, atol=1e-5, msg=what)
+
+
+def test_default_workers_are_the_sms():
+    gen, rng, replay = case_generator("cuda prefill default workers", 0)
+    inputs = _random_problem(gen, rng, random_layout(rng), torch.float16, causal=True, batch=3)
+    plan = inputs.plan_cuda()
+    assert int(plan[3]) == NUM_SMS, f"default worker count {int(plan[3])}, SMs {NUM_SMS} {replay}"
+    assert_same_plan(inputs.plan_cpu(NUM_SMS), plan, f"default workers {replay}")
+
+
+def test_plans_follow_the_lengths():
+    """The CUDA planner caches per shape but plans from the current boundaries: the same batch size with other
+    lengths, and boundaries changed in place, give the CPU planner's plan of the new lengths every time."""
+    gen, rng, replay = case_generator("cuda prefill plan cache", 0)
+    layout = random_layout(rng, max_kv_heads=4, max_group=4)
+    cu_q_dev = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    cu_k_dev = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    for step, lengths in enumerate([[100, 0, 700], [700, 100, 0], [1, 1, 1], [333, 2048, 65], [0, 0, 0]]):
+        for causal in (False, True):
+            cu = offsets(lengths)
+            cu_q_dev.copy_(cu)
+            cu_k_dev.copy_(cu)
+            for workers in (None, 7):
+                plan = ops.prefill_plan(cu_q_dev, cu_k_dev, layout.qk_offsets, layout.v_offsets, layout.group,
+                                        causal, workers)
+                cpu = ops.prefill_plan(cu, cu, layout.qk_offsets, layout.v_offsets, layout.group, causal,
+                                       workers or NUM_SMS)
+                assert_same_plan(cpu, plan, f"step {step} lengths={lengths} causal={causal} workers={workers} "
+                                            f"{replay}")
+            fresh = ops.prefill_plan(cu.to(DEVICE), cu.to(DEVICE), layout.qk_offsets, layout.v_offsets, layout.group,
+                                     causal, 7)
+            assert_same_plan(ops.prefill_plan(cu, cu, layout.qk_offsets, layout.v_offsets, layout.group, causal, 7),
+                             fresh, f"fresh tensors step {step} {replay}")
+
+
+def _visible(r0: int, r1: int, s_q: int, s_k: int, causal: bool) -> int:
+    """Sum over rows [r0, r1) of the keys each sees (include/fdc/prefill_plan.h, visible_keys)."""
+    if not causal:
+        return (r1 - r0) * s_k
+    return sum(min(max(r + s_k - s_q + 1, 0), s_k) for r in range(r0, r1))
+
+
+def _hand_plan(inputs: PrefillInputs, num_workers: int, rows: int, policy: str, rng) -> torch.Tensor:
+    """A plan in the documented format (include/fdc/prefill_plan.h), built here without the planner: every head's
+    rows cut into records of `rows` rows (no row-block rescaling; "whole" makes one record per (sequence, head)),
+    records starting on 16-row boundaries, given to workers by `policy`:
+      round_robin   in enumeration order (b, h, block), no last-round split;
+      one_worker    all records on worker 0, the others idle;
+      last_worker   all on the last worker, in reverse order;
+      random        each record to a random worker (some idle);
+      causal_heavy  records sorted by causal cost, descending, dealt in contiguous blocks (heaviest together)."""
+    lo = inputs.layout
+    heads = lo.num_kv_heads * lo.group
+    lengths_q, lengths_k = inputs.lengths_q, inputs.lengths_k
+    records = []
+    for b, s_q in enumerate(lengths_q):
+        for h in range(heads):
+            step = max(s_q, 1) if policy == "whole" else rows
+            for r0 in range(0, s_q, step):
+                records.append((b, h, r0, min(s_q, r0 + step)))
+    owner: list[int]
+    if policy in ("round_robin", "whole"):
+        owner = [i % num_workers for i in range(len(records))]
+    elif policy == "one_worker":
+        owner = [0] * len(records)
+    elif policy == "last_worker":
+        records.reverse()
+        owner = [num_workers - 1] * len(records)
+    elif policy == "random":
+        owner = [rng.randrange(num_workers) for _ in records]
+    elif policy == "causal_heavy":
+        d_sum = [lo.qk_dims[h // lo.group] + lo.v_dims[h // lo.group] + 1 for h in range(heads)]
+        records.sort(key=lambda r: -d_sum[r[1]] * _visible(r[2], r[3], lengths_q[r[0]], lengths_k[r[0]],
+                                                            inputs.causal))
+        owner = [min(num_workers - 1, i * num_workers // max(len(records), 1)) for i in range(len(records))]
+    else:
+        raise ValueError(f"_hand_plan: unknown policy {policy!r}")
+    per_worker: list[list[tuple]] = [[] for _ in range(num_workers)]
+    for record, w in zip(records, owner):
+        per_worker[w].append(record)
+    worker_offsets = [0]
+    body = []
+    for w in range(num_workers):
+        worker_offsets.append(worker_offsets[-1] + len(per_worker[w]))
+        for record in per_worker[w]:
+            body.extend(record)
+    header = [PLAN_TAG, len(lengths_q), heads, num_workers, len(records), int(inputs.causal), rows, lo.group]
+    return torch.tensor(header + worker_offsets + body, dtype=torch.int32, device=DEVICE)
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "whole", "one_worker", "last_worker", "random", "causal_heavy"])
+def test_hand_built_unbalanced_plans(policy):
+    """The schedule only distributes work: plans made here without rescaling or the last-round split, or badly
+    unbalanced, give the reference's results, and in float32 the planner's plan's results."""
+    gen, rng, replay = case_generator(f"cuda prefill hand plan {policy}", 0)
+    layout = Layout([16, 128, 16, 128], [16, 128, 16, 128], rng.choice([1, 2, 4]))
+    for dtype in DTYPES:
+        for causal in (False, True):
+            inputs = PrefillInputs(gen, rng, layout, dtype, [600, 0, 1, 77, 250], [600, 3, 1, 77, 260], causal)
+            what = f"cuda prefill hand plan {policy} {inputs.describe()} {replay}"
+            for workers, rows in ((rng.choice([1, 5, 132]), rng.choice([16, 64, 128])), (NUM_SMS, 64)):
+                out = inputs.run_cuda(_hand_plan(inputs, workers, rows, policy, rng))
+                inputs.check(out, f"{what} workers={workers} rows={rows}", against_cpu=False)
+                if dtype == torch.float32:
+                    torch.testing.assert_close(out, inputs.run_cuda(), rtol=1e-4, atol=1e-5, msg=what)
+
+
+def test_visible_keys_helper():
+    """_visible (the causal_heavy policy's cost) counts what the mask lets each row see."""
+    for s_q, s_k in ((100, 100), (100, 130), (100, 40), (1, 1), (33, 0)):
+        assert _visible(0, s_q, s_q, s_k, False) == s_q * s_k
+        brute = sum(sum(1 for c in range(s_k) if c <= r + s_k - s_q) for r in range(s_q))
+        assert _visible(0, s_q, s_q, s_k, True) == brute
+
+
+# ---------------------------------------------------------------------------------------------- opcheck, bad input
+
+
+def _opcheck_inputs():
+    qk_dims, v_dims, group = [8, 16], [16, 8], 2
+    qk_offsets, v_offsets = offsets(qk_dims), offsets(v_dims)
+    gen = torch.Generator().manual_seed(0)
+    cu_q = torch.tensor([0, 3, 5], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 4, 9], dtype=torch.int32, device=DEVICE)
+    cases = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        q = torch.randn(6, group * 24, generator=gen).to(DEVICE, dtype)
+        k = torch.randn(9, 24, generator=gen).to(DEVICE, dtype)
+        v = torch.randn(9, 24, generator=gen).to(DEVICE, dtype)
+        name = str(dtype).removeprefix("torch.")
+        cases[f"prefill_attention_{name}"] = (q, k, v, cu_q, cu_k, qk_offsets, v_offsets, group, 0.25, True, None)
+        cases[f"prefill_attention_plan_{name}"] = (
+            q, k, v, cu_q, cu_k, qk_offsets, v_offsets, group, 0.25, False,
+            ops.prefill_plan(cu_q, cu_k, qk_offsets, v_offsets, group, False, 5, 16))
+    cases["prefill_plan"] = (cu_q, cu_k, qk_offsets, v_offsets, group, True, 3, 64)
+    cases["prefill_plan_default_workers"] = (cu_q, cu_k, qk_offsets, v_offsets, group, False, None, 32)
+    return cases
+
+
+@pytest.mark.parametrize("name", ["prefill_attention_float32", "prefill_attention_bfloat16",
+                                  "prefill_attention_plan_float32", "prefill_attention_plan_bfloat16",
+                                  "prefill_plan", "prefill_plan_default_workers"])
+def test_opcheck_cuda(name):
+    op = torch.ops.fdc.prefill_plan if name.startswith("prefill_plan") else torch.ops.fdc.prefill_attention
+    torch.library.opcheck(op.default, _opcheck_inputs()[name])
+
+
+def _raises(op: str, argument: str):
+    return pytest.raises(RuntimeError, match=rf"^fdc::{op}: (.|\n)*{argument}")
+
+
+def _small_problem(causal: bool = True) -> PrefillInputs:
+    gen, rng, _ = case_generator("cuda prefill bad input", 0)
+    return PrefillInputs(gen, rng, Layout([8, 16], [16, 8], 2), torch.float16, [3, 5], [3, 6], causal)
+
+
+def _attention(inputs: PrefillInputs, plan, **changes):
+    lo = inputs.layout
+    args = dict(q=inputs.q_dev, k=inputs.k_dev, v=inputs.v_dev, cu_seqlens_q=inputs.cu_q_dev,
+                cu_seqlens_k=inputs.cu_k_dev, qk_offsets=lo.qk_offsets, v_offsets=lo.v_offsets, group=lo.group,
+                scale=inputs.scale, causal=inputs.causal, plan=plan)
+    args.update(changes)
+    return ops.prefill_attention(**args)
+
+
+def test_plan_of_the_wrong_kind():
+    """A decode plan (on the GPU) is not a prefill plan."""
+    inputs = _small_problem()
+    lo = inputs.layout
+    decode_plan = ops.decode_plan(torch.tensor([3, 6], dtype=torch.int32), lo.qk_offsets, lo.v_offsets, lo.group,
+                                  num_workers=3).to(DEVICE)
+    with _raises("prefill_attention", "plan is not a prefill plan"):
+        _attention(inputs, decode_plan)
+    garbage = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+    with _raises("prefill_attention", "plan is not a prefill plan"):
+        _attention(inputs, garbage)
+
+
+def test_cpu_plan_with_cuda_tensors():
+    inputs = _small_problem()
+    with _raises("prefill_attention", "plan must be (on the device of|a CUDA tensor)"):
+        _attention(inputs, inputs.plan_cpu(4))
+
+
+def test_plan_for_other_inputs():
+    """Plans whose header disagrees with the inputs (causal flag, batch, group), or of the wrong dtype."""
+    inputs = _small_problem(causal=True)
+    with _raises("prefill_attention", "plan was made with causal=True but causal=False"):
+        _attention(inputs, inputs.plan_cuda(4), causal=False)
+    lo = inputs.layout
+    other_batch = ops.prefill_plan(torch.tensor([0, 3, 5, 8], dtype=torch.int32, device=DEVICE),
+                                   torch.tensor([0, 3, 5, 9], dtype=torch.int32, device=DEVICE), lo.qk_offsets,
+                                   lo.v_offsets, lo.group, True, 4)
+    with _raises("prefill_attention", "plan was made for B=3"):
+        _attention(inputs, other_batch)
+    with _raises("prefill_attention", "plan must be int32"):
+        _attention(inputs, inputs.plan_cuda(4).to(torch.int64))
+
+
+def test_bad_tensors_on_cuda():
+    inputs = _small_problem()
+    with _raises("prefill_attention", "k must have the dtype of q"):
+        _attention(inputs, None, k=inputs.k_dev.to(torch.bfloat16))
+    with _raises("prefill_attention", "v must have"):
+        _attention(inputs, None, v=inputs.v_dev[:, :8])
+    with _raises("prefill_attention", "cu_seqlens_q must be int32"):
+        _attention(inputs, None, cu_seqlens_q=inputs.cu_q_dev.to(torch.int64))
+    with _raises("prefill_attention", "scale must be a positive finite number"):
+        _attention(inputs, None, scale=math.inf)
+    lo = inputs.layout
+    with _raises("prefill_plan", "row_block"):
+        ops.prefill_plan(inputs.cu_q_dev, inputs.cu_k_dev, lo.qk_offsets, lo.v_offsets, lo.group, True, 4, 24)
