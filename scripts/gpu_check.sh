@@ -55,5 +55,6 @@ fi
 
 if wants bench; then
   step bench_decode "$python" bench/bench_decode.py --out "$out"
+  step bench_prefill "$python" bench/bench_prefill.py --out "$out"
 fi
 exit $status
