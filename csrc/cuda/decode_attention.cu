@@ -21,396 +21,18 @@
 #include <cmath>
 #include <cstdint>
 
-#include "cuda/cuda_common.cuh"
-#include "fdc/decode_plan.h"
+#include "cuda/decode_kernels.cuh"
+#include "cuda/generated/decode_instantiations.h"
 
 namespace fdc::cuda {
 namespace {
 
-// Four warps: enough threads to keep a few 16-byte copies per thread in flight for a tile, few enough that a CTA's
-// per-thread accumulators (2 value columns x up to 16 query heads) stay in registers.
-constexpr int kThreads = 128;
-
-// Keys per tile: 64 for 2-byte caches, 32 for float ones, so a tile of the widest heads (256 + 256 dims) is 64 KiB
-// or less in either dtype and two of them (the one being computed and the one in flight) fit in shared memory.
-template <typename T>
-constexpr int tile_keys() {
-  return sizeof(T) == 4 ? 32 : 64;
-}
-
-// Rows of a dim-major staging tile are padded by one 16-byte packet: with rows of tile_keys() elements (128 bytes)
-// every row would start on bank 0, and the transposing reads (consecutive dims, same keys) would all collide.
-template <typename T>
-constexpr int staged_row() {
-  return tile_keys<T>() + kPacket<T>;
-}
-
-// Token-major K rows are padded so that the score loop, in which the kThreads / tile_keys() threads of a key read
-// interleaved 16-byte packets of its row, touches 8 distinct 16-byte bank groups per quarter warp: a row stride
-// of L packets with L = kThreadsPerKey (mod 2 * kThreadsPerKey) does that.
-template <typename T>
-__host__ __device__ constexpr int padded_k_row(int dim) {
-  constexpr int per_key = kThreads / tile_keys<T>();
-  int packets = dim / kPacket<T>;
-  while (packets % (2 * per_key) != per_key) ++packets;
-  return packets * kPacket<T>;
-}
-
-// KV heads a launch takes: the head layout travels in the kernel's parameters (captured by value in a CUDA graph,
-// no copy to the device per call), and two int32 tables of 257 entries keep them within the 4 KiB parameter limit.
-// Current models have at most 128 KV heads.
-constexpr int kMaxKvHeads = 256;
-
-// Everything a task needs besides its record; one copy per launch (kernel parameter space).
-template <typename T>
-struct DecodeArgs {
-  const T* q;                    // (B, G * W_qk), row stride q_stride
-  const T* k_cache;              // contiguous (B, S_max, W_qk) or paged (num_pages, W_qk, page_size)
-  const T* v_cache;              // contiguous (B, S_max, W_v) or paged (num_pages, W_v, page_size)
-  const int32_t* cache_seqlens;  // (B)
-  const int32_t* block_table;    // (B, max_pages) when paged, else nullptr
-  const int32_t* plan;           // decode plan, decode_plan_size(B, H_kv, N) entries
-  T* out;                        // (B, G * W_v), row stride out_stride
-  float* partial_out;            // (capacity, G, max_v_dim): normalised outputs of the chunks of split requests
-  float* partial_lse;            // (capacity, G): their log-sum-exps
-  int64_t q_stride, out_stride;
-  int64_t k_stride0, k_stride1;  // contiguous: between requests, between rows; paged: between pages (stride1 unused)
-  int64_t v_stride0, v_stride1;
-  int64_t capacity;              // rows a request can hold: S_max, or max_pages * page_size
-  int64_t page_size, max_pages, num_pages;
-  int32_t batch, num_kv_heads, group, num_workers, plan_capacity, max_v_dim;
-  int32_t max_qk_dim;            // the widest qk head: the row length of the scaled queries in shared memory
-  float scale;
-  // Shared-memory carve-up, in elements of T: two staging tiles, then (paged) one token-major compute tile.
-  int32_t stage_elems, compute_elems;
-  int32_t qk_offsets[kMaxKvHeads + 1];  // (H_kv + 1) prefix sums of the qk widths
-  int32_t v_offsets[kMaxKvHeads + 1];   // (H_kv + 1) prefix sums of the v widths
-};
-
-// Header checks every kernel makes before trusting a plan: made by decode_plan for these shapes, and its planner
-// succeeded (entry [7] is the status the device planner writes).
-template <typename T>
-__device__ bool plan_is_usable(const DecodeArgs<T>& a) {
-  const DecodePlanView plan{a.plan};
-  return a.plan[0] == kDecodePlanTag && plan.batch() == a.batch && plan.num_kv_heads() == a.num_kv_heads &&
-         plan.num_workers() == a.num_workers && plan.capacity() == a.plan_capacity && plan.group() == a.group &&
-         a.plan[7] == 0 && plan.num_tasks() >= 0 && plan.num_tasks() <= plan.capacity();
-}
-
-
-// Physical location of token t of request b in a paged cache: (page, slot), or page -1 if the block table does not
-// name a valid page for it.
-template <typename T>
-__device__ __forceinline__ int64_t page_of(const DecodeArgs<T>& a, int64_t b, int64_t t) {
-  const int64_t logical = t / a.page_size;
-  if (logical >= a.max_pages) return -1;
-  const int64_t page = a.block_table[b * a.max_pages + logical];
-  return (page >= 0 && page < a.num_pages) ? page : -1;
-}
-
-// Starts the copy of keys [t0, t0 + n) of request b, columns [col, col + dim) of one cache, into a staging tile:
-// token-major rows of `ld` elements (contiguous cache) or dim-major rows of staged_row() elements (paged cache).
-// Returns false if a block-table entry it needed was invalid (those elements are not loaded).
-template <typename T, bool kPaged>
-__device__ bool load_tile(const DecodeArgs<T>& a, const T* cache, int64_t stride0, int64_t stride1, int64_t b,
-                          int64_t t0, int n, int64_t col, int dim, int ld, T* stage) {
-  constexpr int P = kPacket<T>;
-  const int packets_per_row = dim / P;
-  bool ok = true;
-  if constexpr (!kPaged) {
-    const T* base = cache + b * stride0 + t0 * stride1 + col;
-    for (int e = threadIdx.x; e < n * packets_per_row; e += kThreads) {
-      const int key = e / packets_per_row, p = e % packets_per_row;
-      cp_async_16(stage + key * ld + p * P, base + key * stride1 + p * P);
-    }
-  } else {
-    constexpr int kRow = staged_row<T>();
-    const int key_packets = (n + P - 1) / P;
-    if (a.page_size % P == 0) {
-      // A packet of P tokens starting at a multiple of P (chunks and tiles start at multiples of 16 keys) never
-      // crosses a page; its tail past n stays inside the page of token t0 + key, which holds real tokens.
-      for (int e = threadIdx.x; e < dim * key_packets; e += kThreads) {
-        const int c = e / key_packets, key = (e % key_packets) * P;
-        const int64_t t = t0 + key, page = page_of(a, b, t);
-        if (page < 0) {
-          ok = false;
-          continue;
-        }
-        cp_async_16(stage + c * kRow + key, cache + page * stride0 + (col + c) * a.page_size + t % a.page_size);
-      }
-    } else {
-      for (int e = threadIdx.x; e < dim * n; e += kThreads) {
-        const int c = e / n, key = e % n;
-        const int64_t t = t0 + key, page = page_of(a, b, t);
-        if (page < 0) {
-          ok = false;
-          continue;
-        }
-        stage[c * kRow + key] = cache[page * stride0 + (col + c) * a.page_size + t % a.page_size];
-      }
-    }
-  }
-  return ok;
-}
-
-// Paged tiles only: dim-major staging (dim rows of staged_row() keys) -> token-major (n rows of ld dims).
-template <typename T>
-__device__ void transpose_tile(const T* stage, int dim, int n, int ld, T* tile) {
-  constexpr int P = kPacket<T>;
-  constexpr int kRow = staged_row<T>();
-  const int key_packets = (n + P - 1) / P;
-  for (int e = threadIdx.x; e < dim * key_packets; e += kThreads) {
-    const int c = e % dim, key0 = (e / dim) * P;
-    alignas(16) T values[P];
-    *reinterpret_cast<uint4*>(values) = *reinterpret_cast<const uint4*>(stage + c * kRow + key0);
-#pragma unroll
-    for (int u = 0; u < P; ++u) {
-      if (key0 + u < n) tile[(key0 + u) * ld + c] = values[u];
-    }
-  }
-}
-
-// Shared state of the CTA for one task (one pass over at most kHeads query heads).
-template <int kHeads>
-struct SoftmaxState {
-  float max[kHeads];     // running maximum score per query head
-  float sum[kHeads];     // running sum of exp(score - max)
-  float factor[kHeads];  // rescale of this tile for what was accumulated before it
-};
-
-// Runs the query heads [head0, head0 + heads) of one task over its keys.
-template <typename T, int kHeads, bool kPaged>
-__device__ void run_pass(const DecodeArgs<T>& a, int64_t b, int j, int64_t kv_start, int64_t kv_end, bool split,
-                         int split_slot, int head0, int heads, char* smem) {
-  constexpr int P = kPacket<T>;
-  constexpr int kTile = tile_keys<T>();
-  constexpr int kPerKey = kThreads / kTile;  // threads that share one key's score
-  const int qk_col = a.qk_offsets[j], dq = a.qk_offsets[j + 1] - qk_col;
-  const int v_col = a.v_offsets[j], dv = a.v_offsets[j + 1] - v_col;
-  const int ldk = padded_k_row<T>(dq), ldv = dv;
-
-  // Carve-up: [stage 0 | stage 1 | compute tile (paged)] in T, then q (kHeads x max_qk_dim) and scores
-  // (kHeads x kTile) in float, then the softmax state.
-  T* stages = reinterpret_cast<T*>(smem);
-  T* compute = stages + 2 * a.stage_elems;
-  float* s_q = reinterpret_cast<float*>(compute + a.compute_elems);
-  float* s_scores = s_q + kHeads * a.max_qk_dim;
-  SoftmaxState<kHeads>* state = reinterpret_cast<SoftmaxState<kHeads>*>(s_scores + kHeads * kTile);
-
-  // Each (request, KV head) is one task's; the q row is scaled once here.
-  const int group = a.group;
-  const T* q_row = a.q + b * a.q_stride + int64_t(group) * qk_col;
-  for (int e = threadIdx.x; e < kHeads * dq; e += kThreads) {
-    const int i = e / dq, c = e % dq;
-    s_q[i * a.max_qk_dim + c] = i < heads ? to_float(q_row[int64_t(head0 + i) * dq + c]) * a.scale : 0.f;
-  }
-  if (threadIdx.x < kHeads) {
-    state->max[threadIdx.x] = -INFINITY;
-    state->sum[threadIdx.x] = 0.f;
-  }
-
-  // Value accumulation: thread t owns columns (2p, 2p+1), p = t % pairs, for the keys k = kg (mod key_groups) of
-  // every tile; narrow heads leave no thread idle by giving each column pair several key groups.
-  const int pairs = dv / 2;
-  const int key_groups = kThreads / pairs;
-  const int pair = threadIdx.x % pairs, key_group = threadIdx.x / pairs;
-  const bool accumulates = key_group < key_groups;
-  float acc[kHeads][2];
-#pragma unroll
-  for (int i = 0; i < kHeads; ++i) acc[i][0] = acc[i][1] = 0.f;
-
-  auto stage_k = [&](int s) { return stages + s * a.stage_elems; };
-  auto stage_v = [&](int s) {
-    return stages + s * a.stage_elems + (kPaged ? dq * staged_row<T>() : kTile * ldk);
-  };
-  bool pages_ok = true;
-  auto issue = [&](int s, int64_t t0) {
-    const int n = static_cast<int>(min64(kTile, kv_end - t0));
-    pages_ok &= load_tile<T, kPaged>(a, a.k_cache, a.k_stride0, a.k_stride1, b, t0, n, qk_col, dq, ldk, stage_k(s));
-    pages_ok &= load_tile<T, kPaged>(a, a.v_cache, a.v_stride0, a.v_stride1, b, t0, n, v_col, dv, ldv, stage_v(s));
-    cp_async_commit();
-  };
-
-  issue(0, kv_start);
-  int s = 0;
-  for (int64_t t0 = kv_start; t0 < kv_end; t0 += kTile, s ^= 1) {
-    const int n = static_cast<int>(min64(kTile, kv_end - t0));
-    if (t0 + kTile < kv_end) {
-      issue(s ^ 1, t0 + kTile);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
-    const T* k_tile = stage_k(s);
-    const T* v_tile = stage_v(s);
-    if constexpr (kPaged) {
-      transpose_tile(stage_k(s), dq, n, ldk, compute);
-      transpose_tile(stage_v(s), dv, n, ldv, compute + kTile * ldk);
-      __syncthreads();
-      k_tile = compute;
-      v_tile = compute + kTile * ldk;
-    }
-
-    // Scores: the kPerKey threads of a key take interleaved 16-byte packets of its row, then add up by shuffles.
-    {
-      const int key = threadIdx.x / kPerKey, part = threadIdx.x % kPerKey;
-      float dot[kHeads];
-#pragma unroll
-      for (int i = 0; i < kHeads; ++i) dot[i] = 0.f;
-      for (int p = part; p < dq / P; p += kPerKey) {
-        alignas(16) T kv[P];
-        *reinterpret_cast<uint4*>(kv) = *reinterpret_cast<const uint4*>(k_tile + key * ldk + p * P);
-        float kf[P];
-#pragma unroll
-        for (int u = 0; u < P; ++u) kf[u] = to_float(kv[u]);
-#pragma unroll
-        for (int i = 0; i < kHeads; ++i) {
-          const float* qi = s_q + i * a.max_qk_dim + p * P;
-#pragma unroll
-          for (int u = 0; u < P; ++u) dot[i] += qi[u] * kf[u];
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < kHeads; ++i) {
-#pragma unroll
-        for (int lane_mask = 1; lane_mask < kPerKey; lane_mask *= 2)
-          dot[i] += __shfl_xor_sync(0xffffffffu, dot[i], lane_mask);
-      }
-      if (part == 0) {
-#pragma unroll
-        for (int i = 0; i < kHeads; ++i) s_scores[i * kTile + key] = key < n ? dot[i] : -INFINITY;
-      }
-    }
-    __syncthreads();
-
-    // Online softmax: warp w updates query heads w, w + 4, ...; scores become probabilities in place.
-    {
-      const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-      for (int i = warp; i < heads; i += kThreads / 32) {
-        float* si = s_scores + i * kTile;
-        float tile_max = -INFINITY;
-        for (int k = lane; k < kTile; k += 32) tile_max = fmaxf(tile_max, si[k]);
-#pragma unroll
-        for (int m = 16; m > 0; m /= 2) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, m));
-        const float old_max = state->max[i];
-        const float new_max = fmaxf(old_max, tile_max);  // finite: the tile has n >= 1 real keys
-        float tile_sum = 0.f;
-        for (int k = lane; k < kTile; k += 32) {
-          const float p = k < n ? __expf(si[k] - new_max) : 0.f;
-          si[k] = p;
-          tile_sum += p;
-        }
-#pragma unroll
-        for (int m = 16; m > 0; m /= 2) tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, m);
-        if (lane == 0) {
-          const float factor = old_max == -INFINITY ? 0.f : __expf(old_max - new_max);
-          state->factor[i] = factor;
-          state->sum[i] = state->sum[i] * factor + tile_sum;
-          state->max[i] = new_max;
-        }
-      }
-    }
-    __syncthreads();
-
-    // Values: acc[i] = acc[i] * factor[i] + sum over this thread's keys of p[i][k] * V[k][2 pair .. 2 pair + 1].
-    if (accumulates) {
-#pragma unroll
-      for (int i = 0; i < kHeads; ++i) {
-        if (i < heads) {
-          acc[i][0] *= state->factor[i];
-          acc[i][1] *= state->factor[i];
-        }
-      }
-      for (int k = key_group; k < n; k += key_groups) {
-        const float v0 = to_float(v_tile[k * ldv + 2 * pair]);
-        const float v1 = to_float(v_tile[k * ldv + 2 * pair + 1]);
-#pragma unroll
-        for (int i = 0; i < kHeads; ++i) {
-          const float p = s_scores[i * kTile + k];
-          acc[i][0] += p * v0;
-          acc[i][1] += p * v1;
-        }
-      }
-    }
-    __syncthreads();  // the stage just read is the next issue's target
-  }
-
-  // Reduce the key groups' accumulators through shared memory (the staging tiles are free now), then normalise.
-  const bool valid = __syncthreads_and(pages_ok);
-  float* reduce = reinterpret_cast<float*>(stages);  // (key_groups, kHeads, dv)
-  if (accumulates) {
-#pragma unroll
-    for (int i = 0; i < kHeads; ++i) {
-      reduce[(key_group * kHeads + i) * dv + 2 * pair] = acc[i][0];
-      reduce[(key_group * kHeads + i) * dv + 2 * pair + 1] = acc[i][1];
-    }
-  }
-  __syncthreads();
-  for (int e = threadIdx.x; e < heads * dv; e += kThreads) {
-    const int i = e / dv, c = e % dv;
-    float total = 0.f;
-    for (int g = 0; g < key_groups; ++g) total += reduce[(g * kHeads + i) * dv + c];
-    const float sum = state->sum[i];
-    const float value = !valid ? NAN : (sum > 0.f ? total / sum : 0.f);
-    const int h = head0 + i;
-    if (split) {
-      a.partial_out[(int64_t(split_slot) * group + h) * a.max_v_dim + c] = value;
-      if (c == 0) {
-        a.partial_lse[int64_t(split_slot) * group + h] = !valid ? NAN : (sum > 0.f ? state->max[i] + logf(sum) : -INFINITY);
-      }
-    } else {
-      a.out[b * a.out_stride + int64_t(group) * v_col + int64_t(h) * dv + c] = from_float<T>(value);
-    }
-  }
-  __syncthreads();  // shared memory is reused by the next pass or task
-}
-
-// One CTA per plan worker; blockIdx.x is the worker.
-template <typename T, int kHeads, bool kPaged>
-__global__ void __launch_bounds__(kThreads) decode_attention_kernel(const __grid_constant__ DecodeArgs<T> a) {
-  extern __shared__ __align__(16) char smem[];
-  if (!plan_is_usable(a)) return;  // the combine kernel writes NaN everywhere
-  const DecodePlanView plan{a.plan};
-  const int32_t* workers = plan.worker_offsets();
-  const int32_t* split = plan.split_offsets();
-  const int w = blockIdx.x;
-  const int first = workers[w], last = workers[w + 1];
-  if (first < 0 || last > plan.num_tasks() || first > last) return;
-  const int pairs = plan.batch() * plan.num_kv_heads();
-  for (int r = first; r < last; ++r) {
-    const int32_t* rec = plan.records() + int64_t(r) * kDecodeRecordFields;
-    const int bj = rec[0], chunk = rec[1];
-    if (bj < 0 || bj >= pairs) continue;
-    const int64_t b = bj / a.num_kv_heads;
-    const int j = bj % a.num_kv_heads;
-    const int chunks = split[bj + 1] - split[bj];
-    const int64_t length = a.cache_seqlens[b];
-    // Chunks start at multiples of kChunkAlign keys (the planner's rule), which the 16-byte paged loads rely on.
-    const bool in_range = chunk >= 0 && chunk < chunks && rec[2] >= 0 && rec[2] % kChunkAlign == 0 &&
-                          rec[2] < rec[3] && rec[3] <= length && rec[3] <= a.capacity;
-    const bool is_split = chunks > 1;
-    const int slot = split[bj] + chunk;
-    if (!in_range) {
-      // Nothing is read; the outputs this record was to produce become NaN.
-      const int dv = a.v_offsets[j + 1] - a.v_offsets[j];
-      for (int e = threadIdx.x; e < a.group * dv; e += kThreads) {
-        const int h = e / dv, c = e % dv;
-        if (is_split && slot >= 0 && slot < a.plan_capacity) {
-          a.partial_out[(int64_t(slot) * a.group + h) * a.max_v_dim + c] = NAN;
-          if (c == 0) a.partial_lse[int64_t(slot) * a.group + h] = NAN;
-        } else if (!is_split) {
-          a.out[b * a.out_stride + int64_t(a.group) * a.v_offsets[j] + int64_t(h) * dv + c] = from_float<T>(NAN);
-        }
-      }
-      continue;
-    }
-    for (int head0 = 0; head0 < a.group; head0 += kHeads) {
-      run_pass<T, kHeads, kPaged>(a, b, j, rec[2], rec[3], is_split, slot, head0, min(kHeads, a.group - head0),
-                                  smem);
-    }
-  }
-}
+using decode::DecodeArgs;
+using decode::kMaxKvHeads;
+using decode::kThreads;
+using decode::launch_layout;
+using decode::plan_is_usable;
+using decode::shared_bytes;
 
 // One CTA per (request, KV head): zeros for an empty request, the log-sum-exp merge of a split one, NaN everywhere
 // if the plan cannot be used. Unsplit requests were written by the attention kernel.
@@ -431,7 +53,8 @@ __global__ void __launch_bounds__(kThreads) decode_combine_kernel(const __grid_c
   for (int e = threadIdx.x; e < a.group * dv; e += kThreads) {
     const int h = e / dv, c = e % dv;
     if (count <= 0 || first < 0 || first + count > a.plan_capacity) {
-      out[e] = from_float<T>(count == 0 ? 0.f : NAN);
+      // No chunk: an empty request, unless the plan was made for other lengths.
+      out[e] = from_float<T>(count == 0 && a.cache_seqlens[b] == 0 ? 0.f : NAN);
       continue;
     }
     const float* lse = a.partial_lse + int64_t(first) * a.group + h;
@@ -468,42 +91,6 @@ int64_t plan_workers_from_size(const char* op, int64_t plan_size, int64_t batch,
 // Query heads a pass handles: templates for 4, 8 and 16 heads; larger groups take several passes of 16.
 int heads_per_pass(int64_t group) { return group <= 4 ? 4 : (group <= 8 ? 8 : 16); }
 
-template <typename T, int kHeads, bool kPaged>
-void launch(const DecodeArgs<T>& args, int64_t smem_bytes, cudaStream_t stream) {
-  auto kernel = decode_attention_kernel<T, kHeads, kPaged>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(smem_bytes)));
-  kernel<<<args.num_workers, kThreads, smem_bytes, stream>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-template <typename T, int kHeads>
-void launch_layout(const DecodeArgs<T>& args, bool paged, int64_t smem_bytes, cudaStream_t stream) {
-  if (paged) {
-    launch<T, kHeads, true>(args, smem_bytes, stream);
-  } else {
-    launch<T, kHeads, false>(args, smem_bytes, stream);
-  }
-}
-
-// Shared memory of one CTA for the layout's widest heads, in bytes.
-template <typename T>
-int64_t shared_bytes(int max_qk_dim, int max_v_dim, int heads, bool paged, int32_t* stage_elems,
-                     int32_t* compute_elems) {
-  constexpr int kTile = tile_keys<T>();
-  const int64_t token_major = int64_t(kTile) * (padded_k_row<T>(max_qk_dim) + max_v_dim);
-  const int64_t dim_major = int64_t(max_qk_dim + max_v_dim) * staged_row<T>();
-  // The staging tiles also hold the final (key_groups, heads, dv) float reduction: key_groups * dv <= 2 * kThreads.
-  const int64_t reduction = (2 * kThreads * heads * int64_t(sizeof(float)) + sizeof(T) - 1) / sizeof(T);
-  int64_t stage = paged ? dim_major : token_major;
-  stage = std::max(stage, (reduction + 1) / 2);
-  stage = round_up(stage, kPacket<T>);  // each stage starts 16-byte aligned
-  *stage_elems = static_cast<int32_t>(stage);
-  *compute_elems = static_cast<int32_t>(paged ? round_up(token_major, kPacket<T>) : 0);
-  const int64_t floats = int64_t(heads) * max_qk_dim + int64_t(heads) * kTile + 3 * heads;
-  return (2 * stage + *compute_elems) * int64_t(sizeof(T)) + floats * int64_t(sizeof(float));
-}
-
 }  // namespace
 
 // q (B, G * W_qk); caches contiguous (B, S_max, W) or paged (num_pages, W, page_size) -> (B, G * W_v).
@@ -527,6 +114,7 @@ at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
   checks::check_vector_aligned(op, "v_cache", v_cache, block_table.has_value());
   const c10::cuda::CUDAGuard guard(q.device());
 
+  const at::Tensor seqlens = cache_seqlens.contiguous();  // the kernels index it as a plain array
   const int64_t hkv = layout.num_kv_heads();
   FDC_CHECK(hkv <= kMaxKvHeads, op, "the CUDA kernel takes at most ", kMaxKvHeads, " KV heads but qk_offsets has ",
             hkv);
@@ -535,7 +123,7 @@ at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
     checks::check_plan_tensor(op, *plan, q, kDecodeHeader);
     schedule = *plan;
   } else {
-    schedule = decode_plan_cuda(cache_seqlens, qk_offsets, v_offsets, group, std::nullopt);
+    schedule = decode_plan_cuda(seqlens, qk_offsets, v_offsets, group, std::nullopt);
   }
   const int64_t workers = plan_workers_from_size(op, schedule.size(0), batch, hkv);
 
@@ -558,7 +146,7 @@ at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
     args.q = qc.data_ptr<scalar_t>();
     args.k_cache = k_cache.data_ptr<scalar_t>();
     args.v_cache = v_cache.data_ptr<scalar_t>();
-    args.cache_seqlens = cache_seqlens.data_ptr<int32_t>();
+    args.cache_seqlens = seqlens.data_ptr<int32_t>();
     args.block_table = paged ? table.data_ptr<int32_t>() : nullptr;
     args.plan = schedule.data_ptr<int32_t>();
     std::copy(layout.qk_offsets.begin(), layout.qk_offsets.end(), args.qk_offsets);
