@@ -265,7 +265,9 @@ inline CacheShape check_cache(const char* op, const at::Tensor& k_cache, const a
 // request and row strides (a paged cache's page stride, when pages hold whole packets) must be multiples of 16 bytes.
 inline void check_vector_aligned(const char* op, const char* name, const at::Tensor& cache, bool paged) {
   const int64_t packet = 16 / static_cast<int64_t>(cache.element_size());
-  const bool strides_ok = paged ? (cache.size(2) % packet != 0 || cache.stride(0) % packet == 0)
+  // Pages that do not hold whole packets are read element by element: no alignment needed.
+  if (paged && cache.size(2) % packet != 0) return;
+  const bool strides_ok = paged ? cache.stride(0) % packet == 0
                                 : (cache.stride(0) % packet == 0 && cache.stride(1) % packet == 0);
   FDC_CHECK(reinterpret_cast<uintptr_t>(cache.data_ptr()) % 16 == 0 && strides_ok, op, name,
             " must start at a 16-byte aligned address with strides that are multiples of 16 bytes (", packet,

@@ -225,9 +225,9 @@ def decode_attention(
     host checks what shapes, dtypes and devices tell (including 16-byte alignment of the caches); what only the
     values tell is checked by the kernels, which never read out of bounds and return NaN: for the whole output when
     the plan's planner met a negative length (status entry ``plan[7]``) or the plan was made for other shapes; for
-    the (request, KV head) concerned when a plan record runs past its request's length or the cache capacity, or a
-    block-table entry lies outside ``[0, num_pages)``. A plan
-    made for other lengths of the same batch is not otherwise detected there: pass the plan of these lengths.
+    the (request, KV head) concerned when a plan record runs past its request's length or the cache capacity, its
+    chunks do not start at key 0 and end at the request's length (a plan made for other lengths), or a block-table
+    entry lies outside ``[0, num_pages)``. The CPU op raises for all of these instead.
     """
     return torch.ops.fdc.decode_attention(
         q, k_cache, v_cache, cache_seqlens, qk_offsets, v_offsets, group, scale, plan, block_table

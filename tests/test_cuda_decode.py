@@ -368,6 +368,32 @@ def test_negative_length_gives_nan(with_plan):
     assert torch.isnan(out).all(), "decode_attention over a failed plan must return NaN"
 
 
+def test_stale_plan_gives_nan_for_the_requests_it_misses():
+    """A plan made for shorter lengths of the same batch would silently drop keys: its chunks no longer end at the
+    request's length, so the requests concerned come back NaN (the CPU op raises), the others stay correct."""
+    gen, rng, replay = case_generator("cuda decode stale plan", 0)
+    layout = random_layout(rng)
+    inputs = DecodeInputs(gen, rng, layout, torch.float32, [300, 40, 0, 900], False, extra_capacity=5)
+    stale_lengths = torch.tensor([100, 40, 7, 900], dtype=torch.int32, device=DEVICE)
+    lo = layout
+    stale = ops.decode_plan(stale_lengths, lo.qk_offsets, lo.v_offsets, lo.group)
+    out = inputs.run_cuda(stale).cpu()
+    assert torch.isnan(out[0]).all() and torch.isnan(out[2]).all(), f"stale requests must be NaN {replay}"
+    expected = reference.decode_attention_ref(*inputs.cpu_args())
+    torch.testing.assert_close(out[[1, 3]].double(), expected[[1, 3]], rtol=1e-4, atol=1e-5, msg=replay)
+
+
+def test_strided_cache_seqlens():
+    """cache_seqlens as a strided view: the planner and the attention kernel read the same lengths."""
+    gen, rng, replay = case_generator("cuda decode strided lengths", 0)
+    layout = random_layout(rng)
+    inputs = DecodeInputs(gen, rng, layout, torch.bfloat16, [5, 700, 64], rng.random() < 0.5, 16)
+    wide = torch.zeros(2 * len(inputs.seqlens), dtype=torch.int32, device=DEVICE)
+    wide[::2] = inputs.seqlens_dev
+    inputs.seqlens_dev = wide[::2]
+    inputs.check(inputs.run_cuda(), f"cuda decode strided cache_seqlens {replay}")
+
+
 def _opcheck_inputs():
     qk_dims, v_dims, group = [8, 16], [16, 8], 2
     qk_offsets, v_offsets = offsets(qk_dims), offsets(v_dims)
