@@ -1,9 +1,9 @@
 """Compressed attention modules and their packed KV cache (DESIGN.md section 5), for Hugging Face decoder layers.
 
-``FDCAttention`` (the method): post-RoPE queries and keys are rotated and truncated per KV head by
-``rotate_compress``; values come out of the folded ``A_V`` already compressed; attention runs on the packed widths
-(``prefill_attention`` for prompts, ``decode_attention`` for one new token per request); the c-wide outputs feed the
-folded output projection ``W_O'``. ``PaluAttention`` (the baseline): keys are cached as a low-rank latent before
+``FDCAttention`` (the method): queries and keys get the family's RoPE and are rotated and truncated per KV head in
+one pass (``rope_rotate_compress``); values come out of the folded ``A_V`` already compressed; attention runs on the
+packed widths (``prefill_attention`` for prompts, ``decode_attention`` for one new token per request); the c-wide
+outputs feed the folded output projection ``W_O'``. ``PaluAttention`` (the baseline): keys are cached as a low-rank latent before
 RoPE, reconstructed and rotated at every attention call, then attended at full width; values as in FDC. Both keep
 their cache in ``CompressedKVLayer``: packed rows of exactly the allocated widths, real memory savings.
 
@@ -221,13 +221,13 @@ class FDCAttention(_CompressedAttentionBase):
         H, Hkv, G = self.num_heads, self.num_kv_heads, self.group
         q = self._heads(self.q_proj, self.q_norm, hidden_states, H)
         k = self._heads(self.k_proj, self.k_norm, hidden_states, Hkv)
-        cos, sin = position_embeddings
-        q, k = self._apply_rope(q, k, cos, sin)
         valid = self._padding.valid(B, S, hidden_states.device)  # (B, S)
         counts = valid.sum(1)
+        # The family's RoPE tables (B or 1, S, rotary_dim), per real token; RoPE and the rotation in one pass.
+        cos, sin = (t.expand(B, S, -1)[valid].to(q.dtype) for t in position_embeddings)  # (T, rotary_dim)
         rotation = self.rotation.to(q.dtype)
-        q_rows = ops.rotate_compress(q.transpose(1, 2)[valid], rotation, self.qk_offsets, G)  # (T, G * k_width)
-        k_rows = ops.rotate_compress(k.transpose(1, 2)[valid], rotation, self.qk_offsets, 1)  # (T, k_width)
+        q_rows = ops.rope_rotate_compress(q.transpose(1, 2)[valid], cos, sin, rotation, self.qk_offsets, G)
+        k_rows = ops.rope_rotate_compress(k.transpose(1, 2)[valid], cos, sin, rotation, self.qk_offsets, 1)
         v_rows = self.v_proj(hidden_states[valid])  # (T, v_width)
         out = _attend(self, q_rows, k_rows, v_rows, counts, S, self._past(kwargs, past_key_values))
         o = out.new_zeros(B, S, out.shape[1])
