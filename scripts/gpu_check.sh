@@ -6,7 +6,8 @@
 #   scripts/gpu_check.sh [OUT_DIR]       logs and benchmark JSON go to OUT_DIR (default bench/results/gpu-check)
 #
 # Environment: PYTHON (default python3), FDC_CUDA_ARCHS (default 90, the H100/H200), STEPS (default
-# "build tests sanitizer bench": any subset, in that order), PYTEST_ARGS (extra pytest arguments).
+# "build tests sanitizer bench": any subset, in that order), PYTEST_ARGS (extra pytest arguments), FDC_COMMIT (the
+# commit the benchmark JSON records, for a copy of the checkout without its .git folder).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
