@@ -5,6 +5,9 @@
 #
 #   scripts/gpu_check.sh [OUT_DIR]       logs and benchmark JSON go to OUT_DIR (default bench/results/gpu-check)
 #
+# Where one command may run for 10 minutes at most (the lent GPU machines), run the steps as separate calls on the
+# same machine, which keeps the build between them: STEPS=build, then STEPS=tests, STEPS=sanitizer, STEPS=bench.
+#
 # Environment: PYTHON (default python3), FDC_CUDA_ARCHS (default 90, the H100/H200), STEPS (default
 # "build tests sanitizer bench": any subset, in that order), PYTEST_ARGS (extra pytest arguments), FDC_COMMIT (the
 # commit the benchmark JSON records, for a copy of the checkout without its .git folder).
