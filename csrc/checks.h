@@ -261,6 +261,51 @@ inline CacheShape check_cache(const char* op, const at::Tensor& k_cache, const a
   return shape;
 }
 
+// prefill_attention's tensors: q (T_q, G * W_qk), k (T_k, W_qk), v (T_k, W_v) of one float dtype and device,
+// and the scale. Returns the validated layout; the boundaries are read by each backend (read_cu_seqlens).
+inline HostLayout check_prefill_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       const at::Tensor& qk_offsets, const at::Tensor& v_offsets, int64_t group,
+                                       double scale) {
+  const HostLayout layout = read_layout(op, qk_offsets, &v_offsets, group);
+  check_float(op, "q", q, 2);
+  check_float(op, "k", k, 2);
+  check_float(op, "v", v, 2);
+  check_same_dtype(op, "k", k, "q", q);
+  check_same_dtype(op, "v", v, "q", q);
+  check_same_device(op, "k", k, "q", q);
+  check_same_device(op, "v", v, "q", q);
+  check_width(op, "q", q, group * layout.qk_width(), "group * qk_offsets[-1]");
+  check_width(op, "k", k, layout.qk_width(), "qk_offsets[-1]");
+  check_width(op, "v", v, layout.v_width(), "v_offsets[-1]");
+  FDC_CHECK(v.size(0) == k.size(0), op, "v must have the ", k.size(0), " rows of k but got shape ", v.sizes());
+  check_scale(op, scale);
+  return layout;
+}
+
+// decode_attention's tensors: q (B, G * W_qk) and a K/V cache pair of q's dtype and device (check_cache), and the
+// scale. Returns the validated layout and the cache's shape; cache_seqlens is read by each backend.
+struct DecodeInputs {
+  HostLayout layout;
+  int64_t batch = 0;
+  CacheShape cache;
+};
+
+inline DecodeInputs check_decode_inputs(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
+                                        const at::Tensor& v_cache, const at::Tensor& qk_offsets,
+                                        const at::Tensor& v_offsets, int64_t group, double scale,
+                                        const std::optional<at::Tensor>& block_table) {
+  DecodeInputs inputs;
+  inputs.layout = read_layout(op, qk_offsets, &v_offsets, group);
+  check_float(op, "q", q, 2);
+  check_same_dtype(op, "k_cache", k_cache, "q", q);
+  check_same_device(op, "k_cache", k_cache, "q", q);
+  check_width(op, "q", q, group * inputs.layout.qk_width(), "group * qk_offsets[-1]");
+  check_scale(op, scale);
+  inputs.batch = q.size(0);
+  inputs.cache = check_cache(op, k_cache, v_cache, block_table, inputs.batch, inputs.layout);
+  return inputs;
+}
+
 // The CUDA kernels read caches in 16-byte packets: the data must start 16-byte aligned, and a contiguous cache's
 // request and row strides (a paged cache's page stride, when pages hold whole packets) must be multiples of 16 bytes.
 inline void check_vector_aligned(const char* op, const char* name, const at::Tensor& cache, bool paged) {

@@ -90,19 +90,8 @@ at::Tensor prefill_attention_cpu(const at::Tensor& q, const at::Tensor& k, const
                                  const at::Tensor& qk_offsets, const at::Tensor& v_offsets, int64_t group,
                                  double scale, bool causal, const std::optional<at::Tensor>& plan) {
   const char* op = "prefill_attention";
-  const checks::HostLayout layout = checks::read_layout(op, qk_offsets, &v_offsets, group);
-  checks::check_float(op, "q", q, 2);
-  checks::check_float(op, "k", k, 2);
-  checks::check_float(op, "v", v, 2);
-  checks::check_same_dtype(op, "k", k, "q", q);
-  checks::check_same_dtype(op, "v", v, "q", q);
-  checks::check_same_device(op, "k", k, "q", q);
-  checks::check_same_device(op, "v", v, "q", q);
-  checks::check_width(op, "q", q, group * layout.qk_width(), "group * qk_offsets[-1]");
-  checks::check_width(op, "k", k, layout.qk_width(), "qk_offsets[-1]");
-  checks::check_width(op, "v", v, layout.v_width(), "v_offsets[-1]");
-  FDC_CHECK(v.size(0) == k.size(0), op, "v must have the ", k.size(0), " rows of k but got shape ", v.sizes());
-  checks::check_scale(op, scale);
+  const checks::HostLayout layout =
+      checks::check_prefill_inputs(op, q, k, v, qk_offsets, v_offsets, group, scale);
   checks::check_int32_vector(op, "cu_seqlens_q", cu_seqlens_q, -1);
   const int64_t batch = cu_seqlens_q.size(0) - 1;
   const std::vector<int32_t> cu_q = checks::read_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, batch, q.size(0), "q");

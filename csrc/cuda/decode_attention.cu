@@ -100,14 +100,11 @@ at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
                                  const std::optional<at::Tensor>& plan,
                                  const std::optional<at::Tensor>& block_table) {
   const char* op = "decode_attention";
-  const checks::HostLayout layout = checks::read_layout(op, qk_offsets, &v_offsets, group);
-  checks::check_float(op, "q", q, 2);
-  checks::check_same_dtype(op, "k_cache", k_cache, "q", q);
-  checks::check_same_device(op, "k_cache", k_cache, "q", q);
-  checks::check_width(op, "q", q, group * layout.qk_width(), "group * qk_offsets[-1]");
-  checks::check_scale(op, scale);
-  const int64_t batch = q.size(0);
-  const checks::CacheShape cache = checks::check_cache(op, k_cache, v_cache, block_table, batch, layout);
+  const checks::DecodeInputs inputs =
+      checks::check_decode_inputs(op, q, k_cache, v_cache, qk_offsets, v_offsets, group, scale, block_table);
+  const checks::HostLayout& layout = inputs.layout;
+  const checks::CacheShape& cache = inputs.cache;
+  const int64_t batch = inputs.batch;
   checks::check_int32_vector(op, "cache_seqlens", cache_seqlens, batch);
   checks::check_same_device(op, "cache_seqlens", cache_seqlens, "q", q);
   checks::check_vector_aligned(op, "k_cache", k_cache, block_table.has_value());

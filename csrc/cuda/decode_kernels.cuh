@@ -344,7 +344,8 @@ __device__ void run_pass(const DecodeArgs<T>& a, int64_t b, int j, int64_t kv_st
     if (split) {
       a.partial_out[(int64_t(split_slot) * group + h) * a.max_v_dim + c] = value;
       if (c == 0) {
-        a.partial_lse[int64_t(split_slot) * group + h] = !valid ? NAN : (sum > 0.f ? state->max[i] + logf(sum) : -INFINITY);
+        const float lse = sum > 0.f ? state->max[i] + logf(sum) : -INFINITY;
+        a.partial_lse[int64_t(split_slot) * group + h] = valid ? lse : NAN;
       }
     } else {
       a.out[b * a.out_stride + int64_t(group) * v_col + int64_t(h) * dv + c] = from_float<T>(value);
