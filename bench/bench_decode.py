@@ -43,43 +43,28 @@ the CPU (no bandwidth target there). Needs only torch, numpy and the standard li
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import math
-import os
-import platform
-import re
-import statistics
 import sys
-import time
-import warnings
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+# bench_common first: it puts the repository root on sys.path for fdc_ops.
+from bench_common import (GROUP, HEAD_DIM, NUM_KV_HEADS, SCALE, SdpaSweep, Timer, ablation_dims, adaptive_dims,
+                          bench_parser, cell, detail, device_line, dtype_name, faster_than, finite, first_line,
+                          has_enable_gqa, head_buckets, layout_line, layout_record, median, num_workers_for, p99,
+                          prefix, print_header, provenance, randn, release, sdpa_backends, setup, target, verdict,
+                          write_json)
+from fdc_ops import ops
+from fdc_ops.provenance import device_name, git_commit
 
-from fdc_ops import ops  # noqa: E402
-from fdc_ops.provenance import device_name, git_commit  # noqa: E402
-
-# Llama-3-8B-like attention: 32 query heads, 8 KV heads of 128.
-NUM_KV_HEADS, GROUP, HEAD_DIM = 8, 4, 128
-SCALE = HEAD_DIM ** -0.5  # FDC keeps the original head dim's scale
-# Adaptive widths: multiples of 8 in 16..128, skewed towards small (most heads compress well, a few barely), mean 51
-# (~40% of D), drawn once from a fixed seed so runs compare.
-DIM_LOW, DIM_HIGH, DIM_MEAN, LAYOUT_SEED = 16, 128, 51, 0
+# Mean of the adaptive widths (bench_common.adaptive_dims): 51, ~40% of D.
+DIM_MEAN = 51
 # Targets of the issue.
 COPY_SHARE_TARGET = 0.80
 FULL_RATIO_SLACK = 1.15
-# Written between timed calls on a GPU: larger than any L2 (H100 50 MiB, H200 60 MiB) many times over.
-FLUSH_BYTES = 256 * 2**20
-BACKEND_NAMES = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
-CPU_BACKEND_NAMES = ("FLASH_ATTENTION", "MATH")  # efficient and cudnn attention do not exist on the CPU
 
 
 @dataclass
@@ -110,49 +95,6 @@ class Row:
 # ----------------------------------------------------------------------------------------------------------- timing
 
 
-class Timer:
-    """Per-call timings of a callable: CUDA events (L2 flushed before each call) or perf_counter."""
-
-    def __init__(self, device: torch.device, repeats: int, warmup: int):
-        self.device, self.repeats, self.warmup = device, repeats, warmup
-        self.flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.float32, device=device) \
-            if device.type == "cuda" else None
-
-    def __call__(self, fn, repeats: int | None = None, flush: bool = True) -> list[float]:
-        """Seconds of each of `repeats` calls of fn(), after warm-up."""
-        repeats = repeats or self.repeats
-        for _ in range(self.warmup):
-            fn()
-        if self.device.type != "cuda":
-            times = []
-            for _ in range(repeats):
-                begin = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - begin)
-            return times
-        torch.cuda.synchronize(self.device)
-        events = []
-        for _ in range(repeats):
-            if flush:
-                self.flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            events.append((start, end))
-        torch.cuda.synchronize(self.device)
-        return [s.elapsed_time(e) / 1e3 for s, e in events]
-
-
-def median(times: list[float]) -> float:
-    return statistics.median(times)
-
-
-def p99(times: list[float]) -> float:
-    ordered = sorted(times)
-    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
-
-
 def copy_bandwidth(device: torch.device, megabytes: int, timer: Timer) -> float:
     """GB/s of a large device-to-device copy_, counting bytes read and written."""
     src = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
@@ -163,37 +105,6 @@ def copy_bandwidth(device: torch.device, megabytes: int, timer: Timer) -> float:
 
 
 # ----------------------------------------------------------------------------------------------------------- layout
-
-
-def adaptive_dims(seed: int = LAYOUT_SEED) -> tuple[list[int], list[int]]:
-    """Per-KV-head qk and v widths: multiples of 8 in [DIM_LOW, DIM_HIGH], skewed (Beta(1, 2.2): many narrow heads, a
-    tail of wide ones), then nudged 8 at a time (seeded) until they average DIM_MEAN."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(2):
-        x = rng.beta(1.0, 2.2, size=NUM_KV_HEADS)
-        dims = DIM_LOW + np.round(x * (DIM_HIGH - DIM_LOW) / 8).astype(int) * 8
-        target = int(round(DIM_MEAN * NUM_KV_HEADS / 8)) * 8
-        while int(dims.sum()) != target:
-            j = int(rng.integers(NUM_KV_HEADS))
-            if dims.sum() < target and dims[j] < DIM_HIGH:
-                dims[j] += 8
-            elif dims.sum() > target and dims[j] > DIM_LOW:
-                dims[j] -= 8
-        out.append([int(d) for d in dims])
-    return out[0], out[1]
-
-
-def prefix(dims: list[int]) -> torch.Tensor:
-    """int32 CPU prefix sums [0, d0, d0 + d1, ...]."""
-    return torch.tensor(np.concatenate([[0], np.cumsum(dims)]).tolist(), dtype=torch.int32)
-
-
-def num_workers_for(device: torch.device) -> int:
-    """The backend's default worker count: SMs on a GPU, intra-op threads on the CPU."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return torch.get_num_threads()
 
 
 def length_groups(lengths: list[int]) -> list[tuple[int, int]]:
@@ -208,16 +119,10 @@ def length_groups(lengths: list[int]) -> list[tuple[int, int]]:
 # ------------------------------------------------------------------------------------------------------------- SDPA
 
 
-def _gqa_modes(device: torch.device) -> list[str]:
+def gqa_modes(device: torch.device) -> list[str]:
     """How GQA is expressed to SDPA: "fold" (G query heads as G query rows of their KV head: K/V read once) and
     "enable_gqa", or "repeat" (repeat_interleave of K/V) where this torch has no enable_gqa."""
-    q = torch.zeros(1, 2, 1, 8, device=device)
-    kv = torch.zeros(1, 1, 4, 8, device=device)
-    try:
-        F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
-        return ["fold", "enable_gqa"]
-    except (TypeError, RuntimeError):
-        return ["fold", "repeat"]
+    return ["fold", "enable_gqa" if has_enable_gqa(device) else "repeat"]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str) -> torch.Tensor:
@@ -232,38 +137,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str) -> torc
     return F.scaled_dot_product_attention(q_heads, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), scale=SCALE)
 
 
-def sdpa_backends(device: torch.device) -> list:
-    from torch.nn.attention import SDPBackend
-    names = BACKEND_NAMES if device.type == "cuda" else CPU_BACKEND_NAMES
-    return [getattr(SDPBackend, n) for n in names if hasattr(SDPBackend, n)]
-
-
 def best_sdpa(make_run, device: torch.device, timer: Timer, modes: list[str]):
     """Times make_run(mode)() under each SDPA backend and GQA mode; returns (times of the best, "backend/mode",
     {"backend/mode": median us or the reason it did not run})."""
-    from torch.nn.attention import sdpa_kernel
-    best, best_name, tried = None, "", {}
+    sweep = SdpaSweep(timer)
     for backend in sdpa_backends(device):
         for mode in modes:
-            name = f"{backend.name.lower()}/{mode}"
-            run = make_run(mode)
-            try:
-                with sdpa_kernel([backend]), warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    times = timer(run)
-            except (RuntimeError, NotImplementedError, ValueError) as error:  # backend refuses these shapes/dtype
-                tried[name] = f"unavailable: {str(error).splitlines()[0][:120]}"
-                continue
-            tried[name] = round(median(times) * 1e6, 2)
-            if best is None or median(times) < median(best):
-                best, best_name = times, name
-    if best is None:
-        raise RuntimeError(f"no SDPA backend ran: {tried}")
-    return best, best_name, tried
-
-
-def randn(shape, dtype, device) -> torch.Tensor:
-    return torch.randn(shape, dtype=dtype, device=device)
+            sweep.time(f"{backend.name.lower()}/{mode}", backend, make_run(mode))
+    return sweep.result()
 
 
 def sdpa_dense(groups, dims: list[tuple[int, int, int]], dtype, device):
@@ -454,7 +335,7 @@ def bench_case(case: Case, qk_dims, v_dims, device, timer: Timer, copy_gbps: flo
         if method == "sdpa_full":
             full_time = seconds
         gbps = bytes_read / seconds / 1e9
-        rows.append(Row(case.name, cache, str(dtype).removeprefix("torch."), method, label, seconds * 1e6,
+        rows.append(Row(case.name, cache, dtype_name(dtype), method, label, seconds * 1e6,
                         p99(times) * 1e6, bytes_read, gbps, gbps / copy_gbps if copy_gbps else None,
                         seconds / full_time if full_time else None, backend, extra))
 
@@ -468,11 +349,9 @@ def bench_case(case: Case, qk_dims, v_dims, device, timer: Timer, copy_gbps: flo
     baseline("sdpa_padded", f"SDPA padded to {max(qk_dims)}/{max(v_dims)}",
              sdpa_dense(groups, [(NUM_KV_HEADS, max(qk_dims), max(v_dims))], dtype, device), padded_bytes)
     release(device)
-    buckets: dict[tuple[int, int], int] = {}
-    for dq, dv in zip(qk_dims, v_dims):
-        buckets[(dq, dv)] = buckets.get((dq, dv), 0) + 1
-    baseline("sdpa_bucketed", f"SDPA per bucket ({len(buckets)} calls)",
-             sdpa_dense(groups, [(n, dq, dv) for (dq, dv), n in buckets.items()], dtype, device), compressed)
+    buckets = head_buckets(qk_dims, v_dims)
+    baseline("sdpa_bucketed", f"SDPA per bucket ({len(buckets)} calls)", sdpa_dense(groups, buckets, dtype, device),
+             compressed)
     release(device)
     baseline("palu_sdpa", "Palu rebuild K + RoPE + SDPA", palu_inputs(groups, qk_dims, v_dims, dtype, device),
              palu_bytes)
@@ -495,19 +374,14 @@ def bench_case(case: Case, qk_dims, v_dims, device, timer: Timer, copy_gbps: flo
                     max_abs_diff_vs_eager=diff)
                 del graph, graph_out
             except RuntimeError as error:
-                rows.append(Row(case.name, cache, str(dtype).removeprefix("torch."), "fdc_step_graph",
+                rows.append(Row(case.name, cache, dtype_name(dtype), "fdc_step_graph",
                                 "fdc plan + attention, CUDA graph replay", float("nan"), float("nan"), compressed,
-                                float("nan"), None, None, "", {"error": str(error).splitlines()[0][:200]}))
+                                float("nan"), None, None, "", {"error": first_line(error)}))
         del inputs, plan
         release(device)
     for r in rows:
         r.extra.setdefault("width_ratio", compressed / full_bytes)
     return rows
-
-
-def release(device):
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def targets_for(rows: list[Row], device: torch.device) -> list[dict]:
@@ -531,14 +405,8 @@ def targets_for(rows: list[Row], device: torch.device) -> list[dict]:
         limit = FULL_RATIO_SLACK * r.extra["width_ratio"]
         out.append(target(where, f"time <= {FULL_RATIO_SLACK} x (compressed/full bytes) x full-width SDPA",
                           r.vs_full, limit, r.vs_full <= limit))
-        for method in ("sdpa_padded", "sdpa_bucketed", "palu_sdpa"):
-            ratio = r.micros / base[method].micros
-            out.append(target(where, f"faster than {method}", ratio, 1.0, ratio < 1.0))
+        out += faster_than(where, r.micros, base, ("sdpa_padded", "sdpa_bucketed", "palu_sdpa"))
     return out
-
-
-def target(where, what, value, threshold, ok) -> dict:
-    return dict(where=where, target=what, value=value, threshold=threshold, verdict="PASS" if ok else "MISS")
 
 
 # ---------------------------------------------------------------------------------------------- ablation, scheduler
@@ -546,8 +414,7 @@ def target(where, what, value, threshold, ok) -> dict:
 
 def balance_ablation(lengths_list, dtype, device, timer: Timer) -> list[dict]:
     """LPT against static head-major plans on a half-16 / half-128 layout, same chunks, same worker count."""
-    qk_dims = [16] * (NUM_KV_HEADS // 2) + [128] * (NUM_KV_HEADS - NUM_KV_HEADS // 2)
-    v_dims = list(qk_dims)
+    qk_dims, v_dims = ablation_dims()
     workers = num_workers_for(device)
     out = []
     for name, lengths in lengths_list:
@@ -561,13 +428,13 @@ def balance_ablation(lengths_list, dtype, device, timer: Timer) -> list[dict]:
             try:
                 seconds = median(timer(lambda: inputs.attention(plan)))
             except RuntimeError as error:
-                seconds, span_error = float("nan"), str(error).splitlines()[0][:200]
+                seconds, span_error = float("nan"), first_line(error)
                 results[policy] = dict(micros=seconds, makespan=span, makespan_over_ideal=over_ideal,
                                        error=span_error)
                 continue
             results[policy] = dict(micros=seconds * 1e6, makespan=span, makespan_over_ideal=over_ideal)
         for policy in ("static_blocks", "static_round_robin"):
-            out.append(dict(case=name, dtype=str(dtype).removeprefix("torch."), qk_dims=qk_dims, v_dims=v_dims,
+            out.append(dict(case=name, dtype=dtype_name(dtype), qk_dims=qk_dims, v_dims=v_dims,
                             workers=workers, baseline=policy, lpt=results["lpt"], static=results[policy],
                             time_gain=results[policy]["micros"] / results["lpt"]["micros"],
                             makespan_gain=results[policy]["makespan"] / max(results["lpt"]["makespan"], 1)))
@@ -585,7 +452,7 @@ def scheduler_cost(case: Case, qk_dims, v_dims, device, timer: Timer, repeats: i
                step_us=median(step_times) * 1e6, step_p99_us=p99(step_times) * 1e6)
     out["share"] = out["plan_us"] / out["step_us"]
     out["p99_share"] = out["plan_p99_us"] / out["step_p99_us"]
-    out["verdict"] = "PASS" if out["share"] <= 0.04 else "MISS"
+    out["verdict"] = verdict(out["share"] <= 0.04)
     del inputs
     release(device)
     return out
@@ -597,16 +464,11 @@ def scheduler_cost(case: Case, qk_dims, v_dims, device, timer: Timer, repeats: i
 def print_tables(rows: list[Row], targets: list[dict], ablation: list[dict], scheduler: dict) -> None:
     header = (f"{'case':<22} {'cache':<10} {'dtype':<8} {'method':<15} {'us':>10} {'p99 us':>10} {'GB/s':>9} "
               f"{'% copy':>7} {'vs full':>8}  detail")
-    print(header)
-    print("-" * len(header))
+    print_header(header)
     for r in rows:
-        share = f"{100 * r.copy_share:.1f}" if r.copy_share is not None and math.isfinite(r.copy_share) else "-"
-        vs = f"{r.vs_full:.3f}x" if r.vs_full is not None and math.isfinite(r.vs_full) else "-"
-        detail = r.label + (f" [{r.backend}]" if r.backend else "")
-        if "error" in r.extra:
-            detail += f" ERROR {r.extra['error']}"
+        share = cell(r.copy_share, "{:.1f}", scale=100)
         print(f"{r.case:<22} {r.cache:<10} {r.dtype:<8} {r.method:<15} {r.micros:>10.1f} {r.p99_micros:>10.1f} "
-              f"{r.gbps:>9.1f} {share:>7} {vs:>8}  {detail}")
+              f"{r.gbps:>9.1f} {share:>7} {cell(r.vs_full, '{:.3f}x'):>8}  {detail(r)}")
     print("\ntargets")
     for t in targets:
         value = "-" if t["value"] is None else f"{t['value']:.3f}"
@@ -618,42 +480,18 @@ def print_tables(rows: list[Row], targets: list[dict], ablation: list[dict], sch
               f"makespan {a['static']['makespan']:>10} ({a['static']['makespan_over_ideal']:.2f}x ideal) | "
               f"gain {a['time_gain']:.2f}x time, {a['makespan_gain']:.2f}x makespan")
     s = scheduler
-    print(f"\nscheduler cost ({s['case']}, {s['cache']}): decode_plan {s['plan_us']:.1f} us (P99 {s['plan_p99_us']:.1f})"
-          f", plan + attention {s['step_us']:.1f} us (P99 {s['step_p99_us']:.1f}); share {100 * s['share']:.2f}% "
-          f"(P99 {100 * s['p99_share']:.2f}%), paper: under ~4% -> {s['verdict']}")
-
-
-def finite(value):
-    """value with every NaN/inf float replaced by None, so the JSON is standard."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite(v) for v in value]
-    return value
+    print(f"\nscheduler cost ({s['case']}, {s['cache']}): decode_plan {s['plan_us']:.1f} us "
+          f"(P99 {s['plan_p99_us']:.1f}), plan + attention {s['step_us']:.1f} us (P99 {s['step_p99_us']:.1f}); "
+          f"share {100 * s['share']:.2f}% (P99 {100 * s['p99_share']:.2f}%), paper: under ~4% -> {s['verdict']}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny shapes, seconds; runs on the CPU too")
-    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="folder for the JSON")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--repeats", type=int, default=None, help="timed calls per measurement (median)")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    torch.manual_seed(0)
-    repeats = args.repeats or (3 if args.quick else (50 if device.type == "cuda" else 5))
+    args = bench_parser(__doc__, repeats_help="timed calls per measurement (median)").parse_args(argv)
+    device, repeats = setup(args)
     timer = Timer(device, repeats, warmup=1 if args.quick else 5)
     copy_gbps = copy_bandwidth(device, 64 if args.quick else 1024, timer)
-    modes = _gqa_modes(device)
-    qk_dims, v_dims = adaptive_dims()
-    width_ratio = (sum(qk_dims) + sum(v_dims)) / (2 * NUM_KV_HEADS * HEAD_DIM)
+    modes = gqa_modes(device)
+    qk_dims, v_dims = adaptive_dims(DIM_MEAN)
 
     all_cases = cases(args.quick)
     rows: list[Row] = []
@@ -668,34 +506,23 @@ def main(argv: list[str] | None = None) -> int:
 
     name = device_name(device)
     commit, dirty = git_commit()
-    print(f"device: {name}; torch {torch.__version__}; commit {commit[:12]}{' (dirty)' if dirty else ''}; "
-          f"workers {num_workers_for(device)}; copy bandwidth {copy_gbps:.1f} GB/s")
-    print(f"layout: {NUM_KV_HEADS * GROUP} query / {NUM_KV_HEADS} KV heads, D={HEAD_DIM}; qk dims {qk_dims}, "
-          f"v dims {v_dims} ({width_ratio:.3f} of full width); SDPA GQA modes {modes}")
+    print(f"{device_line(name, commit, dirty, device)}; copy bandwidth {copy_gbps:.1f} GB/s")
+    print(f"{layout_line(qk_dims, v_dims)}; SDPA GQA modes {modes}")
     print_tables(rows, targets, ablation, scheduler)
 
-    os.makedirs(args.out, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:40]
-    path = os.path.join(args.out, f"{slug}-decode-{'quick-' if args.quick else ''}{stamp}.json")
     report = {
-        "benchmark": "decode", "device": name, "device_type": device.type, "torch": torch.__version__,
-        "python": platform.python_version(), "commit": commit, "dirty": dirty, "quick": args.quick,
-        "threads": torch.get_num_threads(), "num_workers": num_workers_for(device), "repeats": repeats,
+        **provenance("decode", name, commit, dirty, device, args.quick), "repeats": repeats,
         "copy_bandwidth_gbps": copy_gbps,
-        "layout": {"num_heads": NUM_KV_HEADS * GROUP, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
-                   "qk_dims": qk_dims, "v_dims": v_dims, "width_ratio": width_ratio, "seed": LAYOUT_SEED},
-        "cases": [{"name": c.name, "lengths": c.lengths, "dtype": str(c.dtype).removeprefix("torch."),
-                   "caches": c.caches} for c in all_cases],
+        "layout": layout_record(qk_dims, v_dims),
+        "cases": [{"name": c.name, "lengths": c.lengths, "dtype": dtype_name(c.dtype), "caches": c.caches}
+                  for c in all_cases],
         "sdpa_gqa_modes": modes,
         "rows": [asdict(r) for r in rows],
         "targets": targets,
         "balance_ablation": ablation,
         "scheduler": scheduler,
     }
-    with open(path, "w") as f:
-        json.dump(finite(report), f, indent=1)
-    print(f"wrote {path}")
+    write_json(finite(report), args.out, name, "decode", args.quick)
     return 0
 
 

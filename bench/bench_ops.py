@@ -16,10 +16,7 @@ writes JSON to bench/results/ with the device, torch version, threads and git co
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import re
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -27,10 +24,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
+# bench_common first: it puts the repository root on sys.path for fdc_ops.
+from bench_common import ROOT, prefix, verdict, write_json
 from fdc_ops import ops
 from fdc_ops.provenance import device_name, git_commit
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Llama-3-8B-like attention: 32 query / 8 KV heads of 128 (the reference shape).
 NUM_KV_HEADS, GROUP, HEAD_DIM = 8, 4, 128
 # Adaptive widths averaging ~40% of D, the regime the paper's removal rates give; drawn once from a fixed seed so
@@ -91,18 +89,10 @@ def adaptive_dims() -> tuple[list[int], list[int]]:
     return dims[0].tolist(), dims[1].tolist()
 
 
-def offsets(dims: list[int]) -> torch.Tensor:
-    return torch.tensor([0] + torch.tensor(dims).cumsum(0).tolist(), dtype=torch.int32)
-
-
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "MISS"
-
-
 def bench_decode(batch: int, context: int, dtype: torch.dtype, device: torch.device, copy_gbps: float,
                  repeats: int) -> list[Row]:
     qk_dims, v_dims = adaptive_dims()
-    qk_offsets, v_offsets = offsets(qk_dims), offsets(v_dims)
+    qk_offsets, v_offsets = prefix(qk_dims), prefix(v_dims)
     width, full_width = sum(qk_dims) + sum(v_dims), 2 * NUM_KV_HEADS * HEAD_DIM
     heads = NUM_KV_HEADS * GROUP
     config = f"B={batch} ctx={context} H={heads}/{NUM_KV_HEADS} dims~{width / full_width:.2f}D"
@@ -152,7 +142,7 @@ def bench_decode(batch: int, context: int, dtype: torch.dtype, device: torch.dev
 def bench_prefill(lengths: list[int], causal: bool, dtype: torch.dtype, device: torch.device,
                   repeats: int) -> list[Row]:
     qk_dims, v_dims = adaptive_dims()
-    qk_offsets, v_offsets = offsets(qk_dims), offsets(v_dims)
+    qk_offsets, v_offsets = prefix(qk_dims), prefix(v_dims)
     heads = NUM_KV_HEADS * GROUP
     config = f"seqs={lengths} causal={causal}"
     factor = 0.5 if causal else 1.0
@@ -176,7 +166,7 @@ def bench_prefill(lengths: list[int], causal: bool, dtype: torch.dtype, device: 
                     "TFLOP/s", padded / full))
 
     total = sum(lengths)
-    cu = offsets(lengths).to(device)
+    cu = prefix(lengths).to(device)
     q = torch.randn(total, GROUP * sum(qk_dims), dtype=dtype, device=device)
     k = torch.randn(total, sum(qk_dims), dtype=dtype, device=device)
     v = torch.randn(total, sum(v_dims), dtype=dtype, device=device)
@@ -237,16 +227,10 @@ def main() -> None:
           f"v dims {v_dims}")
     print_table(rows)
 
-    os.makedirs(args.out, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:40]
-    path = os.path.join(args.out, f"{slug}-ops-{'quick-' if args.quick else ''}{stamp}.json")
-    with open(path, "w") as f:
-        json.dump({"device": name, "device_type": device.type, "torch": torch.__version__,
-                   "threads": torch.get_num_threads(), "commit": commit, "dirty": dirty, "quick": args.quick,
-                   "copy_bandwidth_gbps": copy_gbps, "qk_dims": qk_dims, "v_dims": v_dims,
-                   "rows": [asdict(r) for r in rows]}, f, indent=1)
-    print(f"wrote {path}")
+    write_json({"device": name, "device_type": device.type, "torch": torch.__version__,
+                "threads": torch.get_num_threads(), "commit": commit, "dirty": dirty, "quick": args.quick,
+                "copy_bandwidth_gbps": copy_gbps, "qk_dims": qk_dims, "v_dims": v_dims,
+                "rows": [asdict(r) for r in rows]}, args.out, name, "ops", args.quick)
 
 
 if __name__ == "__main__":

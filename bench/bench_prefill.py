@@ -50,44 +50,29 @@ the CPU. Needs only torch, numpy and the standard library besides fdc_ops.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import heapq
-import json
 import logging
 import math
-import os
-import platform
-import re
-import statistics
 import sys
 import time
-import warnings
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+# bench_common first: it puts the repository root on sys.path for fdc_ops.
+from bench_common import (GROUP, HEAD_DIM, NUM_KV_HEADS, SCALE, SDPA_REFUSALS, SdpaSweep, Timer, ablation_dims,
+                          adaptive_dims, bench_parser, cell, detail, device_line, dtype_name, faster_than, finite,
+                          first_line, has_enable_gqa, head_buckets, layout_line, layout_record, median, num_workers_for,
+                          prefix, print_header, provenance, randn, release, sdpa_backends, setup, target, write_json)
+from fdc_ops import ops
+from fdc_ops.provenance import device_name, git_commit
 
-from fdc_ops import ops  # noqa: E402
-from fdc_ops.provenance import device_name, git_commit  # noqa: E402
-
-# Llama-3-8B-like attention: 32 query heads, 8 KV heads of 128.
-NUM_KV_HEADS, GROUP, HEAD_DIM = 8, 4, 128
-SCALE = HEAD_DIM ** -0.5  # FDC keeps the original head dim's scale
-# Adaptive widths: multiples of 8 in 16..128, skewed towards small (Beta(1, 2.2): many narrow heads, a tail of wide
-# ones), nudged to average DIM_MEAN = 64 (50% of D, the middle of the paper's 40-60%), from a fixed seed.
-DIM_LOW, DIM_HIGH, DIM_MEAN, LAYOUT_SEED = 16, 128, 64, 0
+# Mean of the adaptive widths (bench_common.adaptive_dims): 64, 50% of D, the middle of the paper's 40-60%.
+DIM_MEAN = 64
 # Targets of the issue.
 FULL_RATIO_SLACK = 1.25
-# Written before each timed call on a GPU: larger than any L2 (H100 50 MiB, H200 60 MiB) many times over.
-FLUSH_BYTES = 256 * 2**20
-BACKEND_NAMES = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
-CPU_BACKEND_NAMES = ("FLASH_ATTENTION", "MATH")  # efficient and cudnn attention do not exist on the CPU
 # The math backend materialises (heads, s_q, s_k) scores and softmax in float32: skip it beyond this share of free
 # device memory (at 32K it would need ~400 GiB).
 MATH_MEMORY_SHARE = 0.5
@@ -124,53 +109,6 @@ class Row:
 # ----------------------------------------------------------------------------------------------------------- timing
 
 
-class Timer:
-    """Per-call timings of a callable: CUDA events (L2 flushed before each call) or perf_counter. The number of timed
-    calls adapts to the call's length: about `budget` seconds in all, at least 3 and at most `repeats`."""
-
-    def __init__(self, device: torch.device, repeats: int, warmup: int, budget: float):
-        self.device, self.repeats, self.warmup, self.budget = device, repeats, warmup, budget
-        self.flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.float32, device=device) \
-            if device.type == "cuda" else None
-
-    def _one(self, fn) -> float:
-        if self.device.type != "cuda":
-            begin = time.perf_counter()
-            fn()
-            return time.perf_counter() - begin
-        torch.cuda.synchronize(self.device)
-        begin = time.perf_counter()
-        fn()
-        torch.cuda.synchronize(self.device)
-        return time.perf_counter() - begin
-
-    def __call__(self, fn, repeats: int | None = None, flush: bool = True) -> list[float]:
-        """Seconds of each timed call of fn(), after warm-up."""
-        for _ in range(self.warmup):
-            fn()
-        if repeats is None:
-            probe = self._one(fn)
-            repeats = int(min(self.repeats, max(3, self.budget / max(probe, 1e-6))))
-        if self.device.type != "cuda":
-            return [self._one(fn) for _ in range(repeats)]
-        torch.cuda.synchronize(self.device)
-        events = []
-        for _ in range(repeats):
-            if flush:
-                self.flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            events.append((start, end))
-        torch.cuda.synchronize(self.device)
-        return [s.elapsed_time(e) / 1e3 for s, e in events]
-
-
-def median(times: list[float]) -> float:
-    return statistics.median(times)
-
-
 def matmul_peak(device: torch.device, n: int, timer: Timer) -> float:
     """TFLOP/s of an n x n x n bfloat16 torch.matmul (the device's practical tensor-core peak)."""
     a = torch.randn(n, n, device=device).to(torch.bfloat16)
@@ -180,36 +118,7 @@ def matmul_peak(device: torch.device, n: int, timer: Timer) -> float:
     return 2 * n ** 3 / seconds / 1e12
 
 
-def release(device):
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 # ----------------------------------------------------------------------------------------------------------- layout
-
-
-def adaptive_dims(seed: int = LAYOUT_SEED) -> tuple[list[int], list[int]]:
-    """Per-KV-head qk and v widths: multiples of 8 in [DIM_LOW, DIM_HIGH], skewed (Beta(1, 2.2)), then nudged 8 at a
-    time (seeded) until they average DIM_MEAN."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(2):
-        x = rng.beta(1.0, 2.2, size=NUM_KV_HEADS)
-        dims = DIM_LOW + np.round(x * (DIM_HIGH - DIM_LOW) / 8).astype(int) * 8
-        target = int(round(DIM_MEAN * NUM_KV_HEADS / 8)) * 8
-        while int(dims.sum()) != target:
-            j = int(rng.integers(NUM_KV_HEADS))
-            if dims.sum() < target and dims[j] < DIM_HIGH:
-                dims[j] += 8
-            elif dims.sum() > target and dims[j] > DIM_LOW:
-                dims[j] -= 8
-        out.append([int(d) for d in dims])
-    return out[0], out[1]
-
-
-def prefix(dims: list[int]) -> torch.Tensor:
-    """int32 CPU prefix sums [0, d0, d0 + d1, ...]."""
-    return torch.tensor(np.concatenate([[0], np.cumsum(dims)]).tolist(), dtype=torch.int32)
 
 
 def mixed_lengths(total: int, seed: int, low: int = 300, high: int = 16384) -> list[int]:
@@ -220,13 +129,6 @@ def mixed_lengths(total: int, seed: int, low: int = 300, high: int = 16384) -> l
         lengths.append(int(round(math.exp(rng.uniform(math.log(low), math.log(high))))))
     lengths[-1] -= sum(lengths) - total  # stays >= 1: the lengths before it summed to less than total
     return lengths
-
-
-def num_workers_for(device: torch.device) -> int:
-    """The backend's default worker count: SMs on a GPU, intra-op threads on the CPU."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return torch.get_num_threads()
 
 
 def visible_keys(r0: int, r1: int, s_q: int, s_k: int, causal: bool) -> int:
@@ -251,16 +153,6 @@ def useful_flops(lengths: list[int], causal: bool, qk_dims: list[int], v_dims: l
 # ------------------------------------------------------------------------------------------------------------- SDPA
 
 
-def has_enable_gqa(device: torch.device) -> bool:
-    q = torch.zeros(1, 2, 1, 8, device=device)
-    kv = torch.zeros(1, 1, 4, 8, device=device)
-    try:
-        F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
-        return True
-    except (TypeError, RuntimeError):
-        return False
-
-
 def sdpa(q, k, v, causal: bool, gqa: str):
     """SDPA of q (b, H, s, dq) against k (b, H_kv, s, dq), v (b, H_kv, s, dv); GQA by enable_gqa or by repeating."""
     if gqa == "enable_gqa":
@@ -268,12 +160,6 @@ def sdpa(q, k, v, causal: bool, gqa: str):
     g = q.shape[1] // k.shape[1]
     return F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), is_causal=causal,
                                           scale=SCALE)
-
-
-def sdpa_backends(device: torch.device) -> list:
-    from torch.nn.attention import SDPBackend
-    names = BACKEND_NAMES if device.type == "cuda" else CPU_BACKEND_NAMES
-    return [getattr(SDPBackend, n) for n in names if hasattr(SDPBackend, n)]
 
 
 class Dense:
@@ -314,42 +200,25 @@ def nested_sdpa(q, k, v, causal: bool):
 logging.getLogger("torch.nested._internal.sdpa").setLevel(logging.ERROR)
 
 
-def randn(shape, dtype, device) -> torch.Tensor:
-    return torch.randn(shape, dtype=dtype, device=device)
-
-
 def best_sdpa(dense: Dense, case: Case, device: torch.device, timer: Timer, gqa_default: str, math_bytes: int):
     """Times the baseline under each SDPA backend, GQA mode and varlen mode; returns (times of the best,
     "backend/gqa/mode", {"backend/gqa/mode": median us or why it did not run})."""
-    from torch.nn.attention import sdpa_kernel
-    best, best_name, tried = None, "", {}
+    sweep = SdpaSweep(timer, SDPA_REFUSALS + (TypeError,))  # nested (jagged) SDPA refuses with TypeError too
     modes = ["per_sequence"] + (["nested"] if dense.nested is not None else [])
     for backend in sdpa_backends(device):
         if backend.name == "MATH" and device.type == "cuda" and \
                 math_bytes > MATH_MEMORY_SHARE * torch.cuda.mem_get_info(device)[0]:
-            tried["math"] = f"skipped: would materialise {math_bytes / 2**30:.1f} GiB of scores"
+            sweep.skip("math", f"would materialise {math_bytes / 2**30:.1f} GiB of scores")
             continue
         for mode in modes:
             gqa_modes = [gqa_default] if mode == "per_sequence" else ["repeat"]
             if gqa_default == "enable_gqa" and mode == "per_sequence":
                 gqa_modes.append("repeat")  # only tried when a backend refuses enable_gqa
             for gqa in gqa_modes:
-                name = f"{backend.name.lower()}/{gqa}/{mode}"
-                try:
-                    with sdpa_kernel([backend]), warnings.catch_warnings():
-                        warnings.simplefilter("ignore")
-                        times = timer(dense.run(case.causal, gqa, mode))
-                except (RuntimeError, NotImplementedError, ValueError, TypeError) as error:  # refuses these inputs
-                    tried[name] = f"unavailable: {str(error).splitlines()[0][:120]}"
-                    release(device)
-                    continue
-                tried[name] = round(median(times) * 1e6, 2)
-                if best is None or median(times) < median(best):
-                    best, best_name = times, name
-                break  # this backend took this GQA mode: the repeat fallback is not needed
-    if best is None:
-        raise RuntimeError(f"no SDPA backend ran: {tried}")
-    return best, best_name, tried
+                if sweep.time(f"{backend.name.lower()}/{gqa}/{mode}", backend, dense.run(case.causal, gqa, mode)):
+                    break  # this backend took this GQA mode: the repeat fallback is not needed
+                release(device)
+    return sweep.result()
 
 
 # -------------------------------------------------------------------------------------------------------------- fdc
@@ -464,15 +333,14 @@ ABLATION_POLICIES = {  # name: (rescale, assignment)
 
 def balance_ablation(shapes: list[tuple[str, list[int], bool]], dtype, device, timer: Timer) -> list[dict]:
     """The op's plan against plans without rescaling and/or the last-round split, half-16 / half-128 layout."""
-    qk_dims = [16] * (NUM_KV_HEADS // 2) + [128] * (NUM_KV_HEADS - NUM_KV_HEADS // 2)
-    v_dims = list(qk_dims)
+    qk_dims, v_dims = ablation_dims()
     workers = num_workers_for(device) if device.type == "cuda" else CPU_ABLATION_WORKERS
     out = []
     for name, lengths, causal in shapes:
         inputs = FdcInputs(lengths, causal, qk_dims, v_dims, dtype, device)
         cu = inputs.cu.cpu()  # the host planner: the device planner's plans equal it (tests/test_cuda_prefill.py)
         op_plan = ops.prefill_plan(cu, cu, inputs.qk_offsets, inputs.v_offsets, GROUP, causal, workers)
-        entry = dict(case=name, lengths=lengths, causal=causal, dtype=str(dtype).removeprefix("torch."),
+        entry = dict(case=name, lengths=lengths, causal=causal, dtype=dtype_name(dtype),
                      qk_dims=qk_dims, v_dims=v_dims, workers=workers, row_block=ops.DEFAULT_ROW_BLOCK, policies={})
         reference = None
         for policy, (rescale, assign) in ABLATION_POLICIES.items():
@@ -490,7 +358,7 @@ def balance_ablation(shapes: list[tuple[str, list[int], bool]], dtype, device, t
                 result["micros"] = median(timer(lambda: inputs.attention(plan_t))) * 1e6
             except (RuntimeError, NotImplementedError) as error:
                 result["micros"] = float("nan")
-                result["error"] = str(error).splitlines()[0][:200]
+                result["error"] = first_line(error)
             entry["policies"][policy] = result
         base = entry["policies"]["lpt"]
         for result in entry["policies"].values():
@@ -522,7 +390,7 @@ def plan_cost(shapes: list[tuple[str, list[int], bool]], qk_dims, v_dims, dtype,
             entry["first_share"] = entry["first_us"] / entry["attention_us"]
             entry["cached_share"] = entry["cached_us"] / entry["attention_us"]
         except (RuntimeError, NotImplementedError) as error:
-            entry["error"] = str(error).splitlines()[0][:200]
+            entry["error"] = first_line(error)
         out.append(entry)
         del inputs
         release(device)
@@ -557,7 +425,7 @@ def bench_case(case: Case, qk_dims, v_dims, device, timer: Timer, peak: float, g
         if method == "sdpa_full":
             full_time = seconds
         tflops = flops / seconds / 1e12
-        rows.append(Row(case.name, case.causal, str(dtype).removeprefix("torch."), method, label, seconds * 1e6,
+        rows.append(Row(case.name, case.causal, dtype_name(dtype), method, label, seconds * 1e6,
                         flops, tflops, tflops / peak if peak else None, seconds / full_time if full_time else None,
                         backend, extra))
 
@@ -571,11 +439,8 @@ def bench_case(case: Case, qk_dims, v_dims, device, timer: Timer, peak: float, g
     baseline("sdpa_full", "SDPA full width", [(NUM_KV_HEADS, HEAD_DIM, HEAD_DIM)], full_flops)
     baseline("sdpa_padded", f"SDPA padded to {max(qk_dims)}/{max(v_dims)}",
              [(NUM_KV_HEADS, max(qk_dims), max(v_dims))], fdc_flops)
-    buckets: dict[tuple[int, int], int] = {}
-    for dq, dv in zip(qk_dims, v_dims):
-        buckets[(dq, dv)] = buckets.get((dq, dv), 0) + 1
-    baseline("sdpa_bucketed", f"SDPA per bucket ({len(buckets)} calls)",
-             [(n, dq, dv) for (dq, dv), n in buckets.items()], fdc_flops)
+    buckets = head_buckets(qk_dims, v_dims)
+    baseline("sdpa_bucketed", f"SDPA per bucket ({len(buckets)} calls)", buckets, fdc_flops)
 
     inputs = FdcInputs(case.lengths, case.causal, qk_dims, v_dims, dtype, device)
     for method, label, make in (("fdc_attention", "fdc prefill_attention (plan given)", lambda: inputs.plan()),
@@ -585,8 +450,8 @@ def bench_case(case: Case, qk_dims, v_dims, device, timer: Timer, peak: float, g
             times = timer(lambda: inputs.attention(plan))
             add(method, label, times, fdc_flops)
         except (RuntimeError, NotImplementedError) as error:  # e.g. a build without the CUDA prefill kernels
-            rows.append(Row(case.name, case.causal, str(dtype).removeprefix("torch."), method, label, float("nan"),
-                            fdc_flops, float("nan"), None, None, "", {"error": str(error).splitlines()[0][:200]}))
+            rows.append(Row(case.name, case.causal, dtype_name(dtype), method, label, float("nan"),
+                            fdc_flops, float("nan"), None, None, "", {"error": first_line(error)}))
     del inputs
     release(device)
     for r in rows:
@@ -609,14 +474,8 @@ def targets_for(rows: list[Row]) -> list[dict]:
         limit = FULL_RATIO_SLACK * r.extra["flops_ratio"]
         out.append(target(where, f"time <= {FULL_RATIO_SLACK} x (useful FLOPs fdc/full) x full-width SDPA",
                           r.vs_full, limit, r.vs_full <= limit))
-        for method in ("sdpa_padded", "sdpa_bucketed"):
-            ratio = r.micros / base[method].micros
-            out.append(target(where, f"faster than {method}", ratio, 1.0, ratio < 1.0))
+        out += faster_than(where, r.micros, base, ("sdpa_padded", "sdpa_bucketed"))
     return out
-
-
-def target(where, what, value, threshold, ok) -> dict:
-    return dict(where=where, target=what, value=value, threshold=threshold, verdict="PASS" if ok else "MISS")
 
 
 # ------------------------------------------------------------------------------------------------------- reporting
@@ -625,17 +484,11 @@ def target(where, what, value, threshold, ok) -> dict:
 def print_tables(rows: list[Row], targets: list[dict], ablation: list[dict], planning: list[dict]) -> None:
     header = (f"{'case':<14} {'mask':<6} {'dtype':<8} {'method':<14} {'us':>11} {'TFLOP/s':>8} {'% peak':>7} "
               f"{'vs full':>8}  detail")
-    print(header)
-    print("-" * len(header))
+    print_header(header)
     for r in rows:
-        share = f"{100 * r.peak_share:.1f}" if r.peak_share is not None and math.isfinite(r.peak_share) else "-"
-        vs = f"{r.vs_full:.3f}x" if r.vs_full is not None and math.isfinite(r.vs_full) else "-"
-        detail = r.label + (f" [{r.backend}]" if r.backend else "")
-        if "error" in r.extra:
-            detail += f" ERROR {r.extra['error']}"
-        tflops = f"{r.tflops:.2f}" if math.isfinite(r.tflops) else "-"
+        share = cell(r.peak_share, "{:.1f}", scale=100)
         print(f"{r.case:<14} {'causal' if r.causal else 'full':<6} {r.dtype:<8} {r.method:<14} {r.micros:>11.1f} "
-              f"{tflops:>8} {share:>7} {vs:>8}  {detail}")
+              f"{cell(r.tflops, '{:.2f}'):>8} {share:>7} {cell(r.vs_full, '{:.3f}x'):>8}  {detail(r)}")
     print("\ntargets")
     for t in targets:
         print(f"  {t['verdict']:<5} {t['where']:<48} {t['target']} (value {t['value']:.3f}, threshold "
@@ -661,40 +514,15 @@ def print_tables(rows: list[Row], targets: list[dict], ablation: list[dict], pla
               f"{100 * p['first_share']:.2f}%, cached {100 * p['cached_share']:.2f}%")
 
 
-def finite(value):
-    """value with every NaN/inf float replaced by None, so the JSON is standard."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite(v) for v in value]
-    return value
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny shapes, seconds; runs on the CPU too")
-    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="folder for the JSON")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--repeats", type=int, default=None, help="most timed calls per measurement (median)")
-    parser.add_argument("--budget", type=float, default=None, help="seconds of timed calls per measurement")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    torch.manual_seed(0)
-    repeats = args.repeats or (3 if args.quick else (50 if device.type == "cuda" else 5))
+    args = bench_parser(__doc__, repeats_help="most timed calls per measurement (median)", budget=True).parse_args(argv)
+    device, repeats = setup(args)
     budget = args.budget if args.budget is not None else (0.05 if args.quick else 0.5)
     timer = Timer(device, repeats, warmup=1 if args.quick else 3, budget=budget)
     peak_n = 512 if args.quick or device.type != "cuda" else 8192
     peak = matmul_peak(device, peak_n, timer)
     gqa = "enable_gqa" if has_enable_gqa(device) else "repeat"
-    qk_dims, v_dims = adaptive_dims()
-    width_ratio = (sum(qk_dims) + sum(v_dims)) / (2 * NUM_KV_HEADS * HEAD_DIM)
+    qk_dims, v_dims = adaptive_dims(DIM_MEAN)
 
     # Planning cost first, so its first calls meet shapes no earlier call has planned.
     planning_shapes = ([("plan 1 x 300", [300], True), ("plan varlen 5 seqs", [90, 7, 160, 33, 64], True)]
@@ -715,37 +543,26 @@ def main(argv: list[str] | None = None) -> int:
 
     name = device_name(device)
     commit, dirty = git_commit()
-    print(f"device: {name}; torch {torch.__version__}; commit {commit[:12]}{' (dirty)' if dirty else ''}; "
-          f"workers {num_workers_for(device)}; bf16 matmul peak ({peak_n}^3) {peak:.1f} TFLOP/s")
-    print(f"layout: {NUM_KV_HEADS * GROUP} query / {NUM_KV_HEADS} KV heads, D={HEAD_DIM}; qk dims {qk_dims}, "
-          f"v dims {v_dims} ({width_ratio:.3f} of full width); SDPA GQA via {gqa}")
+    print(f"{device_line(name, commit, dirty, device)}; bf16 matmul peak ({peak_n}^3) {peak:.1f} TFLOP/s")
+    print(f"{layout_line(qk_dims, v_dims)}; SDPA GQA via {gqa}")
     for c in all_cases:
         if len(c.lengths) > 1:
             print(f"  {c.name}: lengths {c.lengths}")
     print_tables(rows, targets, ablation, planning)
 
-    os.makedirs(args.out, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:40]
-    path = os.path.join(args.out, f"{slug}-prefill-{'quick-' if args.quick else ''}{stamp}.json")
     report = {
-        "benchmark": "prefill", "device": name, "device_type": device.type, "torch": torch.__version__,
-        "python": platform.python_version(), "commit": commit, "dirty": dirty, "quick": args.quick,
-        "threads": torch.get_num_threads(), "num_workers": num_workers_for(device), "max_repeats": repeats,
+        **provenance("prefill", name, commit, dirty, device, args.quick), "max_repeats": repeats,
         "budget_s": budget, "matmul_peak_tflops": peak, "matmul_peak_n": peak_n,
-        "layout": {"num_heads": NUM_KV_HEADS * GROUP, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
-                   "qk_dims": qk_dims, "v_dims": v_dims, "width_ratio": width_ratio, "seed": LAYOUT_SEED},
-        "cases": [{"name": c.name, "lengths": c.lengths, "causal": c.causal, "dtype": str(c.dtype).removeprefix(
-            "torch.")} for c in all_cases],
+        "layout": layout_record(qk_dims, v_dims),
+        "cases": [{"name": c.name, "lengths": c.lengths, "causal": c.causal, "dtype": dtype_name(c.dtype)}
+                  for c in all_cases],
         "sdpa_gqa": gqa,
         "rows": [asdict(r) for r in rows],
         "targets": targets,
         "balance_ablation": ablation,
         "planning": planning,
     }
-    with open(path, "w") as f:
-        json.dump(finite(report), f, indent=1)
-    print(f"wrote {path}")
+    write_json(finite(report), args.out, name, "prefill", args.quick)
     return 0
 
 

@@ -8,13 +8,19 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_bench_ops_quick(tmp_path):
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_ops.py"), "--quick", "--dtype",
-                             "float32", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+def run_quick(script: str, out, *options: str) -> tuple[str, dict]:
+    """Runs bench/<script> --quick (options added) writing into `out`, from outside the checkout so that the script's
+    own folder is what makes bench_common importable; returns (its stdout, the one JSON it wrote)."""
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), "--quick", *options, "--out",
+                             str(out)], capture_output=True, text=True, timeout=300, cwd=out)
     assert result.returncode == 0, result.stderr
-    assert "fdc decode" in result.stdout and "fdc prefill" in result.stdout
-    (written,) = list(tmp_path.iterdir())
-    report = json.loads(written.read_text())
+    (written,) = list(out.iterdir())
+    return result.stdout, json.loads(written.read_text())
+
+
+def test_bench_ops_quick(tmp_path):
+    stdout, report = run_quick("bench_ops.py", tmp_path, "--dtype", "float32")
+    assert "fdc decode" in stdout and "fdc prefill" in stdout
     assert {"device", "torch", "commit", "threads", "copy_bandwidth_gbps", "rows"} <= report.keys()
     assert report["copy_bandwidth_gbps"] > 0
     methods = {row["method"] for row in report["rows"]}
@@ -28,13 +34,9 @@ def test_bench_ops_quick(tmp_path):
 def test_bench_decode_quick(tmp_path):
     """bench/bench_decode.py --quick runs on the CPU (no CUDA graph rows, no bandwidth target there) and writes the
     table and JSON it promises: every baseline, the fdc rows, targets, the balance ablation and the scheduler cost."""
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_decode.py"), "--quick", "--device",
-                             "cpu", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
+    stdout, report = run_quick("bench_decode.py", tmp_path, "--device", "cpu")
     for text in ("sdpa_full", "palu_sdpa", "fdc_step", "targets", "balance ablation", "scheduler cost"):
-        assert text in result.stdout, text
-    (written,) = list(tmp_path.iterdir())
-    report = json.loads(written.read_text())
+        assert text in stdout, text
     assert {"device", "torch", "commit", "copy_bandwidth_gbps", "layout", "rows", "targets", "balance_ablation",
             "scheduler"} <= report.keys()
     assert report["device_type"] == "cpu" and report["quick"] and report["copy_bandwidth_gbps"] > 0
@@ -60,13 +62,9 @@ def test_bench_prefill_quick(tmp_path):
     """bench/bench_prefill.py --quick runs on the CPU and writes the table and JSON it promises: the matmul peak,
     every baseline and fdc row, targets, the balance ablation (its Python planner equal to prefill_plan's) and the
     planning cost."""
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_prefill.py"), "--quick", "--device",
-                             "cpu", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
+    stdout, report = run_quick("bench_prefill.py", tmp_path, "--device", "cpu")
     for text in ("sdpa_full", "sdpa_bucketed", "fdc_attention", "targets", "balance ablation", "planning cost"):
-        assert text in result.stdout, text
-    (written,) = list(tmp_path.iterdir())
-    report = json.loads(written.read_text())
+        assert text in stdout, text
     assert {"device", "torch", "commit", "matmul_peak_tflops", "layout", "rows", "targets", "balance_ablation",
             "planning"} <= report.keys()
     assert report["device_type"] == "cpu" and report["quick"] and report["matmul_peak_tflops"] > 0

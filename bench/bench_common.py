@@ -1,0 +1,347 @@
+"""What bench_decode.py and bench_prefill.py (and, where it is the same logic, bench_ops.py) share: the attention shape
+and adaptive layout, the timer, the SDPA backend sweep, PASS/MISS records, table cells, command line and the JSON
+report with its provenance.
+
+Each script imports this module first: `python bench/bench_X.py` puts bench/ on sys.path, and importing this module
+puts the repository root there for fdc_ops, so the scripts run from any directory with only torch, numpy, the
+standard library and fdc_ops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+import warnings
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # for the scripts' `import fdc_ops` when they run from a checkout
+    sys.path.insert(0, ROOT)
+
+# Llama-3-8B-like attention: 32 query heads, 8 KV heads of 128.
+NUM_KV_HEADS, GROUP, HEAD_DIM = 8, 4, 128
+SCALE = HEAD_DIM ** -0.5  # FDC keeps the original head dim's scale
+# Adaptive widths: multiples of 8 in 16..128, skewed towards small (most heads compress well, a few barely), drawn
+# once from a fixed seed so runs compare; each script sets the mean it studies (its DIM_MEAN).
+DIM_LOW, DIM_HIGH, LAYOUT_SEED = 16, 128, 0
+# Written before each timed call on a GPU: larger than any L2 (H100 50 MiB, H200 60 MiB) many times over.
+FLUSH_BYTES = 256 * 2**20
+BACKEND_NAMES = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
+CPU_BACKEND_NAMES = ("FLASH_ATTENTION", "MATH")  # efficient and cudnn attention do not exist on the CPU
+# What an SDPA backend raises when it refuses the inputs (shape, dtype, GQA): the sweep records it and moves on.
+SDPA_REFUSALS = (RuntimeError, NotImplementedError, ValueError)
+
+
+# ----------------------------------------------------------------------------------------------------------- timing
+
+
+class Timer:
+    """Per-call timings of a callable: CUDA events (L2 flushed before each call) or perf_counter. With a `budget`
+    (seconds), the number of timed calls adapts to the call's length: about `budget` seconds in all, at least 3 and at
+    most `repeats`; without one, always `repeats`."""
+
+    def __init__(self, device: torch.device, repeats: int, warmup: int, budget: float | None = None):
+        self.device, self.repeats, self.warmup, self.budget = device, repeats, warmup, budget
+        self.flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.float32, device=device) \
+            if device.type == "cuda" else None
+
+    def _one(self, fn) -> float:
+        """Wall-clock seconds of one call of fn(), synchronised on a GPU."""
+        if self.device.type != "cuda":
+            begin = time.perf_counter()
+            fn()
+            return time.perf_counter() - begin
+        torch.cuda.synchronize(self.device)
+        begin = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter() - begin
+
+    def __call__(self, fn, repeats: int | None = None, flush: bool = True) -> list[float]:
+        """Seconds of each timed call of fn(), after warm-up."""
+        for _ in range(self.warmup):
+            fn()
+        if repeats is None:
+            if self.budget is None:
+                repeats = self.repeats
+            else:
+                probe = self._one(fn)
+                repeats = int(min(self.repeats, max(3, self.budget / max(probe, 1e-6))))
+        if self.device.type != "cuda":
+            return [self._one(fn) for _ in range(repeats)]
+        torch.cuda.synchronize(self.device)
+        events = []
+        for _ in range(repeats):
+            if flush:
+                self.flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            events.append((start, end))
+        torch.cuda.synchronize(self.device)
+        return [s.elapsed_time(e) / 1e3 for s, e in events]
+
+
+def median(times: list[float]) -> float:
+    return statistics.median(times)
+
+
+def p99(times: list[float]) -> float:
+    ordered = sorted(times)
+    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+def release(device: torch.device) -> None:
+    """Hands cached device memory back between cases, so one case's tensors do not crowd the next."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------------------- layout
+
+
+def adaptive_dims(mean: int, seed: int = LAYOUT_SEED) -> tuple[list[int], list[int]]:
+    """Per-KV-head qk and v widths: multiples of 8 in [DIM_LOW, DIM_HIGH], skewed (Beta(1, 2.2): many narrow heads, a
+    tail of wide ones), then nudged 8 at a time (seeded) until they average `mean`."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(2):
+        x = rng.beta(1.0, 2.2, size=NUM_KV_HEADS)
+        dims = DIM_LOW + np.round(x * (DIM_HIGH - DIM_LOW) / 8).astype(int) * 8
+        target = int(round(mean * NUM_KV_HEADS / 8)) * 8
+        while int(dims.sum()) != target:
+            j = int(rng.integers(NUM_KV_HEADS))
+            if dims.sum() < target and dims[j] < DIM_HIGH:
+                dims[j] += 8
+            elif dims.sum() > target and dims[j] > DIM_LOW:
+                dims[j] -= 8
+        out.append([int(d) for d in dims])
+    return out[0], out[1]
+
+
+def width_ratio(qk_dims: list[int], v_dims: list[int]) -> float:
+    """Compressed K + V width over the full width (2 * H_kv * D)."""
+    return (sum(qk_dims) + sum(v_dims)) / (2 * NUM_KV_HEADS * HEAD_DIM)
+
+
+def ablation_dims() -> tuple[list[int], list[int]]:
+    """qk and v widths of the balance ablations: half the KV heads 16 wide, half 128, so tasks' costs differ ~8x and
+    a plan that ignores cost shows it."""
+    qk_dims = [16] * (NUM_KV_HEADS // 2) + [128] * (NUM_KV_HEADS - NUM_KV_HEADS // 2)
+    return qk_dims, list(qk_dims)
+
+
+def head_buckets(qk_dims: list[int], v_dims: list[int]) -> list[tuple[int, int, int]]:
+    """(number of KV heads, d_qk, d_v) for each distinct (d_qk, d_v), in order of first appearance."""
+    buckets: dict[tuple[int, int], int] = {}
+    for dq, dv in zip(qk_dims, v_dims):
+        buckets[(dq, dv)] = buckets.get((dq, dv), 0) + 1
+    return [(n, dq, dv) for (dq, dv), n in buckets.items()]
+
+
+def prefix(dims: list[int]) -> torch.Tensor:
+    """int32 CPU prefix sums [0, d0, d0 + d1, ...]."""
+    return torch.tensor(np.concatenate([[0], np.cumsum(dims)]).tolist(), dtype=torch.int32)
+
+
+def num_workers_for(device: torch.device) -> int:
+    """The backend's default worker count: SMs on a GPU, intra-op threads on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return torch.get_num_threads()
+
+
+def randn(shape, dtype, device) -> torch.Tensor:
+    return torch.randn(shape, dtype=dtype, device=device)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """"bfloat16" for torch.bfloat16."""
+    return str(dtype).removeprefix("torch.")
+
+
+# ------------------------------------------------------------------------------------------------------------- SDPA
+
+
+def has_enable_gqa(device: torch.device) -> bool:
+    """Whether this torch's SDPA takes enable_gqa (grouped K/V heads without repeating them)."""
+    q = torch.zeros(1, 2, 1, 8, device=device)
+    kv = torch.zeros(1, 1, 4, 8, device=device)
+    try:
+        F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+        return True
+    except (TypeError, RuntimeError):
+        return False
+
+
+def sdpa_backends(device: torch.device) -> list:
+    from torch.nn.attention import SDPBackend
+    names = BACKEND_NAMES if device.type == "cuda" else CPU_BACKEND_NAMES
+    return [getattr(SDPBackend, n) for n in names if hasattr(SDPBackend, n)]
+
+
+class SdpaSweep:
+    """The fastest of one baseline's variants, each timed under one SDPA backend; remembers every variant's median
+    (us) or why it did not run."""
+
+    def __init__(self, timer: Timer, refusals: tuple[type[Exception], ...] = SDPA_REFUSALS):
+        self.timer, self.refusals = timer, refusals
+        self.best: list[float] | None = None
+        self.best_name = ""
+        self.tried: dict[str, float | str] = {}
+
+    def time(self, name: str, backend, run) -> bool:
+        """Times run() under `backend`; False (the reason recorded under `name`) where the backend refuses it."""
+        from torch.nn.attention import sdpa_kernel
+        try:
+            with sdpa_kernel([backend]), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                times = self.timer(run)
+        except self.refusals as error:
+            self.tried[name] = f"unavailable: {first_line(error, 120)}"
+            return False
+        self.tried[name] = round(median(times) * 1e6, 2)
+        if self.best is None or median(times) < median(self.best):
+            self.best, self.best_name = times, name
+        return True
+
+    def skip(self, name: str, reason: str) -> None:
+        """Records a variant not tried, and why."""
+        self.tried[name] = f"skipped: {reason}"
+
+    def result(self) -> tuple[list[float], str, dict]:
+        """(times of the best, its name, {name: median us or the reason it did not run})."""
+        if self.best is None:
+            raise RuntimeError(f"no SDPA backend ran: {self.tried}")
+        return self.best, self.best_name, self.tried
+
+
+# ------------------------------------------------------------------------------------------------------- reporting
+
+
+def first_line(error: BaseException, width: int = 200) -> str:
+    """The first line of an error's message, at most `width` characters: what a row or table records of it."""
+    return str(error).splitlines()[0][:width]
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def target(where, what, value, threshold, ok) -> dict:
+    return dict(where=where, target=what, value=value, threshold=threshold, verdict=verdict(ok))
+
+
+def faster_than(where: str, micros: float, baselines: dict, methods: tuple[str, ...]) -> list[dict]:
+    """A "faster than <method>" target per method: micros over that baseline row's micros, below 1 to pass."""
+    out = []
+    for method in methods:
+        ratio = micros / baselines[method].micros
+        out.append(target(where, f"faster than {method}", ratio, 1.0, ratio < 1.0))
+    return out
+
+
+def cell(value: float | None, spec: str, scale: float = 1) -> str:
+    """scale * value formatted by `spec` ("{:.1f}"), or "-" where value is missing or not finite."""
+    return spec.format(scale * value) if value is not None and math.isfinite(value) else "-"
+
+
+def detail(row) -> str:
+    """A row's label, the SDPA variant that won in brackets, and its error if it has one."""
+    text = row.label + (f" [{row.backend}]" if row.backend else "")
+    if "error" in row.extra:
+        text += f" ERROR {row.extra['error']}"
+    return text
+
+
+def print_header(header: str) -> None:
+    print(header)
+    print("-" * len(header))
+
+
+def finite(value):
+    """value with every NaN/inf float replaced by None, so the JSON is standard."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
+def device_line(name: str, commit: str, dirty: bool, device: torch.device) -> str:
+    """The start of a benchmark's first printed line: device, torch, commit, workers."""
+    return (f"device: {name}; torch {torch.__version__}; commit {commit[:12]}{' (dirty)' if dirty else ''}; "
+            f"workers {num_workers_for(device)}")
+
+
+def layout_line(qk_dims: list[int], v_dims: list[int]) -> str:
+    """The start of a benchmark's second printed line: heads, widths and the share of full width."""
+    return (f"layout: {NUM_KV_HEADS * GROUP} query / {NUM_KV_HEADS} KV heads, D={HEAD_DIM}; qk dims {qk_dims}, "
+            f"v dims {v_dims} ({width_ratio(qk_dims, v_dims):.3f} of full width)")
+
+
+def provenance(benchmark: str, name: str, commit: str, dirty: bool, device: torch.device, quick: bool) -> dict:
+    """The first keys of a benchmark's JSON: what ran, where, on which commit."""
+    return {
+        "benchmark": benchmark, "device": name, "device_type": device.type, "torch": torch.__version__,
+        "python": platform.python_version(), "commit": commit, "dirty": dirty, "quick": quick,
+        "threads": torch.get_num_threads(), "num_workers": num_workers_for(device)}
+
+
+def layout_record(qk_dims: list[int], v_dims: list[int]) -> dict:
+    return {"num_heads": NUM_KV_HEADS * GROUP, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
+            "qk_dims": qk_dims, "v_dims": v_dims, "width_ratio": width_ratio(qk_dims, v_dims), "seed": LAYOUT_SEED}
+
+
+def write_json(report: dict, folder: str, name: str, benchmark: str, quick: bool) -> str:
+    """Writes report to folder/<device slug>-<benchmark>-[quick-]<UTC stamp>.json, says so, returns the path."""
+    os.makedirs(folder, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:40]
+    path = os.path.join(folder, f"{slug}-{benchmark}-{'quick-' if quick else ''}{stamp}.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"wrote {path}")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------- command line
+
+
+def bench_parser(description: str, repeats_help: str, budget: bool = False) -> argparse.ArgumentParser:
+    """The options of an attention benchmark; with `budget`, --budget for a Timer whose timed calls adapt."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, seconds; runs on the CPU too")
+    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="folder for the JSON")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--repeats", type=int, default=None, help=repeats_help)
+    if budget:
+        parser.add_argument("--budget", type=float, default=None, help="seconds of timed calls per measurement")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    return parser
+
+
+def setup(args: argparse.Namespace) -> tuple[torch.device, int]:
+    """Applies --threads and --device, seeds torch; returns (device, timed calls per measurement: --repeats, else 3
+    with --quick, else 50 on a GPU and 5 on the CPU)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.manual_seed(0)
+    return device, args.repeats or (3 if args.quick else (50 if device.type == "cuda" else 5))
