@@ -3,9 +3,9 @@
 ``FDCAttention`` (the method): queries and keys get the family's RoPE and are rotated and truncated per KV head in
 one pass (``rope_rotate_compress``); values come out of the folded ``A_V`` already compressed; attention runs on the
 packed widths (``prefill_attention`` for prompts, ``decode_attention`` for one new token per request); the c-wide
-outputs feed the folded output projection ``W_O'``. ``PaluAttention`` (the baseline): keys are cached as a low-rank latent before
-RoPE, reconstructed and rotated at every attention call, then attended at full width; values as in FDC. Both keep
-their cache in ``CompressedKVLayer``: packed rows of exactly the allocated widths, real memory savings.
+outputs feed the folded output projection ``W_O'``. ``PaluAttention`` (the baseline): keys are cached as a low-rank
+latent before RoPE, reconstructed and rotated at every attention call, then attended at full width; values as in FDC.
+Both keep their cache in ``CompressedKVLayer``: packed rows of exactly the allocated widths, real memory savings.
 
 Padding. Each request's cache holds only its real tokens (compacted), so left-padded batches cost nothing for their
 padding and the ops see per-request lengths. The padding mask comes from the decoder's ``attention_mask`` argument
