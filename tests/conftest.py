@@ -20,6 +20,7 @@ import random
 import zlib
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 BASE_SEED = int(os.environ.get("FDC_TEST_SEED", random.randrange(2**31)))
@@ -153,13 +154,27 @@ def random_block_table(lengths: list[int], capacity: int, page_size: int, rng) -
 
 
 def to_pages(cache: torch.Tensor, lengths: list[int], table: torch.Tensor, num_pages: int, page_size: int):
-    """The contiguous cache (B, S, W) as NaN-poisoned dim-major pages (num_pages, W, page_size)."""
-    paged = torch.full((num_pages, cache.shape[2], page_size), float("nan"), dtype=cache.dtype)
+    """The contiguous cache (B, S, W) as NaN-poisoned dim-major pages (num_pages, W, page_size): each request's rows
+    padded with NaN to whole pages, one scatter per request (GPU tests use sequences of tens of thousands of keys)."""
+    width = cache.shape[2]
+    paged = torch.full((num_pages, width, page_size), float("nan"), dtype=cache.dtype)
     for b, length in enumerate(lengths):
-        for p in range(-(-length // page_size)):
-            rows = cache[b, p * page_size:min(length, (p + 1) * page_size)]
-            paged[int(table[b, p]), :, :rows.shape[0]] = rows.T
+        count = -(-length // page_size)
+        if count == 0:
+            continue
+        rows = torch.full((count * page_size, width), float("nan"), dtype=cache.dtype)
+        rows[:length] = cache[b, :length]
+        paged[table[b, :count].long()] = rows.view(count, page_size, width).transpose(1, 2)
     return paged
+
+
+def _tolerance(expected64: torch.Tensor, torch_lowp: torch.Tensor, dtype: torch.dtype) -> tuple[float, float]:
+    """(allowed error against the float64 reference, torch's own error) at dtype (see the module docstring)."""
+    torch_error = float((torch_lowp.double() - expected64).abs().max())
+    eps = torch.finfo(dtype).eps
+    scale = max(1.0, float(expected64.abs().max()))
+    factor = 10 if dtype == torch.float32 else 4
+    return factor * torch_error + 16 * eps * scale, torch_error
 
 
 def assert_close_to_reference(actual: torch.Tensor, expected64: torch.Tensor, torch_lowp: torch.Tensor, what: str):
@@ -169,10 +184,43 @@ def assert_close_to_reference(actual: torch.Tensor, expected64: torch.Tensor, to
     if actual.numel() == 0:
         return
     assert not torch.isnan(actual).any(), f"{what}: NaN in output"
-    torch_error = float((torch_lowp.double() - expected64).abs().max())
-    eps = torch.finfo(actual.dtype).eps
-    scale = max(1.0, float(expected64.abs().max()))
-    factor = 10 if actual.dtype == torch.float32 else 4
-    tolerance = factor * torch_error + 16 * eps * scale
+    tolerance, torch_error = _tolerance(expected64, torch_lowp, actual.dtype)
     error = float((actual.double() - expected64).abs().max())
     assert error <= tolerance, f"{what}: max error {error:.3g} > tolerance {tolerance:.3g} (torch's own {torch_error:.3g})"
+
+
+def assert_close_to_cpu(actual: torch.Tensor, cpu: torch.Tensor, expected64: torch.Tensor, torch_lowp: torch.Tensor,
+                        what: str):
+    """The GPU and CPU ops each lie within the tolerance of the float64 reference, so within twice that of each
+    other."""
+    if actual.numel() == 0:
+        return
+    tolerance = 2 * _tolerance(expected64, torch_lowp, actual.dtype)[0]
+    error = float((actual.double() - cpu.double()).abs().max())
+    assert error <= tolerance, f"{what}: cuda vs cpu op max difference {error:.3g} > {tolerance:.3g}"
+
+
+def skip_without_cuda_kernels(*op_names: str) -> None:
+    """Skips the calling test module, saying why, unless a GPU is visible and fdc_ops._C has CUDA kernels for the
+    named ops (it has none when built without a CUDA toolkit, with FDC_CUDA=0, or for a CPU build of torch)."""
+    if not torch.cuda.is_available():
+        pytest.skip(f"no CUDA GPU visible: these tests run {', '.join(op_names)} on a GPU", allow_module_level=True)
+    missing = [n for n in op_names if not torch._C._dispatch_has_kernel_for_dispatch_key(f"fdc::{n}", "CUDA")]
+    if missing:
+        pytest.skip(f"this build of fdc_ops._C has no CUDA kernels for {', '.join(missing)} (built without a CUDA "
+                    "toolkit, with FDC_CUDA=0, or for a CPU torch): rebuild to run these tests",
+                    allow_module_level=True)
+
+
+def capture_graph(step):
+    """step() captured in a CUDA graph after one warm-up on a side stream, as torch.cuda.graphs asks. Returns
+    (graph, what the captured step returned): replaying the graph refills that output."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = step()
+    return graph, output

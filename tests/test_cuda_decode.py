@@ -16,17 +16,11 @@ import os
 import pytest
 import torch
 
-from conftest import DTYPES, Layout, assert_close_to_reference, case_generator, offsets, random_layout, \
-    random_lengths
+from conftest import DTYPES, Layout, assert_close_to_cpu, assert_close_to_reference, capture_graph, case_generator, \
+    offsets, random_block_table, random_layout, random_lengths, skip_without_cuda_kernels, to_pages
 from fdc_ops import ops, reference
 
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA GPU visible: these tests run the fdc decode ops on a GPU", allow_module_level=True)
-if not all(torch._C._dispatch_has_kernel_for_dispatch_key(f"fdc::{op}", "CUDA")
-           for op in ("decode_plan", "decode_attention")):
-    pytest.skip("this build of fdc_ops._C has no CUDA kernels for fdc::decode_plan / fdc::decode_attention (built "
-                "without a CUDA toolkit, with FDC_CUDA=0, or before the kernels existed): rebuild to run these tests",
-                allow_module_level=True)
+skip_without_cuda_kernels("decode_plan", "decode_attention")
 
 DEVICE = torch.device("cuda")
 NUM_SMS = torch.cuda.get_device_properties(DEVICE).multi_processor_count
@@ -50,34 +44,6 @@ def _strided_on_device(t: torch.Tensor, rng) -> torch.Tensor:
     return wide[:, start:start + t.shape[1]]
 
 
-def _block_table(lengths: list[int], capacity: int, page_size: int, rng) -> tuple[torch.Tensor, int]:
-    """A shuffled page assignment (CPU int32); entries past each request's pages are -1 and never read."""
-    pages_needed = [-(-length // page_size) for length in lengths]
-    num_pages = sum(pages_needed) + rng.randint(0, 3)
-    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
-    table = torch.full((len(lengths), max(1, -(-capacity // page_size))), -1, dtype=torch.int32)
-    taken = 0
-    for b, count in enumerate(pages_needed):
-        table[b, :count] = order[taken:taken + count].to(torch.int32)
-        taken += count
-    return table, num_pages
-
-
-def _to_pages(cache: torch.Tensor, lengths: list[int], table: torch.Tensor, num_pages: int, page_size: int):
-    """A contiguous cache (B, S, W) as NaN-poisoned dim-major pages (num_pages, W, page_size): each request's rows
-    padded with NaN to whole pages, one scatter per request (sequences here run to tens of thousands of keys)."""
-    width = cache.shape[2]
-    paged = torch.full((num_pages, width, page_size), float("nan"), dtype=cache.dtype)
-    for b, length in enumerate(lengths):
-        count = -(-length // page_size)
-        if count == 0:
-            continue
-        rows = torch.full((count * page_size, width), float("nan"), dtype=cache.dtype)
-        rows[:length] = cache[b, :length]
-        paged[table[b, :count].long()] = rows.view(count, page_size, width).transpose(1, 2)
-    return paged
-
-
 class DecodeInputs:
     """One decode problem on the CPU (for the reference and the CPU op) and on the GPU."""
 
@@ -94,9 +60,9 @@ class DecodeInputs:
             v_cache[b, :length] = _randn((length, layout.v_width), dtype, gen)
         self.block_table = None
         if paged:
-            self.block_table, num_pages = _block_table(lengths, capacity, page_size, rng)
-            k_cache = _to_pages(k_cache, lengths, self.block_table, num_pages, page_size)
-            v_cache = _to_pages(v_cache, lengths, self.block_table, num_pages, page_size)
+            self.block_table, num_pages = random_block_table(lengths, capacity, page_size, rng)
+            k_cache = to_pages(k_cache, lengths, self.block_table, num_pages, page_size)
+            v_cache = to_pages(v_cache, lengths, self.block_table, num_pages, page_size)
         self.k_cache, self.v_cache = k_cache, v_cache
         self.q = _randn((batch, layout.group * layout.qk_width), dtype, gen)
         self.scale = rng.uniform(0.05, 0.5)
@@ -125,21 +91,6 @@ class DecodeInputs:
         assert_close_to_reference(out, expected, torch_lowp, f"{what} (cuda vs float64 reference)")
         cpu = ops.decode_attention(*args, block_table=self.block_table)
         assert_close_to_cpu(out, cpu, expected, torch_lowp, what)
-
-
-def assert_close_to_cpu(actual: torch.Tensor, cpu: torch.Tensor, expected64: torch.Tensor, torch_lowp: torch.Tensor,
-                        what: str):
-    """The GPU and CPU ops each lie within conftest's tolerance of the float64 reference, so within twice that of
-    each other (same rule: a multiple of torch's own error at this precision plus 16 eps of the output's scale)."""
-    if actual.numel() == 0:
-        return
-    torch_error = float((torch_lowp.double() - expected64).abs().max())
-    eps = torch.finfo(actual.dtype).eps
-    scale = max(1.0, float(expected64.abs().max()))
-    factor = 10 if actual.dtype == torch.float32 else 4
-    tolerance = 2 * (factor * torch_error + 16 * eps * scale)
-    error = float((actual.double() - cpu.double()).abs().max())
-    assert error <= tolerance, f"{what}: cuda vs cpu op max difference {error:.3g} > {tolerance:.3g}"
 
 
 def _plan_cuda(inputs: DecodeInputs, num_workers=None) -> torch.Tensor:
@@ -257,7 +208,7 @@ def test_cuda_graph_replay(paged):
     first = [capacity, 0, 1, 300, 2000]
     inputs = DecodeInputs(gen, rng, layout, dtype, first, paged, page_size)
     if paged:  # every request owns pages for the full capacity, so any later length fits the captured table
-        table, num_pages = _block_table([capacity] * batch, capacity, page_size, rng)
+        table, num_pages = random_block_table([capacity] * batch, capacity, page_size, rng)
         inputs.block_table, inputs.block_table_dev = table, table.to(DEVICE)
         inputs.k_cache = torch.full((num_pages, layout.qk_width, page_size), float("nan"), dtype=dtype)
         inputs.v_cache = torch.full((num_pages, layout.v_width, page_size), float("nan"), dtype=dtype)
@@ -277,8 +228,8 @@ def test_cuda_graph_replay(paged):
             contiguous_k[b, :length] = _randn((length, layout.qk_width), dtype, gen)
             contiguous_v[b, :length] = _randn((length, layout.v_width), dtype, gen)
         if paged:
-            contiguous_k = _to_pages(contiguous_k, lengths, inputs.block_table, inputs.k_cache.shape[0], page_size)
-            contiguous_v = _to_pages(contiguous_v, lengths, inputs.block_table, inputs.v_cache.shape[0], page_size)
+            contiguous_k = to_pages(contiguous_k, lengths, inputs.block_table, inputs.k_cache.shape[0], page_size)
+            contiguous_v = to_pages(contiguous_v, lengths, inputs.block_table, inputs.v_cache.shape[0], page_size)
         inputs.k_cache, inputs.v_cache = contiguous_k, contiguous_v
         inputs.k_dev.copy_(contiguous_k)
         inputs.v_dev.copy_(contiguous_v)
@@ -288,15 +239,7 @@ def test_cuda_graph_replay(paged):
         q_static.copy_(inputs.q)
 
     refill(first)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture_graph(step)
 
     for replay_index, lengths in enumerate([first, [1, 4096, 0, 17, 999], [0, 0, 0, 0, 0], [333, 2, 4000, 64, 1],
                                             [rng.randint(0, capacity) for _ in range(batch)]]):
@@ -323,9 +266,9 @@ def test_append_kv_then_decode_cuda(case, paged):
     v_cache = _randn((batch, capacity, layout.v_width), dtype, gen)
     block_table = None
     if paged:
-        block_table, num_pages = _block_table([capacity] * batch, capacity, page_size, rng)
-        k_cache = _to_pages(k_cache, [capacity] * batch, block_table, num_pages, page_size)
-        v_cache = _to_pages(v_cache, [capacity] * batch, block_table, num_pages, page_size)
+        block_table, num_pages = random_block_table([capacity] * batch, capacity, page_size, rng)
+        k_cache = to_pages(k_cache, [capacity] * batch, block_table, num_pages, page_size)
+        v_cache = to_pages(v_cache, [capacity] * batch, block_table, num_pages, page_size)
     cu = offsets(new)
     k_new = _randn((int(cu[-1]), layout.qk_width), dtype, gen)
     v_new = _randn((int(cu[-1]), layout.v_width), dtype, gen)

@@ -10,21 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DTYPES, assert_close_to_reference, case_generator, offsets, random_block_table, random_layout, \
-    random_lengths, random_rope_inputs, rope_tables, to_pages
+from conftest import DTYPES, assert_close_to_reference, capture_graph, case_generator, offsets, random_block_table, \
+    random_layout, random_lengths, random_rope_inputs, rope_tables, skip_without_cuda_kernels, to_pages
 from fdc_ops import ops, reference
 
 
-def _has_cuda_kernels() -> bool:
-    return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"fdc::{name}", "CUDA")
-               for name in ("rotate_compress", "rope_rotate_compress", "append_kv"))
-
-
-pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the CUDA kernels cannot run here"),
-    pytest.mark.skipif(not _has_cuda_kernels(),
-                       reason="fdc_ops was built without CUDA kernels (FDC_CUDA=0, no CUDA toolkit, or a CPU torch)"),
-]
+skip_without_cuda_kernels("rotate_compress", "rope_rotate_compress", "append_kv")
 
 CASES = 60  # per op and run, as on the CPU
 CUDA = "cuda"
@@ -219,14 +210,7 @@ def test_decode_step_captures_in_a_cuda_graph():
         ops.append_kv(k_cache, v_cache, keys, v, cu, seqlens, qk_offsets, v_offsets)
         return keys
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # warm-up outside the capture, as torch.cuda.graphs asks
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        keys = step()
+    graph, keys = capture_graph(step)
     k_cache.fill_(float("nan"))
     v_cache.fill_(float("nan"))
     for lengths in ([0, 1, 2], [5, 3, 0]):

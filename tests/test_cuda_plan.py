@@ -9,13 +9,10 @@ import os
 import pytest
 import torch
 
-from conftest import case_generator, random_layout, random_lengths
+from conftest import capture_graph, case_generator, random_layout, random_lengths, skip_without_cuda_kernels
 from fdc_ops import ops
 
-HAS_CUDA_PLANNER = torch.cuda.is_available() and torch._C._dispatch_has_kernel_for_dispatch_key(
-    "fdc::decode_plan", "CUDA")
-pytestmark = pytest.mark.skipif(not HAS_CUDA_PLANNER,
-                                reason="needs a CUDA device and fdc_ops built with its CUDA kernels")
+skip_without_cuda_kernels("decode_plan")
 
 CASES = int(os.environ.get("FDC_CUDA_CASES", 200))
 WORKER_COUNTS = (1, 7, 132, 264)
@@ -100,14 +97,7 @@ def test_cuda_plan_in_a_replayed_graph():
     def step():
         return ops.decode_plan(seqlens, layout.qk_offsets, layout.v_offsets, layout.group, num_workers=workers)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # warm-up outside the capture, as torch.cuda.graphs asks
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        plan = step()
+    graph, plan = capture_graph(step)
     for round_ in range(4):
         new = random_lengths(rng, batch, choices=(0, 1, 16, 300, 5000))
         if round_ == 3:

@@ -21,17 +21,11 @@ import os
 import pytest
 import torch
 
-from conftest import DTYPES, Layout, assert_close_to_reference, case_generator, offsets, random_layout, \
-    random_lengths
+from conftest import DTYPES, Layout, assert_close_to_cpu, assert_close_to_reference, case_generator, offsets, \
+    random_layout, random_lengths, skip_without_cuda_kernels
 from fdc_ops import ops, reference
 
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA GPU visible: these tests run the fdc prefill ops on a GPU", allow_module_level=True)
-if not all(torch._C._dispatch_has_kernel_for_dispatch_key(f"fdc::{op}", "CUDA")
-           for op in ("prefill_plan", "prefill_attention")):
-    pytest.skip("this build of fdc_ops._C has no CUDA kernels for fdc::prefill_plan / fdc::prefill_attention (built "
-                "without a CUDA toolkit, with FDC_CUDA=0, or before the kernels existed): rebuild to run these tests",
-                allow_module_level=True)
+skip_without_cuda_kernels("prefill_plan", "prefill_attention")
 
 DEVICE = torch.device("cuda")
 NUM_SMS = torch.cuda.get_device_properties(DEVICE).multi_processor_count
@@ -145,21 +139,6 @@ class PrefillInputs:
         assert_close_to_reference(out, expected, torch_lowp, f"{what} (cuda vs float64 reference)")
         if against_cpu:
             assert_close_to_cpu(out, ops.prefill_attention(*self.cpu_args()), expected, torch_lowp, what)
-
-
-def assert_close_to_cpu(actual: torch.Tensor, cpu: torch.Tensor, expected64: torch.Tensor, torch_lowp: torch.Tensor,
-                        what: str):
-    """The GPU and CPU ops each lie within conftest's tolerance of the float64 reference, so within twice that of
-    each other (same rule: a multiple of torch's own error at this precision plus 16 eps of the output's scale)."""
-    if actual.numel() == 0:
-        return
-    torch_error = float((torch_lowp.double() - expected64).abs().max())
-    eps = torch.finfo(actual.dtype).eps
-    scale = max(1.0, float(expected64.abs().max()))
-    factor = 10 if actual.dtype == torch.float32 else 4
-    tolerance = 2 * (factor * torch_error + 16 * eps * scale)
-    error = float((actual.double() - cpu.double()).abs().max())
-    assert error <= tolerance, f"{what}: cuda vs cpu op max difference {error:.3g} > {tolerance:.3g}"
 
 
 def assert_same_plan(cpu: torch.Tensor, cuda: torch.Tensor, what: str):
