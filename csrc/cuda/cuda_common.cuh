@@ -48,6 +48,17 @@ __device__ __forceinline__ void cp_async_wait() {
 // Streaming multiprocessors of the current device: the default worker count of the device planners.
 inline int num_sms() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
 
+// A prefill plan for boundaries already read on the host, on the host and on the device; both are cached per
+// (boundaries, layout, group, causal, workers, row block, device) and must not be changed by the caller.
+struct PrefillPlans {
+  at::Tensor host;    // int32 plan on the CPU
+  at::Tensor device;  // the same plan on the device
+};
+
+PrefillPlans cached_prefill_plan(const std::vector<int32_t>& cu_q, const std::vector<int32_t>& cu_k,
+                                 const at::Tensor& qk_offsets, const at::Tensor& v_offsets, int64_t group,
+                                 bool causal, int64_t workers, int64_t row_block, at::Device device);
+
 at::Tensor prefill_plan_cuda(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                              const at::Tensor& qk_offsets, const at::Tensor& v_offsets, int64_t group, bool causal,
                              std::optional<int64_t> num_workers, int64_t row_block);

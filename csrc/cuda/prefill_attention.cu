@@ -140,22 +140,25 @@ at::Tensor prefill_attention_cuda(const at::Tensor& q, const at::Tensor& k, cons
             hkv);
   const c10::cuda::CUDAGuard guard(q.device());
   // Prefill reads its boundaries on the host (a plan's size depends on them, so no prefill is graph-captured):
-  // they are validated here with the CPU op's messages, and so is a caller's plan, record by record.
+  // they are validated here with the CPU op's messages, and so is a caller's plan, record by record. Without a
+  // plan, the cached host and device copies of the planner's plan are used as they are: no copy either way.
   const int64_t batch = cu_seqlens_q.size(0) - 1;
   const std::vector<int32_t> cu_q = checks::read_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, batch, q.size(0), "q");
-  checks::read_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, batch, k.size(0), "k");
-  at::Tensor schedule;
+  const std::vector<int32_t> cu_k = checks::read_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, batch, k.size(0), "k");
+  at::Tensor schedule, host_plan;
   if (plan) {
     checks::check_plan_tensor(op, *plan, q, kPrefillHeader);
     schedule = *plan;
+    host_plan = schedule.to(at::kCPU);
+    checks::check_prefill_plan_header(op, host_plan.data_ptr<int32_t>(), host_plan.size(0), batch, layout, causal);
+    checks::check_prefill_plan_records(op, PrefillPlanView{host_plan.data_ptr<int32_t>()}, cu_q);
   } else {
-    schedule = prefill_plan_cuda(cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group, causal, std::nullopt,
-                                 kDefaultRowBlock);
+    const PrefillPlans plans = cached_prefill_plan(cu_q, cu_k, qk_offsets, v_offsets, group, causal, num_sms(),
+                                                   kDefaultRowBlock, q.device());
+    schedule = plans.device;
+    host_plan = plans.host;
   }
-  const at::Tensor host_plan = schedule.to(at::kCPU);
-  checks::check_prefill_plan_header(op, host_plan.data_ptr<int32_t>(), host_plan.size(0), batch, layout, causal);
   const PrefillPlanView view{host_plan.data_ptr<int32_t>()};
-  checks::check_prefill_plan_records(op, view, cu_q);
 
   at::Tensor out = at::zeros({q.size(0), group * layout.v_width()}, q.options());
   if (view.num_records() == 0) return out;

@@ -30,7 +30,7 @@ using PlanKey = std::tuple<std::vector<int32_t>, std::vector<int32_t>, std::vect
 
 class PlanCache {
  public:
-  std::optional<at::Tensor> find(const PlanKey& key) {
+  std::optional<PrefillPlans> find(const PlanKey& key) {
     const std::lock_guard<std::mutex> lock(mutex_);
     for (auto it = entries_.begin(); it != entries_.end(); ++it) {
       if (it->first == key) {
@@ -41,15 +41,15 @@ class PlanCache {
     return std::nullopt;
   }
 
-  void insert(PlanKey key, at::Tensor plan) {
+  void insert(PlanKey key, PrefillPlans plans) {
     const std::lock_guard<std::mutex> lock(mutex_);
-    entries_.emplace_front(std::move(key), std::move(plan));
+    entries_.emplace_front(std::move(key), std::move(plans));
     if (entries_.size() > kCachedPlans) entries_.pop_back();
   }
 
  private:
   std::mutex mutex_;
-  std::list<std::pair<PlanKey, at::Tensor>> entries_;
+  std::list<std::pair<PlanKey, PrefillPlans>> entries_;
 };
 
 PlanCache& plan_cache() {
@@ -62,7 +62,26 @@ std::vector<int32_t> host_values(const at::Tensor& t) {
   return std::vector<int32_t>(c.data_ptr<int32_t>(), c.data_ptr<int32_t>() + c.numel());
 }
 
+at::Tensor host_tensor(const std::vector<int32_t>& values) {
+  return at::tensor(at::ArrayRef<int32_t>(values), at::TensorOptions().dtype(at::kInt));
+}
+
 }  // namespace
+
+PrefillPlans cached_prefill_plan(const std::vector<int32_t>& cu_q, const std::vector<int32_t>& cu_k,
+                                 const at::Tensor& qk_offsets, const at::Tensor& v_offsets, int64_t group,
+                                 bool causal, int64_t workers, int64_t row_block, at::Device device) {
+  const checks::HostLayout layout = checks::read_layout("prefill_plan", qk_offsets, &v_offsets, group);
+  PlanKey key{cu_q, cu_k, layout.qk_offsets, layout.v_offsets, group, causal, workers, row_block, device.index()};
+  if (std::optional<PrefillPlans> cached = plan_cache().find(key)) return *cached;
+  // The host planner validates everything (boundaries, layout, workers, row block) with the same messages.
+  PrefillPlans plans;
+  plans.host = cpu::prefill_plan_cpu(host_tensor(cu_q), host_tensor(cu_k), qk_offsets, v_offsets, group, causal,
+                                     workers, row_block);
+  plans.device = plans.host.to(device);
+  plan_cache().insert(std::move(key), plans);
+  return plans;
+}
 
 // cu_seqlens_q, cu_seqlens_k: (B + 1) int32 on the device; qk_offsets, v_offsets: (H_kv + 1) int32 on the CPU.
 // Returns the plan, (prefill_plan_size(N, records)) int32 on cu_seqlens_q's device.
@@ -70,23 +89,16 @@ at::Tensor prefill_plan_cuda(const at::Tensor& cu_seqlens_q, const at::Tensor& c
                              const at::Tensor& qk_offsets, const at::Tensor& v_offsets, int64_t group, bool causal,
                              std::optional<int64_t> num_workers, int64_t row_block) {
   const char* op = "prefill_plan";
-  const checks::HostLayout layout = checks::read_layout(op, qk_offsets, &v_offsets, group);
+  checks::read_layout(op, qk_offsets, &v_offsets, group);
   checks::check_int32_vector(op, "cu_seqlens_q", cu_seqlens_q, -1);
   checks::check_int32_vector(op, "cu_seqlens_k", cu_seqlens_k, -1);
   checks::check_cuda_tensor(op, "cu_seqlens_q", cu_seqlens_q);
   checks::check_same_device(op, "cu_seqlens_k", cu_seqlens_k, "cu_seqlens_q", cu_seqlens_q);
   const c10::cuda::CUDAGuard guard(cu_seqlens_q.device());
-  const int64_t workers = num_workers.value_or(num_sms());
-  PlanKey key{host_values(cu_seqlens_q), host_values(cu_seqlens_k), layout.qk_offsets, layout.v_offsets, group,
-              causal, workers, row_block, cu_seqlens_q.device().index()};
   // A copy: the caller owns what it gets back and may change it without touching the cached plan.
-  if (std::optional<at::Tensor> cached = plan_cache().find(key)) return cached->clone();
-  // The host planner validates everything (boundaries, layout, workers, row block) with the same messages.
-  const at::Tensor host_plan = cpu::prefill_plan_cpu(cu_seqlens_q.to(at::kCPU), cu_seqlens_k.to(at::kCPU),
-                                                     qk_offsets, v_offsets, group, causal, workers, row_block);
-  at::Tensor plan = host_plan.to(cu_seqlens_q.device());
-  plan_cache().insert(std::move(key), plan.clone());
-  return plan;
+  return cached_prefill_plan(host_values(cu_seqlens_q), host_values(cu_seqlens_k), qk_offsets, v_offsets, group,
+                             causal, num_workers.value_or(num_sms()), row_block, cu_seqlens_q.device())
+      .device.clone();
 }
 
 }  // namespace fdc::cuda
