@@ -1,5 +1,7 @@
-"""Builds fdc_ops._C: the CPU kernels always, the CUDA kernels whenever a CUDA toolkit and a CUDA build of torch are
-present (a visible GPU is not needed). FDC_CUDA=1 requires the CUDA build, FDC_CUDA=0 skips it.
+"""Builds fdc_ops._C: the CPU kernels always, and the CUDA kernels where they can run: by default only when torch is
+a CUDA build, a CUDA toolkit is found and a GPU is visible, for that GPU's architecture. FDC_CUDA=1 builds the CUDA
+kernels without a GPU (for FDC_CUDA_ARCHS, default 80;90: CI does this to prove every CUDA source compiles),
+FDC_CUDA=0 never builds them. One line starting "fdc_ops build:" says what was chosen and why.
 
 The toolkit is CUDA_HOME when set; otherwise it is asked of `nvcc` on PATH (its --dryrun names the real toolkit
 folder, which may differ from where a wrapper script on PATH lives).
@@ -16,8 +18,10 @@ from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-# sm_90 (H100/H200) is the target; sm_80 (A100) costs one more device pass per CUDA file.
-CUDA_ARCHS = os.environ.get("FDC_CUDA_ARCHS", "80;90")
+# Without a visible GPU, FDC_CUDA=1 compiles for sm_90 (H100/H200, the target) and sm_80 (A100, one more device pass
+# per CUDA file). The kernels use cp.async and bf16 mma.sync, so sm_80 is the oldest architecture they support.
+DEFAULT_CUDA_ARCHS = "80;90"
+OLDEST_CUDA_ARCH = 80
 
 
 def find_cuda_home():
@@ -37,17 +41,41 @@ def find_cuda_home():
     return None
 
 
-def use_cuda(cuda_sources, cuda_home):
+def visible_gpu_archs() -> list[int]:
+    """Compute capabilities (e.g. 90) of the GPUs this build can see; empty without a CUDA build of torch or a GPU."""
+    if torch.version.cuda is None or not torch.cuda.is_available():
+        return []
+    return sorted({major * 10 + minor for major, minor in
+                   (torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count()))})
+
+
+def cuda_plan(cuda_sources, cuda_home) -> tuple[str | None, str]:
+    """(the CUDA architectures to build for, ";"-separated, or None for a CPU-only build; the reason, one line)."""
     forced = os.environ.get("FDC_CUDA")
-    available = torch.version.cuda is not None and cuda_home is not None
-    if forced == "0":
-        return False
+    if forced not in (None, "", "0", "1"):
+        raise RuntimeError(f"FDC_CUDA must be 0 or 1, got {forced!r}")
+    toolkit = torch.version.cuda is not None and cuda_home is not None
+    missing = (f"torch {torch.__version__} is a CPU build" if torch.version.cuda is None
+               else "no CUDA toolkit was found (set CUDA_HOME or put nvcc on PATH)")
+    if not cuda_sources or forced == "0":
+        return None, "CPU kernels only (FDC_CUDA=0)"
+    gpus = visible_gpu_archs()
     if forced == "1":
-        if not available:
-            raise RuntimeError("FDC_CUDA=1 but no CUDA toolkit (CUDA_HOME or nvcc) or torch is a CPU build "
-                               f"(torch {torch.__version__})")
-        return bool(cuda_sources)
-    return available and bool(cuda_sources)
+        if not toolkit:
+            raise RuntimeError(f"FDC_CUDA=1 but {missing}")
+        archs = os.environ.get("FDC_CUDA_ARCHS") or ";".join(map(str, gpus)) or DEFAULT_CUDA_ARCHS
+        return archs, f"CPU and CUDA kernels for sm_{archs.replace(';', ', sm_')} (FDC_CUDA=1)"
+    force_hint = f"FDC_CUDA=1 builds them anyway, for FDC_CUDA_ARCHS (default {DEFAULT_CUDA_ARCHS})"
+    if not gpus:
+        return None, f"CPU kernels only: no GPU is visible, so the CUDA kernels are not built; {force_hint}"
+    if not toolkit:
+        return None, f"CPU kernels only: a GPU is visible but {missing}"
+    usable = [arch for arch in gpus if arch >= OLDEST_CUDA_ARCH]
+    if not usable:
+        return None, (f"CPU kernels only: the visible GPU (sm_{gpus[0]}) is older than sm_{OLDEST_CUDA_ARCH}, "
+                      "which the CUDA kernels need")
+    archs = os.environ.get("FDC_CUDA_ARCHS") or ";".join(map(str, usable))
+    return archs, f"CPU and CUDA kernels for the visible GPU (sm_{archs.replace(';', ', sm_')})"
 
 
 def extension():
@@ -62,7 +90,9 @@ def extension():
     # file is compiled with OpenMP, as torch itself is; without it every CPU kernel runs on one thread.
     cxx_flags = ["-O3", "-std=c++20", "-fvisibility=hidden", "-fno-trapping-math", "-Wno-psabi", "-fopenmp"]
     link_flags = ["-fopenmp"]
-    if not use_cuda(cuda_sources, cuda_home):
+    archs, reason = cuda_plan(cuda_sources, cuda_home)
+    print(f"fdc_ops build: {reason}", flush=True)
+    if archs is None:
         return CppExtension("fdc_ops._C", cpu_sources, include_dirs=include_dirs,
                             extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_flags)
     os.environ["CUDA_HOME"] = cuda_home
@@ -72,7 +102,7 @@ def extension():
     site = sysconfig.get_paths()["purelib"]
     include_dirs += [p for p in glob.glob(os.path.join(site, "nvidia", "cu*", "include")) if os.path.isdir(p)]
     gencode = []
-    for arch in CUDA_ARCHS.split(";"):
+    for arch in archs.split(";"):
         gencode += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
     nvcc_flags = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"] + gencode
     return CUDAExtension("fdc_ops._C", cpu_sources + cuda_sources, include_dirs=include_dirs,

