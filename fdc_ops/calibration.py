@@ -293,12 +293,28 @@ class FDCArtifact:
     def shape(self) -> AttentionShape:
         return AttentionShape(**self.metadata["shape"])
 
-    def allocate(self, removal_rate: float, multiple: int = 8, weighting: str = "singular_value",
-                 method: str = "fdc") -> RankAllocation:
-        """Per-layer, per-KV-head qk and v dims at one shared singular-value removal rate (paper section 5.2).
-        ``weighting="explained_variance"`` applies the same rule to s^2 (for comparison). ``method="palu"`` sizes
-        the qk dims from the pre-RoPE key spectrum (the widths of the Palu baseline's key latent)."""
+    def allocate(self, removal_rate: float | None = None, multiple: int = 8, weighting: str | None = None,
+                 method: str = "fdc", *, compression: float | None = None) -> RankAllocation:
+        """Per-layer, per-KV-head qk and v dims, by one of two budgets (give exactly one):
+
+        ``removal_rate``: the paper's rule (section 5.2), one shared singular-value removal rate for every head
+        (``weighting="singular_value"``, the default here); ``weighting="explained_variance"`` applies it to s^2.
+
+        ``compression``: a KV byte budget, the share of the uncompressed K/V cache to remove (0.1 keeps 90% of the
+        bytes). The widths are chosen so that ``compression_rate >= compression`` (the cache fits the budget), as
+        close to it as the width quantum ``multiple`` allows; ``weighting`` defaults to ``explained_variance`` (the
+        removal rate of the s^2 rule that meets the budget, found by bisection).
+
+        ``method="palu"`` sizes the qk dims from the pre-RoPE key spectrum (the widths of the Palu baseline's key
+        latent). ``multiple``: the width quantum; the kernels take widths that are multiples of 8 (16-byte rows in
+        fp16/bf16), so it must be a positive multiple of 8 for the result to be served."""
+        if (removal_rate is None) == (compression is None):
+            raise ValueError("fdc_ops.calibration.allocate: give exactly one of removal_rate and compression, got "
+                             f"removal_rate={removal_rate}, compression={compression}")
+        if compression is not None:
+            return self._allocate_compression(compression, multiple, weighting or "explained_variance", method)
         powers = {"singular_value": 1.0, "explained_variance": 2.0}
+        weighting = weighting or "singular_value"
         if weighting not in powers:
             raise ValueError(f"fdc_ops: weighting must be one of {sorted(powers)}, got {weighting!r}")
         qk_values = {"fdc": self.qk_singular_values, "palu": self.key_singular_values}.get(method)
@@ -309,6 +325,30 @@ class FDCArtifact:
         return RankAllocation(kept_dims(qk_values, removal_rate, multiple, power),
                               kept_dims(self.v_singular_values, removal_rate, multiple, power),
                               self.shape.head_dim, name, removal_rate)
+
+    def _allocate_compression(self, compression: float, multiple: int, weighting: str,
+                              method: str) -> RankAllocation:
+        """The smallest removal rate of the ``weighting`` rule whose allocation removes at least ``compression`` of
+        the cache (compression grows with the rate), by bisection."""
+        if not 0.0 <= compression < 1.0:
+            raise ValueError(f"fdc_ops.calibration.allocate: compression must be in [0, 1), got {compression}")
+
+        def at(rate: float) -> RankAllocation:
+            return self.allocate(rate, multiple, weighting, method)
+
+        low, high = 0.0, 1.0 - 1e-9  # removal rate 1 - eps keeps the minimum width everywhere
+        if at(low).compression_rate >= compression:
+            return dataclasses.replace(at(low), notes={"compression_target": compression})
+        if at(high).compression_rate < compression:
+            raise ValueError(f"fdc_ops.calibration.allocate: compression {compression} needs fewer than {multiple} "
+                             f"dims per head; the most this quantum allows is {at(high).compression_rate:.4f}")
+        for _ in range(50):  # 2^-50 of the rate: far below the step at which any head changes width
+            middle = (low + high) / 2
+            if at(middle).compression_rate >= compression:
+                high = middle
+            else:
+                low = middle
+        return dataclasses.replace(at(high), notes={"compression_target": compression})
 
     def check_model(self, model) -> None:
         """Raises ArtifactError unless the artifact was calibrated on this model (same config and weights)."""

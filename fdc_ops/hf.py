@@ -3,7 +3,7 @@ the KV cache a generation holds.
 
     model, tokenizer = fdc_ops.models.load_model()
     artifact = fdc_ops.calibration.calibrate(model)
-    allocation = fdc_ops.hf.compress(model, artifact, removal_rate=0.05)
+    allocation = fdc_ops.hf.compress(model, artifact, compression=0.1)   # or removal_rate=0.05 (the paper's rule)
     cache = transformers.DynamicCache()
     model.generate(**inputs, past_key_values=cache)      # or let generate() create the cache
     fdc_ops.hf.kv_cache_nbytes(cache)
@@ -24,14 +24,16 @@ from .nn import CompressedKVLayer, FDCAttention, PaddingState, PaluAttention
 METHODS = ("fdc", "palu")
 
 
-def _allocation(artifact: FDCArtifact, method: str, removal_rate, allocation, qk_dims, v_dims,
-                weighting: str, uniform: bool) -> RankAllocation:
+def _allocation(artifact: FDCArtifact, method: str, removal_rate, compression, allocation, qk_dims, v_dims,
+                weighting: str | None, uniform: bool) -> RankAllocation:
     shape = artifact.shape
-    given = [removal_rate is not None, allocation is not None, qk_dims is not None or v_dims is not None]
+    given = [removal_rate is not None, compression is not None, allocation is not None,
+             qk_dims is not None or v_dims is not None]
     if sum(given) != 1:
-        raise ValueError("fdc_ops.hf.compress: give exactly one of removal_rate, allocation, or qk_dims and v_dims")
-    if removal_rate is not None:
-        allocation = artifact.allocate(removal_rate, weighting=weighting, method=method)
+        raise ValueError("fdc_ops.hf.compress: give exactly one of removal_rate, compression, allocation, or qk_dims "
+                         "and v_dims")
+    if removal_rate is not None or compression is not None:
+        allocation = artifact.allocate(removal_rate, weighting=weighting, method=method, compression=compression)
         return allocation.uniform() if uniform else allocation
     if allocation is None:
         if qk_dims is None or v_dims is None:
@@ -58,21 +60,23 @@ def _check_sliding_window(model) -> None:
                                   "supported by the compressed modules")
 
 
-def compress(model, artifact: FDCArtifact, removal_rate: float | None = None, *,
+def compress(model, artifact: FDCArtifact, removal_rate: float | None = None, *, compression: float | None = None,
              allocation: RankAllocation | None = None, qk_dims=None, v_dims=None, method: str = "fdc",
-             weighting: str = "singular_value", uniform: bool = False) -> RankAllocation:
+             weighting: str | None = None, uniform: bool = False) -> RankAllocation:
     """Replaces every attention module of ``model`` in place by FDCAttention (``method="fdc"``) or the Palu baseline
-    (``method="palu"``; ``qk_dims`` are then the widths of the cached key latent). Widths: one removal rate (the
-    paper's rule on the artifact's singular values; ``weighting="explained_variance"`` uses s^2; ``uniform=True``
-    gives every head the mean width, the /AC ablation), an allocation, or explicit (L, H_kv) ``qk_dims`` and
-    ``v_dims``. Returns the allocation used. generate() and forward() work unchanged; fdc_ops.hf.restore undoes it."""
+    (``method="palu"``; ``qk_dims`` are then the widths of the cached key latent). Widths: a KV byte budget
+    (``compression=0.1`` removes at least 10% of the cache: ``FDCArtifact.allocate(compression=...)``), one removal
+    rate (the paper's rule on the artifact's singular values; ``weighting="explained_variance"`` uses s^2), an
+    allocation, or explicit (L, H_kv) ``qk_dims`` and ``v_dims``; ``uniform=True`` gives every head the mean width
+    (the /AC ablation). Returns the allocation used. generate() and forward() work unchanged; fdc_ops.hf.restore undoes it."""
     if method not in METHODS:
         raise ValueError(f"fdc_ops.hf.compress: method must be one of {METHODS}, got {method!r}")
     if getattr(model, "_fdc_compression", None) is not None:
         raise ValueError("fdc_ops.hf.compress: the model is already compressed; call fdc_ops.hf.restore(model) first")
     _check_sliding_window(model)
     artifact.check_model(model)
-    allocation = _allocation(artifact, method, removal_rate, allocation, qk_dims, v_dims, weighting, uniform)
+    allocation = _allocation(artifact, method, removal_rate, compression, allocation, qk_dims, v_dims, weighting,
+                             uniform)
     shape = models.attention_shape(model)
     H, Hkv, D, G = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.group
     decoder = model.get_decoder()

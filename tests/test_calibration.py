@@ -198,6 +198,26 @@ def test_allocation_compression_rate_offsets_and_uniform_ablation():
         artifact.allocate(0.1, weighting="energy")
 
 
+def test_allocate_by_compression_meets_the_byte_budget():
+    artifact = small_artifact()
+    L, Hkv = artifact.qk_singular_values.shape[:2]
+    quantum = 8 / (2 * L * Hkv * HEAD_DIM)  # one head's width moving by the quantum
+    for target in (0.0, 0.05, 0.1, 0.3, 0.5):
+        allocation = artifact.allocate(compression=target)
+        assert target <= allocation.compression_rate <= target + 2 * quantum, target
+        assert allocation.notes["compression_target"] == target
+        assert ((allocation.qk_dims % 8 == 0) & (allocation.v_dims % 8 == 0)).all()
+    assert (artifact.allocate(compression=0.0).qk_dims == HEAD_DIM).all()
+    with pytest.raises(ValueError, match="exactly one of removal_rate and compression"):
+        artifact.allocate(0.1, compression=0.1)
+    with pytest.raises(ValueError, match="exactly one of removal_rate and compression"):
+        artifact.allocate()
+    with pytest.raises(ValueError, match="compression must be in"):
+        artifact.allocate(compression=1.0)
+    with pytest.raises(ValueError, match="fewer than 8 dims"):
+        artifact.allocate(compression=0.95)
+
+
 def test_artifact_round_trip(tmp_path):
     model = tiny_model("qwen2", seed=5)
     artifact = small_artifact(model=model)

@@ -174,7 +174,11 @@ def test_compress_rejects_bad_requests():
         hf.compress(tiny_model("llama", seed=1), artifact, removal_rate=0.1)
     with pytest.raises(ValueError, match="not compressed"):
         hf.restore(model)
-    hf.compress(model, artifact, removal_rate=0.1)
+    with pytest.raises(ValueError, match="exactly one of"):
+        hf.compress(model, artifact, removal_rate=0.1, compression=0.1)
+    allocation = hf.compress(model, artifact, compression=0.1)
+    assert allocation.compression_rate >= 0.1
+    assert isinstance(model.get_decoder().layers[0].self_attn, FDCAttention)
     with pytest.raises(ValueError, match="already compressed"):
         hf.compress(model, artifact, removal_rate=0.1)
     windowed = tiny_model("mistral", sliding_window=16)
