@@ -1,6 +1,6 @@
 """Command line.
 
-  python -m fdc_ops demo                                  the main job: FDC on the bundled SmolLM2 (fdc_ops/demo.py)
+  python -m fdc_ops demo [--quiet]                        the main job: FDC on the bundled SmolLM2 (fdc_ops/demo.py)
   python -m fdc_ops ops-demo                              the operator-level demo (fdc_ops/ops_demo.py)
   python -m fdc_ops eval                                  FDC vs uniform ranks vs Palu at 99% (fdc_ops/compare.py)
   python -m fdc_ops calibrate [--model PATH] --out DIR    calibrate a model (default: the bundled SmolLM2-135M)
@@ -45,11 +45,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m fdc_ops", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    main_job = commands.add_parser("demo", help="calibrate, compress at an accuracy target and compare, on SmolLM2")
+    main_job = commands.add_parser("demo", help="accuracy-vs-compression curve, long-context speed and a sample, "
+                                    "FDC against Palu and the uncompressed SmolLM2")
     main_job.add_argument("--target", type=float, default=0.99, help="share of the perplexity score to keep")
     main_job.add_argument("--text", choices=["random", "wikipedia", "humaneval"], default="wikipedia",
                           help="calibration tokens (default wikipedia: see bench/results/calibration/README.md)")
-    main_job.add_argument("--method", choices=["fdc", "palu"], default="fdc")
+    main_job.add_argument("--context", type=int, default=4096, help="prompt tokens of the speed table")
+    main_job.add_argument("--decode-steps", type=int, default=8, help="decode steps timed after the prompt")
+    main_job.add_argument("--out", default="bench/results/demo", help="directory for demo.json and the curve's PNG")
+    main_job.add_argument("--quiet", action="store_true", help="print the results only, no progress")
 
     evaluate = commands.add_parser("eval", help="FDC, uniform ranks and Palu side by side at an accuracy target")
     evaluate.add_argument("--out", default="bench/results/eval", help="directory for the JSON")
@@ -82,10 +86,14 @@ def main() -> None:
     report.add_argument("--out", default="bench/results/calibration", help="directory for the JSON and plots")
     report.add_argument("--quick", action="store_true", help="fewer tokens and rates (a smoke run)")
     args = parser.parse_args()
+    from . import progress
+
+    progress.configure(quiet=getattr(args, "quiet", False))
     if args.command == "demo":
         from . import demo
 
-        demo.run(target=args.target, text=args.text, method=args.method)
+        demo.run(target=args.target, text=args.text, context=args.context, decode_steps=args.decode_steps,
+                 out=args.out, quiet=args.quiet)
     elif args.command == "ops-demo":
         from . import ops_demo
 

@@ -19,6 +19,7 @@ import torch
 
 from . import models
 from .models import AttentionShape
+from .progress import bar as progress_bar
 
 
 @dataclass
@@ -117,8 +118,6 @@ def capture_statistics(model, batches: Iterable[torch.Tensor], *, progress: bool
     """Runs ``model``'s decoder over each (batch, seq_len) batch of token ids and sums the Gram matrices of the
     post-RoPE queries and keys and of the values of every head, as the model's own attention receives them, and of
     the pre-RoPE keys as the K projection outputs them. The model's outputs are not changed."""
-    from tqdm.auto import tqdm
-
     shape = models.attention_shape(model)
     stats = CalibrationStatistics.zeros(shape)
 
@@ -147,7 +146,7 @@ def capture_statistics(model, batches: Iterable[torch.Tensor], *, progress: bool
     device = next(model.parameters()).device
     try:
         with models.override_attention(model, capture), torch.inference_mode():
-            for batch in tqdm(batches, desc=description, unit="seq", disable=not progress):
+            for batch in progress_bar(batches, description, "seq", enabled=progress):
                 if batch.dim() != 2:
                     raise ValueError(f"fdc_ops: calibration batches must be (batch, seq_len) token ids, got shape "
                                      f"{tuple(batch.shape)}")

@@ -1,99 +1,216 @@
-"""The main job (README's first command): FDC on the bundled SmolLM2-135M-Instruct, end to end on this machine.
+"""The main job (README's first command): what FDC is worth on the bundled SmolLM2-135M-Instruct, on this machine.
 
 1. load the model (its GGUF is converted to safetensors once and cached);
-2. calibrate it (cached after the first run): R from the post-RoPE queries and keys, V bases from the values;
-3. find the removal rate that keeps 99% of the uncompressed model's perplexity score (exp(-NLL), so 99% allows
-   about 1% more perplexity) on held-out Wikipedia text, by bisection (cached too);
-4. compress the model in place with fdc_ops.hf.compress and print, before and after: the KV compression rate and the
-   bytes of a generation's cache, perplexity, prefill and decode speed, and a generated sample.
+2. calibrate it on Wikipedia text (cached after the first run);
+3. the accuracy-vs-compression curve: the perplexity score (exp(-NLL), relative to the uncompressed model's; 0.99
+   allows about 1% more perplexity) on held-out Wikipedia tokens at KV compressions from 0.05 to 0.5, FDC against
+   the Palu baseline, through the same compressed modules (fdc_ops.hf.compress); then the largest compression that
+   keeps ``target`` of the score, from the grid refined by bisection, counting a compression only when it and every
+   smaller one tried also keep the target (the score need not fall monotonically);
+4. speed where compression pays: a long prompt, then single-token decode steps, uncompressed (transformers' SDPA
+   attention) against FDC at the compression found and at a higher one: time to first token, time between tokens and
+   the bytes of the KV cache;
+5. a greedy sample at the compression found, beside the uncompressed model's.
 
-Calibration text: Wikipedia by default, because on this model the V bases from random tokens lose far more accuracy
-than those from real text (bench/results/calibration/README.md); ``--text random`` gives the paper's setting.
+Every figure printed names what it was measured on. A table goes to stdout; ``demo.json`` and
+``accuracy_curve.png`` to ``--out``. Calibration text: Wikipedia, because on this model the V bases from random tokens
+lose far more accuracy than those from real text (bench/results/calibration/README.md).
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
-from . import calibration, datasets, evaluation, hf, models
+from . import calibration, datasets, evaluation, hf, models, progress, provenance
 
-SEARCH_TOKENS = 4096  # held-out tokens per perplexity evaluation inside the search: about 5 s each on 2 cores
-REPORT_TOKENS = 8192
+# KV compressions of the curve, up to the 0.5 the issue's curves span. Each point costs one perplexity evaluation, the
+# demo's largest expense: five points and two refinement steps per method keep the curve stage near a minute.
+CURVE_GRID = (0.05, 0.1, 0.2, 0.3, 0.5)
+REFINE_STEPS = 2  # bisection steps between the last grid point that keeps the target and the next: 1/4 of the gap
+# Held-out Wikipedia tokens per perplexity (4 windows of 512; about 5 s each on 2 cores, mostly the MLPs and the
+# vocabulary projection). Scores are ratios on the same tokens, so the noise of so few tokens mostly cancels;
+# `python -m fdc_ops eval` measures on more.
+CURVE_TOKENS = 2048
+SPEED_COMPRESSION = 0.5  # the "higher compression" of the speed table: the curve shows what it costs in accuracy
 PROMPT = "Explain in two sentences why the sky is blue."
+METHODS = {"FDC": "fdc", "Palu": "palu"}
 
 
-def _sample(model, tokenizer, max_new_tokens: int = 48):
-    """(text, cache bytes, tokens generated) of a greedy chat completion."""
-    from transformers import DynamicCache
+@dataclass
+class Curve:
+    """One method's (compression, relative score) points, and the largest compression that keeps the target."""
 
+    method: str
+    points: list[tuple[float, float]] = field(default_factory=list)
+    best: float = 0.0
+    best_score: float = 1.0
+
+    def keeps(self, compression: float, target: float) -> bool:
+        """Whether ``compression`` and every smaller one tried kept the target."""
+        return all(score >= target for c, score in self.points if c <= compression)
+
+
+def accuracy_curve(method: str, relative_score, target: float) -> Curve:
+    """The grid, then bisection between the last grid point whose prefix keeps ``target`` and the next one."""
+    curve = Curve(method)
+    for compression in CURVE_GRID:
+        curve.points.append((compression, relative_score(compression)))
+    passing = [c for c, _ in curve.points if curve.keeps(c, target)]
+    low = max(passing, default=0.0)
+    above = [c for c in CURVE_GRID if c > low]
+    if above:
+        high = above[0]
+        for _ in range(REFINE_STEPS):
+            middle = round((low + high) / 2, 6)
+            curve.points.append((middle, relative_score(middle)))
+            if curve.keeps(middle, target):
+                low = middle
+            else:
+                high = middle
+    curve.points.sort()
+    curve.best = low
+    curve.best_score = dict(curve.points).get(low, 1.0)
+    return curve
+
+
+def _sample(model, tokenizer, max_new_tokens: int = 48) -> str:
+    """A greedy chat completion of PROMPT."""
     messages = [{"role": "user", "content": PROMPT}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    cache = DynamicCache()
     with torch.inference_mode():
-        output = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False, past_key_values=cache,
+        output = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False,
                                 pad_token_id=tokenizer.eos_token_id)
-    new = output[0, ids["input_ids"].shape[1]:]
-    return tokenizer.decode(new, skip_special_tokens=True).strip(), hf.kv_cache_nbytes(cache), output.shape[1] - 1
+    return tokenizer.decode(output[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
 
 
-def run(target: float = 0.99, text: str = "wikipedia", method: str = "fdc") -> dict:
+def _plot(curves: list[Curve], target: float, path: Path, eval_tokens: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.2))
+    axes.axhline(1.0, color="0.5", linewidth=1, label="uncompressed")
+    axes.axhline(target, color="0.5", linewidth=1, linestyle=":", label=f"{target:.0%} of uncompressed")
+    for curve, color in zip(curves, ("tab:blue", "tab:orange")):
+        xs, ys = zip(*([(0.0, 1.0)] + curve.points))
+        axes.plot(xs, ys, marker="o", markersize=3, color=color, label=curve.method)
+        axes.plot([curve.best], [curve.best_score], marker="*", markersize=12, color=color, linestyle="none")
+    axes.set_xlabel("KV cache compression (share of bytes removed)")
+    axes.set_ylabel("perplexity score / uncompressed")
+    axes.set_title(f"SmolLM2-135M, {eval_tokens} held-out Wikipedia tokens (star: largest compression at {target:.0%})",
+                   fontsize=9)
+    axes.set_ylim(max(0.0, min(y for curve in curves for _, y in curve.points) - 0.05), 1.02)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def run(target: float = 0.99, text: str = "wikipedia", context: int = 4096, decode_steps: int = 8,
+        out: str = "bench/results/demo", quiet: bool = False) -> dict:
     begin = time.time()
     torch.manual_seed(0)
-    model, tokenizer = models.load_model()
-    shape = models.attention_shape(model)
-    print(f"model: {models.model_id(model)}: {shape.num_layers} layers, {shape.num_heads} query / "
-          f"{shape.num_kv_heads} KV heads of {shape.head_dim}; {torch.get_num_threads()} CPU threads")
-    artifact = calibration.load_or_calibrate(model, tokenizer, text=text)
-    held_out = datasets.text_tokens(tokenizer, "wikipedia")[-REPORT_TOKENS:]
-    search_tokens = held_out[-SEARCH_TOKENS:]
+    stages = progress.Stages(5, quiet)
+    say = (lambda *args: None) if quiet else print
 
-    cache_file = models.cache_dir() / "artifacts" / (
-        f"search-{models.fingerprint(model)[:16]}-{text}-{method}-{target}.json")
-    base_search = evaluation.perplexity(model, search_tokens, progress=False)
-    if cache_file.is_file() and json.loads(cache_file.read_text()).get("base_perplexity") == base_search:
-        found = json.loads(cache_file.read_text())
-    else:
-        def relative(rate: float) -> float:
-            hf.compress(model, artifact, removal_rate=rate, method=method)
-            try:
-                return base_search / evaluation.perplexity(model, search_tokens, description=f"search r={rate:.4f}")
-            finally:
+    with stages("model") as stage:
+        model, tokenizer = models.load_model()
+        shape = models.attention_shape(model)
+        stage.note = (f"{models.model_id(model)}: {shape.num_layers} layers, {shape.num_heads} query / "
+                      f"{shape.num_kv_heads} KV heads of {shape.head_dim}; {provenance.device_name(torch.device('cpu'))}, "
+                      f"{torch.get_num_threads()} threads")
+    with stages("calibration") as stage:
+        artifact = calibration.load_or_calibrate(model, tokenizer, text=text, progress=not quiet)
+        settings = artifact.metadata["calibration"]
+        stage.note = f"{settings['num_tokens']} tokens of {settings['source']} (cached in {models.cache_dir()})"
+
+    held_out = datasets.text_tokens(tokenizer, "wikipedia")[-CURVE_TOKENS:]
+    with stages(f"accuracy curve: perplexity on {CURVE_TOKENS} held-out Wikipedia tokens") as stage:
+        base = evaluation.perplexity(model, held_out, progress=False)
+
+        def relative_score(method: str):
+            def score(compression: float) -> float:
+                hf.compress(model, artifact, compression=compression, method=method)
+                try:
+                    return base / evaluation.perplexity(model, held_out, progress=False)
+                finally:
+                    hf.restore(model)
+            return score
+
+        curves = [accuracy_curve(label, relative_score(method), target) for label, method in METHODS.items()]
+        stage.note = ", ".join(f"{c.method} keeps {target:.0%} up to {c.best:.3f}" for c in curves)
+    fdc_curve = curves[0]
+
+    speed_rows = {}
+    with stages(f"speed: a {context}-token prompt, then {decode_steps} decode steps, batch 1") as stage:
+        for label, compression in (("uncompressed", None), (f"FDC at the {target:.0%} point", fdc_curve.best),
+                                   (f"FDC at {SPEED_COMPRESSION:.0%}", SPEED_COMPRESSION)):
+            allocation = None
+            if compression is not None:
+                allocation = hf.compress(model, artifact, compression=compression)
+            timing = evaluation.latency(model, prompt_tokens=context, new_tokens=decode_steps, repeats=1)
+            full_bytes = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 4
+            per_token = allocation.kv_bytes_per_token(4) if allocation is not None else full_bytes
+            speed_rows[label] = {"compression": allocation.compression_rate if allocation else 0.0,
+                                 "kv_bytes_per_token": per_token, **timing}
+            if allocation is not None:
                 hf.restore(model)
+        stage.note = ", ".join(f"{label} {row['tbt_ms']:.0f} ms/token" for label, row in speed_rows.items())
 
-        rate, score, tried = evaluation.search_removal_rate(relative, target)
-        found = {"base_perplexity": base_search, "removal_rate": rate, "relative_score": score, "tried": tried}
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        cache_file.write_text(json.dumps(found, indent=1))
-    rate = found["removal_rate"]
-    print(f"removal rate at {target:.0%} of the uncompressed perplexity score: {rate:.4f} "
-          f"(bisection over {len(found['tried'])} evaluations of {SEARCH_TOKENS} held-out Wikipedia tokens)")
+    with stages("greedy samples") as stage:
+        samples = {"uncompressed": _sample(model, tokenizer)}
+        hf.compress(model, artifact, compression=fdc_curve.best)
+        samples[f"FDC at {fdc_curve.best:.3f} KV compression"] = _sample(model, tokenizer)
+        hf.restore(model)
+        stage.note = f"{PROMPT!r}, 48 new tokens"
 
-    rows = {}
-    for label in ("uncompressed", "FDC"):
-        if label == "FDC":
-            allocation = hf.compress(model, artifact, removal_rate=rate, method=method)
-        perplexity = evaluation.perplexity(model, held_out, description=f"{label} perplexity")
-        speed = evaluation.latency(model, prompt_tokens=512, new_tokens=24)
-        sample, cache_bytes, cached_tokens = _sample(model, tokenizer)
-        rows[label] = {"perplexity": perplexity, **speed, "sample": sample, "cache_bytes": cache_bytes,
-                       "cached_tokens": cached_tokens}
-    hf.restore(model)
+    directory = Path(out)
+    directory.mkdir(parents=True, exist_ok=True)
+    _plot(curves, target, directory / "accuracy_curve.png", CURVE_TOKENS)
+    commit, dirty = provenance.git_commit()
+    result = {
+        "model": models.model_id(model), "device": provenance.device_name(torch.device("cpu")),
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "commit": commit, "dirty": dirty,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "calibration": settings, "target": target, "eval_tokens": CURVE_TOKENS, "base_perplexity": base,
+        "curves": [{"method": c.method, "points": c.points, "best_compression": c.best, "best_score": c.best_score}
+                   for c in curves],
+        "speed": {"prompt_tokens": context, "decode_steps": decode_steps, "batch": 1, "dtype": "float32",
+                  "rows": speed_rows},
+        "samples": samples, "seconds": time.time() - begin,
+    }
+    (directory / "demo.json").write_text(json.dumps(result, indent=1))
 
-    full, fdc = rows["uncompressed"], rows["FDC"]
-    full_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 4
-    print(f"\nKV compression rate {allocation.compression_rate:.3f}: mean qk dim {allocation.qk_dims.double().mean():.1f}, "
-          f"mean v dim {allocation.v_dims.double().mean():.1f} (of {shape.head_dim}); KV cache per token in fp32: "
-          f"{full_per_token} B -> {allocation.kv_bytes_per_token(4)} B")
-    print(f"{'':<34}{'uncompressed':>14}{'FDC':>14}")
-    lines = [("KV cache of the sample (bytes)", "cache_bytes", "{:,.0f}"),
-             (f"perplexity ({REPORT_TOKENS} Wikipedia tokens)", "perplexity", "{:.3f}"),
-             ("prefill, 512 tokens (ms)", "ttft_ms", "{:.1f}"), ("decode, per token (ms)", "tbt_ms", "{:.2f}")]
-    for title, key, form in lines:
-        print(f"{title:<34}{form.format(full[key]):>14}{form.format(fdc[key]):>14}")
-    for label, row in rows.items():
-        print(f"\n{label} sample ({PROMPT!r}, greedy):\n  {row['sample']}")
-    print(f"\ndone in {time.time() - begin:.0f} s (calibration and search are cached in {models.cache_dir()})")
-    return {"removal_rate": rate, "compression_rate": allocation.compression_rate, **rows}
+    print(f"\nAccuracy: perplexity score relative to the uncompressed model ({base:.2f} perplexity) on "
+          f"{CURVE_TOKENS} held-out Wikipedia tokens")
+    print(f"{'KV compression':>15}" + "".join(f"{c.method:>10}" for c in curves))
+    scores = [dict(c.points) for c in curves]
+    for compression in sorted({c for curve in curves for c, _ in curve.points}):
+        cells = "".join(f"{s[compression]:>10.4f}" if compression in s else f"{'':>10}" for s in scores)
+        print(f"{compression:>15.3f}{cells}")
+    for curve in curves:
+        print(f"{curve.method}: largest KV compression keeping {target:.0%} of the score: {curve.best:.3f} "
+              f"(score {curve.best_score:.4f})")
+
+    print(f"\nSpeed: SmolLM2 in float32 on {result['device']}, {result['threads']} threads; a {context}-token prompt "
+          f"(batch 1), then the median of {decode_steps} single-token decode steps")
+    print(f"{'':<24}{'KV compression':>15}{'KV bytes/token':>15}{'prefill (s)':>12}{'decode (ms/token)':>18}"
+          f"{'decode speed-up':>16}")
+    reference = speed_rows["uncompressed"]["tbt_ms"]
+    for label, row in speed_rows.items():
+        print(f"{label:<24}{row['compression']:>15.3f}{row['kv_bytes_per_token']:>15,}{row['ttft_ms'] / 1e3:>12.2f}"
+              f"{row['tbt_ms']:>18.1f}{reference / row['tbt_ms']:>15.2f}x")
+
+    for label, sample in samples.items():
+        print(f"\n{label} ({PROMPT!r}, greedy):\n  {sample}")
+    say(f"\ndone in {time.time() - begin:.0f} s; {directory / 'demo.json'}, {directory / 'accuracy_curve.png'}; "
+        f"the converted model and the calibration are cached in {models.cache_dir()}")
+    return result

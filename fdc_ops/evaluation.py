@@ -12,6 +12,8 @@ from typing import Callable
 
 import torch
 
+from .progress import bar as progress_bar
+
 # Where a HumanEval completion ends: the next top-level statement (the canonical solutions are one function body).
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\n```")
 
@@ -20,8 +22,6 @@ def perplexity(model, token_ids: torch.Tensor, seq_len: int = 512, batch_size: i
                description: str = "perplexity") -> float:
     """exp(mean next-token negative log-likelihood) over consecutive ``seq_len`` windows of the 1-D token stream
     (the first token of each window is context only)."""
-    from tqdm.auto import tqdm
-
     windows = token_ids.numel() // seq_len
     if token_ids.dim() != 1 or windows == 0:
         raise ValueError(f"fdc_ops: perplexity needs a 1-D token stream of at least {seq_len} tokens")
@@ -29,7 +29,7 @@ def perplexity(model, token_ids: torch.Tensor, seq_len: int = 512, batch_size: i
     device = next(model.parameters()).device
     total, count = 0.0, 0
     with torch.inference_mode():
-        for batch in tqdm(sequences.split(batch_size), desc=description, unit="batch", disable=not progress):
+        for batch in progress_bar(sequences.split(batch_size), description, "batch", enabled=progress):
             batch = batch.to(device)
             logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
             nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
@@ -70,14 +70,12 @@ def humaneval_scores(model, tokenizer, problems, max_new_tokens: int = 96, batch
                      progress: bool = True, description: str = "HumanEval") -> dict:
     """Greedy completions of HumanEval prompts (left-padded batches through generate()), cut at the next top-level
     statement, against the canonical solutions: mean edit similarity and ROUGE-1, and the completions."""
-    from tqdm.auto import tqdm
-
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     device = next(model.parameters()).device
     completions = []
-    for start in tqdm(range(0, len(problems), batch_size), desc=description, unit="batch", disable=not progress):
+    for start in progress_bar(range(0, len(problems), batch_size), description, "batch", enabled=progress):
         prompts = [problem["prompt"] for problem in problems[start: start + batch_size]]
         inputs = tokenizer(prompts, return_tensors="pt", padding=True).to(device)
         with torch.inference_mode():
