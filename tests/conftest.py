@@ -208,7 +208,7 @@ def skip_without_cuda_kernels(*op_names: str) -> None:
         pytest.skip(f"no CUDA GPU visible: these tests run {', '.join(op_names)} on a GPU", allow_module_level=True)
     missing = [n for n in op_names if not torch._C._dispatch_has_kernel_for_dispatch_key(f"fdc::{n}", "CUDA")]
     if missing:
-        pytest.skip(ff"this build of fdc_ops._C has no CUDA kernels for {', '.join(missing)} (built without a visible "
+        pytest.skip(f"this build of fdc_ops._C has no CUDA kernels for {', '.join(missing)} (built without a visible "
                     "GPU, a CUDA toolkit or a CUDA torch, or with FDC_CUDA=0): rebuild with scripts/setup.sh on "
                     "this machine, or FDC_CUDA=1, to run these tests",
                     allow_module_level=True)
