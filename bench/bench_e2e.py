@@ -12,7 +12,8 @@ Targets, each printed PASS or MISS: at 0% compression TBT <= 1.03 x uncompressed
 prompt (8K by default), TBT <= 0.75 x uncompressed.
 
 --profile: torch.profiler tables of one decode step of each model (self CPU time by op), printed and kept in the
-JSON. Timing: each model runs its configurations in turn, after one untimed warm-up generation of a short prompt.
+JSON. Timing: every model is loaded at once; for each prompt they prefill in turn, then their decode steps
+interleave, after one untimed warm-up generation of a short prompt each.
 Prints a table; writes JSON and a plot (PNG, same name) to bench/results/ (or --out) with device, torch version and
 commit. Run long grids in parts (--prompts), each under the machine's time limits.
 """
@@ -68,26 +69,33 @@ class AttentionClock:
             handle.remove()
 
 
-def generate(model, prompt: torch.Tensor, new_tokens: int, timer: Timer, clock: AttentionClock | None):
-    """Greedy decoding of new_tokens tokens after prompt (B, P): (TTFT seconds, per-step seconds, attention seconds
-    of the steps)."""
-    from transformers import DynamicCache
+class Run:
+    """One model's greedy decoding of one prompt, a step at a time, so several models' steps can interleave."""
 
-    cache = DynamicCache()
-    state = {}
+    def __init__(self, model, clock: AttentionClock):
+        from transformers import DynamicCache
 
-    def prefill():
-        state["logits"] = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1]
+        self.model, self.clock, self.cache, self.logits = model, clock, DynamicCache(), None
+        self.steps: list[float] = []
 
-    def step():
-        token = state["logits"].argmax(-1, keepdim=True)  # (B, 1)
-        state["logits"] = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+    def prefill(self, prompt: torch.Tensor, timer: Timer) -> float:
+        """Seconds of the prompt's (B, P) forward pass, logits of the last position included."""
 
-    ttft = timer(prefill, repeats=1)[0]
-    if clock is not None:
-        clock.seconds = 0.0
-    steps = [timer(step, repeats=1)[0] for _ in range(new_tokens - 1)]
-    return ttft, steps, clock.seconds if clock is not None else 0.0
+        def call():
+            self.logits = self.model(input_ids=prompt, past_key_values=self.cache, use_cache=True).logits[:, -1]
+
+        seconds = timer(call, repeats=1)[0]
+        self.clock.seconds = 0.0
+        return seconds
+
+    def step(self, timer: Timer) -> None:
+        """Times one decode step: the greedy token of each request in, its logits out."""
+
+        def call():
+            token = self.logits.argmax(-1, keepdim=True)  # (B, 1)
+            self.logits = self.model(input_ids=token, past_key_values=self.cache, use_cache=True).logits[:, -1]
+
+        self.steps.append(timer(call, repeats=1)[0])
 
 
 def profile_step(model, prompt: torch.Tensor) -> str:
@@ -150,41 +158,56 @@ def main() -> None:
     timer = Timer(device, repeats=1, warmup=0)
     gen = torch.Generator().manual_seed(0)
 
-    models: list[tuple[str, float | None]] = [("uncompressed (sdpa)", None)]
-    models += [(f"fdc {rate:.0%} compressed", rate) for rate in args.compressions]
-    rows, profiles, artifact = [], {}, None
-    for name, rate in models:
+    specs: list[tuple[str, float | None]] = [("uncompressed (sdpa)", None)]
+    specs += [(f"fdc {rate:.0%} compressed", rate) for rate in args.compressions]
+    models, artifact = [], None
+    for name, rate in specs:
         model, tokenizer = load_model(dtype=dtype)
         model.to(device)
-        attn = model.config._attn_implementation
         width = None
         if rate is not None:
             if artifact is None:
                 artifact = calibration.load_or_calibrate(model, tokenizer, text="wikipedia", progress=False)
             dims, width = uniform_widths(model, rate)
             hf.compress(model, artifact, qk_dims=dims, v_dims=dims)
-        vocab = model.config.vocab_size
-        with torch.inference_mode():
-            generate(model, torch.randint(vocab, (1, 32), generator=gen).to(device), 4, timer, None)  # warm-up
-            clock = AttentionClock(model)
-            for prompt_len in args.prompts:
-                for batch in args.batches:
-                    prompt = torch.randint(vocab, (batch, prompt_len), generator=gen).to(device)
-                    ttft, steps, attention = generate(model, prompt, args.new_tokens, timer, clock)
-                    rows.append({"model": name, "compression": rate, "width": width, "attn_implementation": attn,
-                                 "prompt": prompt_len, "batch": batch, "new_tokens": args.new_tokens,
-                                 "ttft_ms": ttft * 1e3, "tbt_ms": statistics.median(steps) * 1e3,
+        models.append((name, rate, width, model, AttentionClock(model)))
+    vocab = models[0][3].config.vocab_size
+
+    # The models' decode steps interleave (step i of every model, then step i + 1), so a slow moment of a shared
+    # machine lands on all of them rather than on one model's whole run; prompts are prefilled in turn.
+    rows, profiles = [], {}
+    with torch.inference_mode():
+        for _, _, _, model, clock in models:  # warm-up: a short prompt and a few steps, untimed
+            run = Run(model, clock)
+            run.prefill(torch.randint(vocab, (1, 32), generator=gen).to(device), timer)
+            for _ in range(3):
+                run.step(timer)
+        for prompt_len in args.prompts:
+            for batch in args.batches:
+                prompt = torch.randint(vocab, (batch, prompt_len), generator=gen).to(device)
+                runs = [Run(model, clock) for _, _, _, model, clock in models]
+                ttfts = [run.prefill(prompt, timer) for run in runs]
+                for _ in range(args.new_tokens - 1):
+                    for run in runs:
+                        run.step(timer)
+                for (name, rate, width, model, clock), run, ttft in zip(models, runs, ttfts):
+                    steps = run.steps
+                    rows.append({"model": name, "compression": rate, "width": width,
+                                 "attn_implementation": model.config._attn_implementation, "prompt": prompt_len,
+                                 "batch": batch, "new_tokens": args.new_tokens, "ttft_ms": ttft * 1e3,
+                                 "tbt_ms": statistics.median(steps) * 1e3,
                                  "tbt_p90_ms": sorted(steps)[int(0.9 * (len(steps) - 1))] * 1e3,
-                                 "attention_share": attention / sum(steps)})
+                                 "attention_share": clock.seconds / sum(steps)})
                     r = rows[-1]
                     print(f"{name:<22} P={prompt_len:<5} B={batch}  TTFT {r['ttft_ms']:9.1f} ms  TBT "
                           f"{r['tbt_ms']:7.2f} ms  attention {r['attention_share']:.0%} of a step", flush=True)
+                del runs
+        for name, _, _, model, clock in models:
             clock.remove()
             if args.profile:
                 profiles[name] = profile_step(model, torch.randint(vocab, (args.batches[0], args.prompts[0]),
                                                                    generator=gen).to(device))
                 print(f"\none decode step of {name}, P={args.prompts[0]}, B={args.batches[0]}:\n{profiles[name]}")
-        del model
 
     base = {(r["prompt"], r["batch"]): r for r in rows if r["compression"] is None}
     targets = []
