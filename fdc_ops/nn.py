@@ -34,11 +34,34 @@ def _prefix(counts: torch.Tensor) -> torch.Tensor:
     return torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
 
 
+class CallRows:
+    """Where one decoder call's real tokens are, shared by all its layers. ``valid``: (B, S) bool, or None when every
+    token is real (no padding: rows are then plain reshapes, no boolean gathers); ``counts``: (B,) int32 real tokens
+    per request, on the device; ``host_counts``: the same as a list; ``cu``: (B + 1,) int32 prefix sums of counts."""
+
+    def __init__(self, valid: torch.Tensor | None, counts: torch.Tensor, host_counts: list[int]):
+        self.valid, self.counts, self.host_counts = valid, counts, host_counts
+        self.cu = _prefix(counts)
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, S, ...) -> (T, ...): the real tokens' rows, request after request."""
+        return x.reshape(-1, *x.shape[2:]) if self.valid is None else x[self.valid]
+
+    def scatter(self, rows: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+        """(T, W) -> (B, S, W), zeros at padded positions."""
+        if self.valid is None:
+            return rows.view(batch, length, rows.shape[1])
+        out = rows.new_zeros(batch, length, rows.shape[1])
+        out[self.valid] = rows
+        return out
+
+
 class PaddingState:
     """The decoder call's 2-D attention mask (B, past + new) or None, shared by the compressed modules of a model."""
 
     def __init__(self):
         self.mask: torch.Tensor | None = None
+        self._rows: tuple | None = None  # (mask, batch, new_tokens, device, CallRows) of the call seen last
 
     def valid(self, batch: int, new_tokens: int, device: torch.device) -> torch.Tensor:
         """(B, new_tokens) bool: which of the call's new tokens are real (not padding)."""
@@ -48,6 +71,22 @@ class PaddingState:
             raise NotImplementedError("fdc_ops.nn: compressed attention takes a 2-D attention_mask (batch, length) "
                                       f"of 0/1, got shape {tuple(self.mask.shape)}")
         return self.mask[:, -new_tokens:].to(device=device, dtype=torch.bool)
+
+    def rows(self, batch: int, new_tokens: int, device: torch.device) -> CallRows:
+        """The call's CallRows, computed by its first layer (one host read of the mask per call, not per layer) and
+        reused by the others: the hook sets a new mask object for every decoder call."""
+        seen = self._rows
+        if seen is not None and seen[0] is self.mask and seen[1:4] == (batch, new_tokens, device):
+            return seen[4]
+        valid = self.valid(batch, new_tokens, device)
+        if self.mask is None or bool(valid.all()):
+            host = [new_tokens] * batch
+            rows = CallRows(None, torch.tensor(host, dtype=torch.int32, device=device), host)
+        else:
+            counts = valid.sum(1, dtype=torch.int32)
+            rows = CallRows(valid, counts, counts.tolist())
+        self._rows = (self.mask, batch, new_tokens, device, rows)
+        return rows
 
 
 class CompressedKVLayer(DynamicLayer):
@@ -65,6 +104,7 @@ class CompressedKVLayer(DynamicLayer):
         self.k_cache: torch.Tensor | None = None  # (B, capacity, k_offsets[-1])
         self.v_cache: torch.Tensor | None = None  # (B, capacity, v_offsets[-1])
         self.lengths: torch.Tensor | None = None  # (B,) int32: real tokens cached per request
+        self.host_lengths: list[int] = []  # the same on the host, so appends read nothing back from the device
         self.positions = 0  # positions seen, padding included (what transformers calls the sequence length)
         self.keys = self.values = None
         self.is_initialized = True
@@ -75,30 +115,33 @@ class CompressedKVLayer(DynamicLayer):
     def update(self, *args, **kwargs):
         raise RuntimeError("fdc_ops.nn: this cache holds compressed K/V; full-width update() is not possible")
 
-    def append(self, k_rows: torch.Tensor, v_rows: torch.Tensor, counts: torch.Tensor, new_positions: int) -> None:
+    def append(self, k_rows: torch.Tensor, v_rows: torch.Tensor, rows: CallRows, new_positions: int) -> None:
         """Writes each request's new rows after its cached ones. k_rows: (T, k_width), v_rows: (T, v_width), requests'
-        rows back to back; counts: (B,) rows per request; new_positions: the call's sequence length."""
-        batch = counts.shape[0]
+        rows back to back, as ``rows`` counts them; new_positions: the call's sequence length."""
+        batch = len(rows.host_counts)
         if self.k_cache is None:
             self.lengths = torch.zeros(batch, dtype=torch.int32, device=k_rows.device)
-            self._allocate(batch, max(INITIAL_CAPACITY, int(counts.max()) if batch else 0), k_rows.dtype,
-                           k_rows.device)
+            self.host_lengths = [0] * batch
+            self._allocate(batch, max([INITIAL_CAPACITY, *rows.host_counts]), k_rows.dtype, k_rows.device)
         elif batch != self.k_cache.shape[0]:
             raise ValueError(f"fdc_ops.nn: the cache holds {self.k_cache.shape[0]} requests, the call has {batch}")
-        needed = int((self.lengths + counts).max()) if batch else 0
+        grown = [length + count for length, count in zip(self.host_lengths, rows.host_counts)]
+        needed = max(grown, default=0)
         if needed > self.k_cache.shape[1]:
             old_k, old_v = self.k_cache, self.v_cache
             self._allocate(batch, max(needed, 2 * old_k.shape[1]), old_k.dtype, old_k.device)
             self.k_cache[:, : old_k.shape[1]] = old_k
             self.v_cache[:, : old_v.shape[1]] = old_v
-        ops.append_kv(self.k_cache, self.v_cache, k_rows, v_rows, _prefix(counts), self.lengths, self.k_offsets,
+        ops.append_kv(self.k_cache, self.v_cache, k_rows, v_rows, rows.cu, self.lengths, self.k_offsets,
                       self.v_offsets)
-        self.lengths += counts.to(torch.int32)
+        self.lengths += rows.counts
+        self.host_lengths = grown
         self.positions += new_positions
 
     def _allocate(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.k_cache = torch.zeros(batch, capacity, int(self.k_offsets[-1]), dtype=dtype, device=device)
-        self.v_cache = torch.zeros(batch, capacity, int(self.v_offsets[-1]), dtype=dtype, device=device)
+        # empty, not zeros: only rows below `lengths` are ever read, and zeroing would touch every page up front
+        self.k_cache = torch.empty(batch, capacity, int(self.k_offsets[-1]), dtype=dtype, device=device)
+        self.v_cache = torch.empty(batch, capacity, int(self.v_offsets[-1]), dtype=dtype, device=device)
 
     def nbytes(self, allocated: bool = False) -> int:
         """Bytes of the cached rows (``allocated``: of the buffers, spare capacity included)."""
@@ -107,7 +150,7 @@ class CompressedKVLayer(DynamicLayer):
         if allocated:
             return self.k_cache.nbytes + self.v_cache.nbytes
         width = int(self.k_offsets[-1] + self.v_offsets[-1])
-        return int(self.lengths.sum()) * width * self.k_cache.element_size()
+        return sum(self.host_lengths) * width * self.k_cache.element_size()
 
     def get_seq_length(self, *args) -> int:
         return self.positions
@@ -120,6 +163,7 @@ class CompressedKVLayer(DynamicLayer):
 
     def reset(self) -> None:
         self.k_cache = self.v_cache = self.lengths = None
+        self.host_lengths = []
         self.positions = 0
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
@@ -130,12 +174,14 @@ class CompressedKVLayer(DynamicLayer):
             indices = indices.to(self.k_cache.device)
             self.k_cache, self.v_cache = self.k_cache[indices], self.v_cache[indices]
             self.lengths = self.lengths[indices]
+            self.host_lengths = [self.host_lengths[i] for i in indices.tolist()]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.k_cache is not None:
             self.k_cache = self.k_cache.repeat_interleave(repeats, dim=0)
             self.v_cache = self.v_cache.repeat_interleave(repeats, dim=0)
             self.lengths = self.lengths.repeat_interleave(repeats, dim=0)
+            self.host_lengths = [length for length in self.host_lengths for _ in range(repeats)]
 
     def crop(self, *args, **kwargs) -> None:
         raise NotImplementedError("fdc_ops.nn: cropping a compressed cache (assisted decoding) is not supported")
@@ -182,7 +228,7 @@ class _CompressedAttentionBase(nn.Module):
 
     def _heads(self, projection: nn.Module, norm, x: torch.Tensor, heads: int) -> torch.Tensor:
         y = projection(x).view(*x.shape[:2], heads, self.head_dim)  # (B, S, heads, D)
-        return (norm(y) if norm is not None else y).transpose(1, 2)  # (B, heads, S, D)
+        return norm(y) if norm is not None else y
 
     @staticmethod
     def _past(kwargs: dict, past_key_values):
@@ -219,41 +265,47 @@ class FDCAttention(_CompressedAttentionBase):
         """hidden_states: (B, S, hidden). Returns ((B, S, hidden), None)."""
         B, S, _ = hidden_states.shape
         H, Hkv, G = self.num_heads, self.num_kv_heads, self.group
-        q = self._heads(self.q_proj, self.q_norm, hidden_states, H)
-        k = self._heads(self.k_proj, self.k_norm, hidden_states, Hkv)
-        valid = self._padding.valid(B, S, hidden_states.device)  # (B, S)
-        counts = valid.sum(1)
+        rows = self._padding.rows(B, S, hidden_states.device)
+        q = self._heads(self.q_proj, self.q_norm, hidden_states, H)  # (B, S, H, D)
+        k = self._heads(self.k_proj, self.k_norm, hidden_states, Hkv)  # (B, S, H_kv, D)
         # The family's RoPE tables (B or 1, S, rotary_dim), per real token; RoPE and the rotation in one pass.
-        cos, sin = (t.expand(B, S, -1)[valid].to(q.dtype) for t in position_embeddings)  # (T, rotary_dim)
+        cos, sin = (rows.take(t.expand(B, S, -1)).to(q.dtype) for t in position_embeddings)  # (T, rotary_dim)
         rotation = self.rotation.to(q.dtype)
-        q_rows = ops.rope_rotate_compress(q.transpose(1, 2)[valid], cos, sin, rotation, self.qk_offsets, G)
-        k_rows = ops.rope_rotate_compress(k.transpose(1, 2)[valid], cos, sin, rotation, self.qk_offsets, 1)
-        v_rows = self.v_proj(hidden_states[valid])  # (T, v_width)
-        out = _attend(self, q_rows, k_rows, v_rows, counts, S, self._past(kwargs, past_key_values))
-        o = out.new_zeros(B, S, out.shape[1])
-        o[valid] = out
-        return self.o_proj(o), None
+        q_rows = ops.rope_rotate_compress(rows.take(q), cos, sin, rotation, self.qk_offsets, G)
+        k_rows = ops.rope_rotate_compress(rows.take(k), cos, sin, rotation, self.qk_offsets, 1)
+        v_rows = self.v_proj(rows.take(hidden_states))  # (T, v_width)
+        out = _attend(self, q_rows, k_rows, v_rows, rows, S, self._past(kwargs, past_key_values))
+        return self.o_proj(rows.scatter(out, B, S)), None
 
 
-def _attend(module, q_rows, k_rows, v_rows, counts, new_positions, cache, k_offsets=None, keys_from_cache=None):
+def _attend(module, q_rows, k_rows, v_rows, rows: CallRows, new_positions, cache, k_offsets=None,
+            keys_from_cache=None):
     """Attention of the call's real queries over (cached +) new keys: decode_attention when every request brings one
     token to a cache, prefill_attention otherwise. Returns (T, G * v_width)."""
     k_offsets = module.qk_offsets if k_offsets is None else k_offsets
     scale, G = module.scaling, module.group
     if cache is None:
-        cu = _prefix(counts)
-        return ops.prefill_attention(q_rows, k_rows, v_rows, cu, cu, k_offsets, module.v_offsets, G, scale, True)
+        return ops.prefill_attention(q_rows, k_rows, v_rows, rows.cu, rows.cu, k_offsets, module.v_offsets, G, scale,
+                                     True)
     layer = _cache_layer(cache, module.layer_idx, *(module.cache_offsets()))
-    layer.append(k_rows, v_rows, counts, new_positions)
+    was_empty = not any(layer.host_lengths)
+    layer.append(k_rows, v_rows, rows, new_positions)
     if keys_from_cache is not None:  # Palu: full-width keys rebuilt from the cached latent
         k_cache, v_cache = keys_from_cache(layer)
     else:
         k_cache, v_cache = layer.k_cache, layer.v_cache
-    if new_positions == 1 and bool((counts == 1).all()):
+    if new_positions == 1 and all(count == 1 for count in rows.host_counts):
         return ops.decode_attention(q_rows, k_cache, v_cache, layer.lengths, k_offsets, module.v_offsets, G, scale)
-    mask = torch.arange(k_cache.shape[1], device=counts.device)[None, :] < layer.lengths[:, None]
-    return ops.prefill_attention(q_rows, k_cache[mask], v_cache[mask], _prefix(counts), _prefix(layer.lengths),
-                                 k_offsets, module.v_offsets, G, scale, True)
+    cu_k = _prefix(layer.lengths)
+    if keys_from_cache is None and was_empty:  # a prompt into an empty cache: its keys are the call's own rows
+        k_rows_all, v_rows_all = k_rows, v_rows
+    elif len(layer.host_lengths) == 1:  # one request: its cached rows are a view, no copy
+        k_rows_all, v_rows_all = k_cache[0, : layer.host_lengths[0]], v_cache[0, : layer.host_lengths[0]]
+    else:  # requests' cached rows gathered back to back, as prefill_attention takes them
+        mask = torch.arange(k_cache.shape[1], device=rows.counts.device)[None, :] < layer.lengths[:, None]
+        k_rows_all, v_rows_all = k_cache[mask], v_cache[mask]
+    return ops.prefill_attention(q_rows, k_rows_all, v_rows_all, rows.cu, cu_k, k_offsets, module.v_offsets, G,
+                                 scale, True)
 
 
 class PaluAttention(_CompressedAttentionBase):
@@ -303,33 +355,31 @@ class PaluAttention(_CompressedAttentionBase):
         """hidden_states: (B, S, hidden). Returns ((B, S, hidden), None)."""
         B, S, _ = hidden_states.shape
         H, D = self.num_heads, self.head_dim
-        q = self._heads(self.q_proj, self.q_norm, hidden_states, H)
+        q = self._heads(self.q_proj, self.q_norm, hidden_states, H).transpose(1, 2)  # (B, H, S, D)
         cos, sin = position_embeddings
         q, _ = self._apply_rope(q, q, cos, sin)
-        valid = self._padding.valid(B, S, hidden_states.device)
-        counts = valid.sum(1)
+        rows = self._padding.rows(B, S, hidden_states.device)
+        valid = rows.valid if rows.valid is not None else torch.ones(B, S, dtype=torch.bool, device=q.device)
         cache = self._past(kwargs, past_key_values)
         layer = None if cache is None else _cache_layer(cache, self.layer_idx, *self.cache_offsets())
-        past = layer.lengths if layer is not None and layer.lengths is not None else torch.zeros_like(counts)
+        past = layer.lengths if layer is not None and layer.lengths is not None else torch.zeros_like(rows.counts)
         compact = past[:, None] + valid.cumsum(1) - 1  # (B, S): each real token's position among its request's
         position_ids = kwargs.get("position_ids")
         if position_ids is not None and not torch.equal(position_ids.expand(B, S)[valid], compact[valid]):
             raise NotImplementedError("fdc_ops.nn.PaluAttention: position_ids must count each request's real tokens "
                                       "from 0 (as generate() does), since cached latents are rotated at those "
                                       "positions")
-        q_rows = q.transpose(1, 2)[valid].reshape(-1, H * D)
+        q_rows = rows.take(q.transpose(1, 2)).reshape(-1, H * D)
         latent = self.latent_proj(hidden_states)
-        latent_rows, v_rows = latent[valid], self.v_proj(hidden_states[valid])
+        latent_rows, v_rows = rows.take(latent), self.v_proj(rows.take(hidden_states))
         if cache is None:
-            k_rows = self._keys(latent, compact.clamp_min(0))[valid]
-            out = _attend(self, q_rows, k_rows, v_rows, counts, S, None)
+            k_rows = rows.take(self._keys(latent, compact.clamp_min(0)))
+            out = _attend(self, q_rows, k_rows, v_rows, rows, S, None)
         else:
             def keys_from_cache(layer):  # rebuilds the rows in use only, not the spare capacity
-                used = int(layer.lengths.max())
+                used = max(layer.host_lengths)
                 positions = torch.arange(used, device=latent.device)[None, :].expand(B, -1)
                 return self._keys(layer.k_cache[:, :used], positions).contiguous(), layer.v_cache[:, :used]
 
-            out = _attend(self, q_rows, latent_rows, v_rows, counts, S, cache, keys_from_cache=keys_from_cache)
-        o = out.new_zeros(B, S, out.shape[1])
-        o[valid] = out
-        return self.o_proj(o), None
+            out = _attend(self, q_rows, latent_rows, v_rows, rows, S, cache, keys_from_cache=keys_from_cache)
+        return self.o_proj(rows.scatter(out, B, S)), None

@@ -104,9 +104,16 @@ def test_prefill_attention(case):
     assert_close_to_reference(out, expected, torch_lowp, f"prefill_attention causal={causal} {replay}")
 
 
+# FDC_CPU_ISA caps the CPU row kernels (csrc/cpu/cpu_common.h): "" runs the widest this CPU has (AVX-512-BF16 where
+# present), the others force the AVX-512 kernels without the bf16 dot product, or the portable ones.
+CPU_ISAS = ("", "avx512", "portable")
+
+
+@pytest.mark.parametrize("isa", CPU_ISAS)
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("case", range(CASES))
-def test_decode_attention(case, paged):
+def test_decode_attention(case, paged, isa, monkeypatch):
+    monkeypatch.setenv("FDC_CPU_ISA", isa)
     gen, rng, replay = case_generator(f"decode_attention paged={paged}", case)
     layout = random_layout(rng)
     dtype = rng.choice(DTYPES)
@@ -138,6 +145,14 @@ def test_decode_attention(case, paged):
     expected = reference.decode_attention_ref(*args, block_table=block_table)
     torch_lowp = reference.decode_attention_ref(*args, block_table=block_table, compute_dtype=dtype)
     assert_close_to_reference(out, expected, torch_lowp, f"decode_attention paged={paged} {replay}")
+
+
+def test_cpu_isa_rejects_unknown_names(monkeypatch):
+    monkeypatch.setenv("FDC_CPU_ISA", "avx9000")
+    q, k, v = torch.randn(1, 16), torch.randn(1, 4, 8), torch.randn(1, 4, 8)
+    offsets8 = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="fdc::decode_attention: FDC_CPU_ISA must be .* but is 'avx9000'"):
+        ops.decode_attention(q, k, v, torch.tensor([4], dtype=torch.int32), offsets8, offsets8, 2, 0.3)
 
 
 @pytest.mark.parametrize("paged", [False, True])

@@ -33,6 +33,15 @@ at::Tensor decode_plan_cpu(const at::Tensor& cache_seqlens, const at::Tensor& qk
 void rotate_into_packed(const at::Tensor& x_float, const at::Tensor& rot, const checks::HostLayout& layout,
                         int64_t group, at::Tensor& out);
 
+// The row kernels a CPU op may use: the portable ones of vec_math.cpp (AVX2+FMA or baseline x86-64, picked when
+// the library loads), the AVX-512 ones of vec_avx512.h, or those plus the AVX-512-BF16 dot product.
+enum class CpuIsa { kPortable = 0, kAvx512 = 1, kAvx512Bf16 = 2 };
+
+// The widest row kernels this CPU runs, capped by the environment variable FDC_CPU_ISA (portable, avx512 or
+// avx512bf16; read at every call, so tests and benchmarks can compare the paths in one process). `op` names the
+// caller in the error raised for any other value.
+CpuIsa cpu_isa(const char* op);
+
 inline float to_float(float x) { return x; }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }

@@ -1,9 +1,12 @@
-// fdc::decode_attention on the CPU: executes a decode plan (include/fdc/decode_plan.h) with one at::parallel_for
-// worker per plan worker. A task reads its chunk's K/V rows of one KV head once for all G query heads, block by
-// block: the block is widened to float once (read in place for float caches), scored, folded into an online softmax
-// and accumulated, each product in the cache's own memory order (dot products along token-major rows, weighted row
-// sums along the token runs of dim-major pages). Chunks of a split request leave (output, log-sum-exp) partials
-// that a second pass merges.
+// fdc::decode_attention on the CPU. Three ways to the same result, chosen by cache layout and cpu_isa():
+// - contiguous cache, AVX-512 (decode_rows: run_piece_avx512): requests are cut into pieces of rows, and a piece reads
+//   its K/V rows whole and in order, block by block, scoring every KV head's G query heads on a block while it is in
+//   L2; the plan, when passed, is checked but the pieces are the CPU's own (see RowPiece for why);
+// - paged cache, AVX-512 (run_task_avx512) and the portable kernels (run_task): one at::parallel_for worker per plan
+//   worker, each task reading its chunk's K/V rows of one KV head once for all G query heads, block by block, each
+//   product in the cache's own memory order (dot products along token-major rows, weighted row sums along the token
+//   runs of dim-major pages). The portable path widens half-precision blocks to float first.
+// Requests split into several chunks or pieces leave (output, log-sum-exp) partials that a second pass merges.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -12,6 +15,7 @@
 #include <vector>
 
 #include "cpu/cpu_common.h"
+#include "cpu/vec_avx512.h"
 #include "cpu/vec_math.h"
 #include "fdc/decode_plan.h"
 #include "fdc/softmax_merge.h"
@@ -19,8 +23,10 @@
 namespace fdc::cpu {
 namespace {
 
-// Keys per block: G x 64 scores plus one 64 x 256 key and one 64 x 256 value block in float (136 KiB at most) stay
-// in L2 between the block's scores, its softmax update and its value accumulation.
+// Keys per block: per KV head, G x 64 scores plus one 64 x 256 key and one 64 x 256 value block in float (136 KiB at
+// most) stay in L2 between the block's scores, its softmax update and its value accumulation. In the row-wise path a
+// block is 64 whole rows of K and of V (100 KiB for the benchmark's 8 bf16 heads of ~50 columns each, plus as much
+// read ahead for the next block); 16 rows, one dot_rows group, would leave the read-ahead too little time.
 constexpr int64_t kKeyBlock = 64;
 
 // A block of a float matrix: element (r, c) at data[r * stride + c].
@@ -63,6 +69,15 @@ struct CacheView {
       for (int64_t byte = 0; byte < run_bytes; byte += kLine) __builtin_prefetch(first + r * run_stride + byte);
   }
 
+  // Element (key t, column col) of request b: keys follow each other row_stride() elements apart within a block
+  // (a page, when paged), columns col_stride() apart.
+  const T* at(int64_t b, int64_t t, int64_t col) const {
+    return paged() ? data + block_table[b * max_pages + t / page_size] * stride0 + col * page_size + t % page_size
+                   : data + b * stride0 + t * stride1 + col;
+  }
+  int64_t row_stride() const { return paged() ? 1 : stride1; }
+  int64_t col_stride() const { return paged() ? page_size : 1; }
+
   // Keys [t0, t1) of request b, columns [col, col + dim), as float: token-major (t1 - t0 rows of dim) when
   // contiguous, column-major (dim rows of t1 - t0 tokens) when paged, the page's own order. Float caches are read
   // in place; half-precision ones are widened into `scratch`.
@@ -88,9 +103,10 @@ struct CacheView {
 // Per-thread scratch of one task.
 struct TaskScratch {
   std::vector<float> q, k, v, scores, acc;
+  std::vector<OnlineSoftmax> softmax;
   explicit TaskScratch(int64_t group)
       : q(group * kMaxHeadDim), k(kMaxHeadDim * kKeyBlock), v(kKeyBlock * kMaxHeadDim), scores(group * kKeyBlock),
-        acc(group * kMaxHeadDim) {}
+        acc(group * kMaxHeadDim), softmax(group) {}
 };
 
 struct Problem {
@@ -101,6 +117,32 @@ struct Problem {
   float* partial_lse;            // (num_tasks, G)
   int64_t max_v_dim;
 };
+
+// Writes one task's result: the normalised output of each of the G query heads, or, when its request is split
+// into chunks, the (output, log-sum-exp) partial for merge_splits. acc (G, d_v) holds the unnormalised sums.
+template <typename T>
+void finish_task(const int32_t* record, const Problem& pb, const float* acc, const OnlineSoftmax* softmax, T* out,
+                 int64_t out_ld) {
+  const checks::HostLayout& layout = *pb.layout;
+  const int64_t hkv = layout.num_kv_heads(), group = layout.group;
+  const int64_t b = record[0] / hkv, j = record[0] % hkv, chunk = record[1];
+  const int64_t dv = layout.v_offsets[j + 1] - layout.v_offsets[j];
+  const HeadLayoutView view = layout.view();
+  const int64_t bj = b * hkv + j;
+  const bool split = pb.split_offsets[bj + 1] - pb.split_offsets[bj] > 1;
+  for (int64_t i = 0; i < group; ++i) {
+    const float inv = softmax[i].inverse_sum();
+    if (split) {
+      const int64_t slot = pb.split_offsets[bj] + chunk;
+      float* po = pb.partial_out + (slot * group + i) * pb.max_v_dim;
+      for (int64_t c = 0; c < dv; ++c) po[c] = acc[i * dv + c] * inv;
+      pb.partial_lse[slot * group + i] = softmax[i].lse();
+    } else {
+      T* oi = out + b * out_ld + view.o_column(static_cast<int32_t>(j * group + i));
+      for (int64_t c = 0; c < dv; ++c) oi[c] = static_cast<T>(acc[i * dv + c] * inv);
+    }
+  }
+}
 
 // Runs one plan record: request b, KV head j, keys [kv_start, kv_end), for the G query heads of j at once.
 template <typename T>
@@ -151,19 +193,181 @@ void run_task(const int32_t* record, const Problem& pb, const T* q, int64_t q_ld
     t0 = t1;
   }
 
-  const int64_t bj = b * hkv + j;
-  const bool split = pb.split_offsets[bj + 1] - pb.split_offsets[bj] > 1;
-  for (int64_t i = 0; i < group; ++i) {
-    const float inv = softmax[i].inverse_sum();
-    if (split) {
-      const int64_t slot = pb.split_offsets[bj] + chunk;
-      float* po = pb.partial_out + (slot * group + i) * pb.max_v_dim;
-      for (int64_t c = 0; c < dv; ++c) po[c] = ws.acc[i * dv + c] * inv;
-      pb.partial_lse[slot * group + i] = softmax[i].lse();
-    } else {
-      T* oi = out + b * out_ld + view.o_column(static_cast<int32_t>(j * group + i));
-      for (int64_t c = 0; c < dv; ++c) oi[c] = static_cast<T>(ws.acc[i * dv + c] * inv);
+  finish_task(record, pb, ws.acc.data(), softmax.data(), out, out_ld);
+}
+
+// run_task with the AVX-512 row kernels (vec_avx512.h), which read the cache in place in every dtype. With
+// `bf16_dot` (bf16 caches on CPUs with AVX-512-BF16), scores of token-major keys come from vdpbf16ps on the bf16
+// query rows as they lie in q.
+template <typename T>
+FDC_AVX512 void run_task_avx512(const int32_t* record, const Problem& pb, const T* q, int64_t q_ld,
+                                const CacheView<T>& kc, const CacheView<T>& vc, T* out, int64_t out_ld,
+                                TaskScratch& ws, bool bf16_dot) {
+  const checks::HostLayout& layout = *pb.layout;
+  const int64_t hkv = layout.num_kv_heads(), group = layout.group;
+  const int64_t b = record[0] / hkv, j = record[0] % hkv;
+  const int64_t kv_start = record[2], kv_end = record[3];
+  const int64_t k_col = layout.qk_offsets[j], v_col = layout.v_offsets[j];
+  const int64_t dq = layout.qk_offsets[j + 1] - k_col, dv = layout.v_offsets[j + 1] - v_col;
+  // The G query heads of KV head j are consecutive dq-wide column blocks of q's row b.
+  const T* qj = q + b * q_ld + layout.view().q_column(static_cast<int32_t>(j * group));
+  for (int64_t c = 0; c < group * dq; ++c) ws.q[c] = to_float(qj[c]);
+  std::fill(ws.acc.begin(), ws.acc.begin() + group * dv, 0.f);
+  OnlineSoftmax* softmax = ws.softmax.data();
+  std::fill(softmax, softmax + group, OnlineSoftmax{});
+  float* scores = ws.scores.data();
+
+  for (int64_t t0 = kv_start; t0 < kv_end;) {
+    const int64_t t1 = kc.block_end(t0, kv_end), n = t1 - t0;
+    if (t1 < kv_end) {
+      const int64_t t2 = kc.block_end(t1, kv_end);
+      kc.prefetch(b, t1, t2, k_col, dq);
+      vc.prefetch(b, t1, t2, v_col, dv);
     }
+    const T* keys = kc.at(b, t0, k_col);
+    if (kc.paged()) {  // keys are dq columns of n consecutive tokens: scores = sum_c q[c] K[c]
+      for (int64_t i = 0; i < group; ++i) std::fill(scores + i * kKeyBlock, scores + i * kKeyBlock + n, 0.f);
+      avx512::axpy_rows(ws.q.data(), dq, group, keys, kc.col_stride(), dq, n, scores, kKeyBlock);
+    } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (bf16_dot) {
+        avx512::dot_rows_bf16(reinterpret_cast<const uint16_t*>(qj), dq, group, keys, kc.row_stride(), n, dq,
+                              scores, kKeyBlock);
+      } else {
+        avx512::dot_rows(ws.q.data(), dq, group, keys, kc.row_stride(), n, dq, scores, kKeyBlock, false);
+      }
+    } else {
+      avx512::dot_rows(ws.q.data(), dq, group, keys, kc.row_stride(), n, dq, scores, kKeyBlock, false);
+    }
+    for (int64_t i = 0; i < group; ++i) {
+      float* si = scores + i * kKeyBlock;
+      const float factor = softmax[i].rescale_for(avx512::scale_and_max(si, n, pb.scale));
+      if (factor != 1.f) avx512::scale_in_place(ws.acc.data() + i * dv, dv, factor);
+      softmax[i].sum += avx512::exp_and_sum(si, n, softmax[i].max);
+    }
+    const T* values = vc.at(b, t0, v_col);
+    if (vc.paged()) {  // values are dv columns of n consecutive tokens: acc[i][c] += p_i . V[c]
+      avx512::dot_rows(scores, kKeyBlock, group, values, vc.col_stride(), dv, n, ws.acc.data(), dv, true);
+    } else {  // values are n rows of dv: acc_i += sum_t p_i[t] V[t]
+      avx512::axpy_rows(scores, kKeyBlock, group, values, vc.row_stride(), n, dv, ws.acc.data(), dv);
+    }
+    t0 = t1;
+  }
+  finish_task(record, pb, ws.acc.data(), softmax, out, out_ld);
+}
+
+// Rows of a contiguous cache, for decode_rows_avx512: a piece is keys [t0, t1) of request b for every KV head.
+// A KV head's columns are a slice of each token's row (W_qk elements for K), so a task of one KV head reads a
+// strided fraction of every row; measured on a 2-core AMD EPYC (AVX-512), that ran at 3 GB/s per core where reading
+// whole rows in order ran at 8-9. A piece reads its rows whole and in order, one block after the other, and scores
+// every KV head on the block while it is in L2.
+struct RowPiece {
+  int64_t b, t0, t1, index;  // index: which of its request's pieces this is
+};
+
+// Pieces per thread aimed at when requests are split: with pieces of equal length the threads' static ranges of
+// pieces differ by at most one piece, a quarter of a thread's work; more pieces would add partials to merge.
+constexpr int64_t kPiecesPerThread = 4;
+// Shortest piece: a split costs a partial result per query head (d_v + 1 floats) to write and merge, small next to
+// 256 rows of K/V.
+constexpr int64_t kMinPieceRows = 256;
+
+// Cuts every request into pieces of equal length (its last piece shorter). split_offsets[b * H_kv + j] (B * H_kv + 1)
+// numbers the partial slots of (request, KV head) pairs as a decode plan's do, so finish_task and merge_splits
+// serve both.
+std::vector<RowPiece> cut_rows(const std::vector<int32_t>& seqlens, int64_t hkv, int64_t threads,
+                               std::vector<int32_t>& split_offsets) {
+  int64_t total = 0;
+  for (int32_t len : seqlens) total += len;
+  const int64_t piece = std::max(kMinPieceRows, ceil_div(total, kPiecesPerThread * threads));
+  std::vector<RowPiece> pieces;
+  split_offsets.assign(seqlens.size() * hkv + 1, 0);
+  for (int64_t b = 0; b < int64_t(seqlens.size()); ++b) {
+    const int64_t count = ceil_div(int64_t(seqlens[b]), piece);
+    for (int64_t c = 0; c < count; ++c) pieces.push_back({b, c * piece, std::min<int64_t>(seqlens[b], (c + 1) * piece), c});
+    for (int64_t j = 0; j < hkv; ++j) split_offsets[b * hkv + j + 1] = split_offsets[b * hkv + j] + count;
+  }
+  return pieces;
+}
+
+// Per-thread state of decode_rows_avx512: queries as float (G * W_qk, q's own order), the unnormalised outputs
+// (G * W_v, the output's order), one online softmax per query head, and the scores of one block for one KV head.
+struct RowScratch {
+  std::vector<float> q, acc, scores;
+  std::vector<OnlineSoftmax> softmax;
+  RowScratch(int64_t group, int64_t qk_width, int64_t v_width, int64_t heads)
+      : q(group * qk_width), acc(group * v_width), scores(group * kKeyBlock), softmax(heads) {}
+};
+
+// Brings bytes [first, first + bytes) towards the core ahead of use by reading one byte per cache line. Measured
+// on the 2-core AMD EPYC (bench/bench_ops.py shapes, one thread): prefetcht0 of the next block made no difference
+// (16 ms for B=4 x 8K bf16, as without), prefetcht1 gave 9.6 ms, these plain loads 8.1 ms: the loads cannot be
+// dropped when the miss buffers are full, and the out-of-order core keeps working on the current block meanwhile.
+inline void touch_range(const void* first, int64_t bytes) {
+  constexpr int64_t kLine = 64;
+  const char* p = static_cast<const char*>(first);
+  char sink = 0;
+  for (int64_t byte = 0; byte < bytes; byte += kLine) sink ^= *static_cast<const volatile char*>(p + byte);
+  asm volatile("" : : "r"(sink));
+}
+
+// One piece of a contiguous cache on AVX-512: blocks of kKeyBlock rows, each scored and accumulated for every KV
+// head in turn. Before KV head j works on a block, the j-th share of the next block's K and V rows is read ahead
+// (touch_range), so the reads ahead are spread over the block's work (a block is contiguous: n * W elements).
+template <typename T>
+FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const T* q, int64_t q_ld,
+                                 const CacheView<T>& kc, const CacheView<T>& vc, T* out, int64_t out_ld,
+                                 RowScratch& ws, bool bf16_dot) {
+  const checks::HostLayout& layout = *pb.layout;
+  const int64_t hkv = layout.num_kv_heads(), group = layout.group, b = piece.b;
+  const int64_t qk_width = layout.qk_offsets[hkv], v_width = layout.v_offsets[hkv];
+  const T* qb = q + b * q_ld;
+  for (int64_t c = 0; c < group * qk_width; ++c) ws.q[c] = to_float(qb[c]);
+  std::fill(ws.acc.begin(), ws.acc.end(), 0.f);
+  std::fill(ws.softmax.begin(), ws.softmax.end(), OnlineSoftmax{});
+  float* scores = ws.scores.data();
+
+  for (int64_t t0 = piece.t0; t0 < piece.t1; t0 += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, piece.t1 - t0);
+    const int64_t next = std::min(kKeyBlock, piece.t1 - t0 - n);  // rows of the next block
+    const int64_t k_bytes = next * kc.stride1 * int64_t(sizeof(T)), v_bytes = next * vc.stride1 * int64_t(sizeof(T));
+    const T* k_block = kc.at(b, t0, 0);
+    const T* v_block = vc.at(b, t0, 0);
+    for (int64_t j = 0; j < hkv; ++j) {
+      if (next > 0) {
+        const int64_t k0 = k_bytes * j / hkv, v0 = v_bytes * j / hkv;
+        touch_range(reinterpret_cast<const char*>(k_block + n * kc.stride1) + k0, k_bytes * (j + 1) / hkv - k0);
+        touch_range(reinterpret_cast<const char*>(v_block + n * vc.stride1) + v0, v_bytes * (j + 1) / hkv - v0);
+      }
+      const int64_t k_col = layout.qk_offsets[j], v_col = layout.v_offsets[j];
+      const int64_t dq = layout.qk_offsets[j + 1] - k_col, dv = layout.v_offsets[j + 1] - v_col;
+      float* acc = ws.acc.data() + group * v_col;
+      OnlineSoftmax* softmax = ws.softmax.data() + j * group;
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (bf16_dot) {
+          avx512::dot_rows_bf16(reinterpret_cast<const uint16_t*>(qb + group * k_col), dq, group, k_block + k_col,
+                                kc.stride1, n, dq, scores, kKeyBlock);
+        } else {
+          avx512::dot_rows(ws.q.data() + group * k_col, dq, group, k_block + k_col, kc.stride1, n, dq, scores,
+                           kKeyBlock, false);
+        }
+      } else {
+        avx512::dot_rows(ws.q.data() + group * k_col, dq, group, k_block + k_col, kc.stride1, n, dq, scores,
+                         kKeyBlock, false);
+      }
+      for (int64_t i = 0; i < group; ++i) {
+        float* si = scores + i * kKeyBlock;
+        const float factor = softmax[i].rescale_for(avx512::scale_and_max(si, n, pb.scale));
+        if (factor != 1.f) avx512::scale_in_place(acc + i * dv, dv, factor);
+        softmax[i].sum += avx512::exp_and_sum(si, n, softmax[i].max);
+      }
+      avx512::axpy_rows(scores, kKeyBlock, group, v_block + v_col, vc.stride1, n, dv, acc, dv);
+    }
+  }
+  for (int64_t j = 0; j < hkv; ++j) {
+    const int32_t record[kDecodeRecordFields] = {static_cast<int32_t>(b * hkv + j), static_cast<int32_t>(piece.index),
+                                                 static_cast<int32_t>(piece.t0), static_cast<int32_t>(piece.t1)};
+    finish_task(record, pb, ws.acc.data() + group * layout.v_offsets[j], ws.softmax.data() + j * group, out,
+                out_ld);
   }
 }
 
@@ -247,24 +451,32 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
     }
   }
 
+  const CpuIsa isa = cpu_isa(op);
+  // Contiguous caches on AVX-512 are read row by row for all KV heads (decode_rows_avx512); a caller's plan is still
+  // checked against cache_seqlens, and decides the work of paged caches and of the portable kernels.
+  const bool by_rows = !block_table && isa != CpuIsa::kPortable;
   at::Tensor schedule;
   if (plan) {
     checks::check_plan_tensor(op, *plan, q, kDecodeHeader);
     schedule = *plan;
     checks::check_decode_plan_header(op, schedule.data_ptr<int32_t>(), schedule.size(0), batch, layout);
-  } else {
+    check_plan_records(op, DecodePlanView{schedule.data_ptr<int32_t>()}, seqlens);
+  } else if (!by_rows) {
     schedule = decode_plan_cpu(cache_seqlens, qk_offsets, v_offsets, group, std::nullopt);
   }
-  const DecodePlanView view{schedule.data_ptr<int32_t>()};
-  check_plan_records(op, view, seqlens);
 
   const at::Tensor qc = checks::unit_last_stride(q);
   at::Tensor out = at::zeros({batch, group * layout.v_width()}, q.options());
-  const int64_t max_v_dim = layout.max_v_dim();
-  std::vector<float> partial_out(int64_t(view.num_tasks()) * group * max_v_dim);
-  std::vector<float> partial_lse(int64_t(view.num_tasks()) * group);
-  const Problem pb{&layout, static_cast<float>(scale), view.split_offsets(), partial_out.data(),
-                   partial_lse.data(), max_v_dim};
+  const int64_t max_v_dim = layout.max_v_dim(), hkv = layout.num_kv_heads();
+  std::vector<int32_t> piece_splits;
+  const std::vector<RowPiece> pieces =
+      by_rows ? cut_rows(seqlens, hkv, at::get_num_threads(), piece_splits) : std::vector<RowPiece>{};
+  const DecodePlanView view{by_rows ? nullptr : schedule.data_ptr<int32_t>()};
+  const int64_t slots = by_rows ? piece_splits.back() : view.num_tasks();
+  std::vector<float> partial_out(slots * group * max_v_dim);
+  std::vector<float> partial_lse(slots * group);
+  const Problem pb{&layout, static_cast<float>(scale), by_rows ? piece_splits.data() : view.split_offsets(),
+                   partial_out.data(), partial_lse.data(), max_v_dim};
 
   FDC_DISPATCH_FLOAT_TYPES(q.scalar_type(), "fdc::decode_attention", [&] {
     const int32_t* bt = block_table ? table.data_ptr<int32_t>() : nullptr;
@@ -274,15 +486,35 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
                                     block_table ? 0 : v_cache.stride(1), bt, paged.max_pages, paged.page_size};
     scalar_t* op_out = out.data_ptr<scalar_t>();
     const scalar_t* qp = qc.data_ptr<scalar_t>();
-    at::parallel_for(0, view.num_workers(), 1, [&](int64_t w0, int64_t w1) {
-      TaskScratch ws(group);
-      for (int64_t w = w0; w < w1; ++w) {
-        for (int64_t r = view.worker_offsets()[w]; r < view.worker_offsets()[w + 1]; ++r) {
-          run_task(view.records() + r * kDecodeRecordFields, pb, qp, qc.stride(0), kview, vview, op_out,
-                   out.stride(0), ws);
+    if (by_rows) {
+      at::parallel_for(0, int64_t(pieces.size()), 1, [&](int64_t p0, int64_t p1) {
+        RowScratch ws(group, layout.qk_offsets[hkv], layout.v_offsets[hkv], hkv * group);
+        for (int64_t p = p0; p < p1; ++p) {
+          run_piece_avx512(pieces[p], pb, qp, qc.stride(0), kview, vview, op_out, out.stride(0), ws,
+                           isa == CpuIsa::kAvx512Bf16);
         }
-      }
-    });
+      });
+    } else {
+      at::parallel_for(0, view.num_workers(), 1, [&](int64_t w0, int64_t w1) {
+        TaskScratch ws(group);
+        for (int64_t w = w0; w < w1; ++w) {
+          for (int64_t r = view.worker_offsets()[w]; r < view.worker_offsets()[w + 1]; ++r) {
+            const int32_t* record = view.records() + r * kDecodeRecordFields;
+            switch (isa) {
+              case CpuIsa::kPortable:
+                run_task(record, pb, qp, qc.stride(0), kview, vview, op_out, out.stride(0), ws);
+                break;
+              case CpuIsa::kAvx512:
+              case CpuIsa::kAvx512Bf16:
+                run_task_avx512(record, pb, qp, qc.stride(0), kview, vview, op_out, out.stride(0), ws,
+                                isa == CpuIsa::kAvx512Bf16);
+                break;
+              default: TORCH_CHECK(false, "fdc::decode_attention: no kernel for CPU ISA ", static_cast<int>(isa));
+            }
+          }
+        }
+      });
+    }
     merge_splits(pb, batch, op_out, out.stride(0));
   });
   return out;

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string_view>
 
 #include "cpu/cpu_common.h"
 
@@ -41,6 +43,35 @@ constexpr int64_t kLanes = 16;
 }
 
 }  // namespace
+
+CpuIsa cpu_isa(const char* op) {
+#if defined(__GNUC__) && defined(__x86_64__)
+  static const CpuIsa detected = [] {
+    __builtin_cpu_init();
+    if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))) {
+      return CpuIsa::kPortable;
+    }
+    return __builtin_cpu_supports("avx512bf16") ? CpuIsa::kAvx512Bf16 : CpuIsa::kAvx512;
+  }();
+#else
+  const CpuIsa detected = CpuIsa::kPortable;
+#endif
+  const char* cap = std::getenv("FDC_CPU_ISA");
+  if (cap == nullptr || *cap == '\0') return detected;
+  const std::string_view name(cap);
+  CpuIsa wanted;
+  if (name == "portable") {
+    wanted = CpuIsa::kPortable;
+  } else if (name == "avx512") {
+    wanted = CpuIsa::kAvx512;
+  } else if (name == "avx512bf16") {
+    wanted = CpuIsa::kAvx512Bf16;
+  } else {
+    TORCH_CHECK(false, "fdc::", op, ": FDC_CPU_ISA must be portable, avx512 or avx512bf16 but is '", name, "'");
+  }
+  return std::min(wanted, detected);
+}
 
 FDC_CPU_SIMD float max_of(const float* x, int64_t n) {
   float lanes[kLanes];

@@ -1,0 +1,263 @@
+// AVX-512 row kernels of the CPU attention ops, written with intrinsics in functions compiled for AVX-512 F/BW/VL/DQ
+// (FDC_AVX512) or, for the bf16 dot product, AVX-512-BF16 (FDC_AVX512_BF16); an op calls them only where cpu_isa()
+// (cpu_common.h) says the CPU has them. ATen's at::vec::Vectorized was the other candidate: its AVX-512 build is
+// chosen by a compile-time macro for a whole translation unit and dispatched through DispatchStub, which torch does
+// not export to extensions, so using it would mean compiling each kernel file once per ISA with its own flags, which
+// setuptools' one-flag-set-per-extension build cannot express. Per-function target attributes give the same code.
+//
+// Why these kernels beat the portable ones in vec_math.cpp (on AVX-512 machines, bench/bench_ops.py): half-precision
+// rows are widened in registers as they are read instead of through a float copy of the block; tails of widths and
+// key counts are masked loads instead of scalar loops; 16 dot products finish together in one transpose-and-add tree;
+// with AVX-512-BF16, bf16 keys are multiplied by vdpbf16ps, two products per lane and instruction, without widening.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#define FDC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+#define FDC_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
+
+namespace fdc::cpu::avx512 {
+
+// Lanes of one float register.
+constexpr int64_t kLanes = 16;
+
+// Mask of the first min(count, 16) lanes.
+FDC_AVX512 inline __mmask16 lanes_mask(int64_t count) {
+  return count >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
+}
+
+// 16 elements (those of `mask`, the rest 0) as float.
+FDC_AVX512 inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+FDC_AVX512 inline __m512 load16(const c10::BFloat16* p, __mmask16 mask) {  // bf16 is the upper half of a float32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+FDC_AVX512 inline __m512 load16(const c10::Half* p, __mmask16 mask) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
+}
+
+// The 16 horizontal sums of v[0..15], lane k holding the sum of v[k]: four rounds of pairing and adding (30
+// shuffles and 15 adds for 16 sums, against 16 separate reduction trees of 4 shuffles and 4 adds each).
+FDC_AVX512 inline __m512 sum16x16(const __m512* v) {
+  __m512 pairs[8];  // per 128-bit lane L: (v[2k] at 0 and 2, v[2k+1] at 1 and 3)
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k) {
+    pairs[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  }
+  __m512 quads[4];  // per 128-bit lane L: the lane-L partial sums of v[4m], v[4m+1], v[4m+2], v[4m+3]
+#pragma GCC unroll 4
+  for (int m = 0; m < 4; ++m) {
+    const __m512d a = _mm512_castps_pd(pairs[2 * m]), b = _mm512_castps_pd(pairs[2 * m + 1]);
+    quads[m] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // 0x88 picks 128-bit lanes (0, 2) of each operand, 0xDD lanes (1, 3): adding them folds lane pairs.
+  const __m512 halves0 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                                       _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+  const __m512 halves1 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                                       _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves0, halves1, 0x88), _mm512_shuffle_f32x4(halves0, halves1, 0xDD));
+}
+
+// Dot products along rows: out[i * out_ld + r] (+)= sum_x a[i * a_ld + x] * rows[r * row_stride + x] for
+// i < group, r < n, x < len. Sixteen rows at a time (a short last group repeats its final row and stores only the
+// real ones) against one `a` row: 16 accumulators plus an operand fit the 32 registers, and the 16 rows, read once
+// from memory, are re-read from L1 for the other G - 1 query heads.
+template <typename T>
+FDC_AVX512 void dot_rows(const float* a, int64_t a_ld, int64_t group, const T* rows, int64_t row_stride, int64_t n, int64_t len,
+              float* out, int64_t out_ld, bool accumulate) {
+  const int64_t full = len / kLanes * kLanes;
+  const __mmask16 tail = lanes_mask(len - full);
+  for (int64_t r0 = 0; r0 < n; r0 += kLanes) {
+    const T* row[kLanes];
+    for (int64_t k = 0; k < kLanes; ++k) row[k] = rows + std::min(r0 + k, n - 1) * row_stride;
+    const __mmask16 store = lanes_mask(n - r0);
+    for (int64_t i = 0; i < group; ++i) {
+      const float* ai = a + i * a_ld;
+      __m512 acc[kLanes];
+#pragma GCC unroll 16
+      for (int k = 0; k < kLanes; ++k) acc[k] = _mm512_setzero_ps();
+      for (int64_t x = 0; x < full; x += kLanes) {
+        const __m512 av = _mm512_loadu_ps(ai + x);
+#pragma GCC unroll 16
+        for (int k = 0; k < kLanes; ++k) acc[k] = _mm512_fmadd_ps(av, load16(row[k] + x, 0xFFFF), acc[k]);
+      }
+      if (tail) {
+        const __m512 av = _mm512_maskz_loadu_ps(tail, ai + full);
+#pragma GCC unroll 16
+        for (int k = 0; k < kLanes; ++k) acc[k] = _mm512_fmadd_ps(av, load16(row[k] + full, tail), acc[k]);
+      }
+      __m512 sums = sum16x16(acc);
+      float* o = out + i * out_ld + r0;
+      if (accumulate) sums = _mm512_add_ps(sums, _mm512_maskz_loadu_ps(store, o));
+      _mm512_mask_storeu_ps(o, store, sums);
+    }
+  }
+}
+
+// dot_rows for bf16 `a` (raw bits, a_ld elements apart) and bf16 rows, with AVX-512-BF16: vdpbf16ps multiplies
+// 32 bf16 pairs exactly and adds them into 16 float lanes, so rows are never widened; out is overwritten.
+FDC_AVX512_BF16 inline void dot_rows_bf16(const uint16_t* a, int64_t a_ld, int64_t group, const c10::BFloat16* rows,
+                                          int64_t row_stride, int64_t n, int64_t len, float* out, int64_t out_ld) {
+  constexpr int64_t kPairs = 2 * kLanes;  // bf16 elements per register
+  const int64_t full = len / kPairs * kPairs;
+  const int64_t rest = len - full;
+  const __mmask32 tail = __mmask32((uint64_t(1) << rest) - 1);
+  for (int64_t r0 = 0; r0 < n; r0 += kLanes) {
+    const c10::BFloat16* row[kLanes];
+    for (int64_t k = 0; k < kLanes; ++k) row[k] = rows + std::min(r0 + k, n - 1) * row_stride;
+    const __mmask16 store = lanes_mask(n - r0);
+    for (int64_t i = 0; i < group; ++i) {
+      const uint16_t* ai = a + i * a_ld;
+      __m512 acc[kLanes];
+#pragma GCC unroll 16
+      for (int k = 0; k < kLanes; ++k) acc[k] = _mm512_setzero_ps();
+      for (int64_t x = 0; x < full; x += kPairs) {
+        const __m512bh av = (__m512bh)_mm512_loadu_si512(ai + x);
+#pragma GCC unroll 16
+        for (int k = 0; k < kLanes; ++k)
+          acc[k] = _mm512_dpbf16_ps(acc[k], av, (__m512bh)_mm512_loadu_si512(row[k] + x));
+      }
+      if (tail) {
+        const __m512bh av = (__m512bh)_mm512_maskz_loadu_epi16(tail, ai + full);
+#pragma GCC unroll 16
+        for (int k = 0; k < kLanes; ++k)
+          acc[k] = _mm512_dpbf16_ps(acc[k], av, (__m512bh)_mm512_maskz_loadu_epi16(tail, row[k] + full));
+      }
+      _mm512_mask_storeu_ps(out + i * out_ld + r0, store, sum16x16(acc));
+    }
+  }
+}
+
+// acc[i * acc_ld + x] += sum_r w[i * w_ld + r] * rows[r * row_stride + x] for kHeads heads and kVecs registers of
+// columns (the last one masked by `last`): all kHeads x kVecs accumulators stay in registers over the n rows, and
+// each row's slice is loaded and widened once for all kHeads heads.
+template <typename T, int kHeads, int kVecs>
+FDC_AVX512 void axpy_tile(const float* w, int64_t w_ld, const T* rows, int64_t row_stride, int64_t n, __mmask16 last, float* acc,
+               int64_t acc_ld) {
+  __m512 sums[kHeads][kVecs];
+#pragma GCC unroll 4
+  for (int h = 0; h < kHeads; ++h)
+#pragma GCC unroll 4
+    for (int v = 0; v < kVecs; ++v)
+      sums[h][v] = _mm512_maskz_loadu_ps(v + 1 == kVecs ? last : __mmask16(0xFFFF), acc + h * acc_ld + v * kLanes);
+  for (int64_t r = 0; r < n; ++r) {
+    const T* row = rows + r * row_stride;
+    __m512 x[kVecs];
+#pragma GCC unroll 4
+    for (int v = 0; v < kVecs; ++v) x[v] = load16(row + v * kLanes, v + 1 == kVecs ? last : __mmask16(0xFFFF));
+#pragma GCC unroll 4
+    for (int h = 0; h < kHeads; ++h) {
+      const __m512 weight = _mm512_set1_ps(w[h * w_ld + r]);
+#pragma GCC unroll 4
+      for (int v = 0; v < kVecs; ++v) sums[h][v] = _mm512_fmadd_ps(weight, x[v], sums[h][v]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < kHeads; ++h)
+#pragma GCC unroll 4
+    for (int v = 0; v < kVecs; ++v)
+      _mm512_mask_storeu_ps(acc + h * acc_ld + v * kLanes, v + 1 == kVecs ? last : __mmask16(0xFFFF), sums[h][v]);
+}
+
+// Tiles are at most kTileHeads x kTileVecs registers: 16 accumulators, plus kTileVecs row registers and a broadcast
+// weight, within the 32 registers.
+constexpr int kTileHeads = 4, kTileVecs = 4;
+
+template <typename T, int kHeads>
+FDC_AVX512 void axpy_tile_vecs(int vecs, const float* w, int64_t w_ld, const T* rows, int64_t row_stride, int64_t n,
+                    __mmask16 last, float* acc, int64_t acc_ld) {
+  switch (vecs) {
+    case 1: return axpy_tile<T, kHeads, 1>(w, w_ld, rows, row_stride, n, last, acc, acc_ld);
+    case 2: return axpy_tile<T, kHeads, 2>(w, w_ld, rows, row_stride, n, last, acc, acc_ld);
+    case 3: return axpy_tile<T, kHeads, 3>(w, w_ld, rows, row_stride, n, last, acc, acc_ld);
+    case 4: return axpy_tile<T, kHeads, 4>(w, w_ld, rows, row_stride, n, last, acc, acc_ld);
+    default: TORCH_CHECK(false, "fdc: axpy tile of ", vecs, " registers, expected 1 to ", kTileVecs);
+  }
+}
+
+// Weighted row sums: acc[i * acc_ld + x] += sum_r w[i * w_ld + r] * rows[r * row_stride + x] for i < group, r < n,
+// x < len; in tiles of up to 4 heads x 64 columns.
+template <typename T>
+FDC_AVX512 void axpy_rows(const float* w, int64_t w_ld, int64_t group, const T* rows, int64_t row_stride, int64_t n,
+               int64_t len, float* acc, int64_t acc_ld) {
+  for (int64_t x0 = 0; x0 < len; x0 += kTileVecs * kLanes) {
+    const int64_t cols = std::min<int64_t>(kTileVecs * kLanes, len - x0);
+    const int vecs = static_cast<int>((cols + kLanes - 1) / kLanes);
+    const __mmask16 last = lanes_mask(cols - (vecs - 1) * kLanes);
+    for (int64_t h0 = 0; h0 < group; h0 += kTileHeads) {
+      const int heads = static_cast<int>(std::min<int64_t>(kTileHeads, group - h0));
+      const float* wh = w + h0 * w_ld;
+      float* ah = acc + h0 * acc_ld + x0;
+      switch (heads) {
+        case 1: axpy_tile_vecs<T, 1>(vecs, wh, w_ld, rows + x0, row_stride, n, last, ah, acc_ld); break;
+        case 2: axpy_tile_vecs<T, 2>(vecs, wh, w_ld, rows + x0, row_stride, n, last, ah, acc_ld); break;
+        case 3: axpy_tile_vecs<T, 3>(vecs, wh, w_ld, rows + x0, row_stride, n, last, ah, acc_ld); break;
+        case 4: axpy_tile_vecs<T, 4>(vecs, wh, w_ld, rows + x0, row_stride, n, last, ah, acc_ld); break;
+        default: TORCH_CHECK(false, "fdc: axpy tile of ", heads, " heads, expected 1 to ", kTileHeads);
+      }
+    }
+  }
+}
+
+// x[i] *= scale for i < n; returns the largest result (-inf when n == 0).
+FDC_AVX512 inline float scale_and_max(float* x, int64_t n, float scale) {
+  const __m512 s = _mm512_set1_ps(scale);
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __mmask16 mask = lanes_mask(n - i);
+    const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, x + i), s);
+    _mm512_mask_storeu_ps(x + i, mask, v);
+    m = _mm512_mask_max_ps(m, mask, m, v);
+  }
+  return _mm512_reduce_max_ps(m);
+}
+
+// exp(x) to about 2 ulp, 16 lanes: x = n ln2 + r (Cody-Waite split of ln2), exp(r) by its degree-6 Taylor
+// polynomial, times 2^n by vscalefps (exact, no exponent-field arithmetic). Arguments below log(FLT_MIN) give 0, so a
+// -inf score contributes nothing; NaN stays NaN.
+FDC_AVX512 inline __m512 exp16(__m512 x) {
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3365447f), _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_set1_ps(88.7228391f), x);  // min/max return their second operand on NaN
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_scalef_ps(p, n));
+}
+
+// x[i] = exp(x[i] - shift) for i < n; returns the sum of the results.
+FDC_AVX512 inline float exp_and_sum(float* x, int64_t n, float shift) {
+  const __m512 s = _mm512_set1_ps(shift);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __mmask16 mask = lanes_mask(n - i);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, x + i), s));
+    _mm512_mask_storeu_ps(x + i, mask, e);
+    sum = _mm512_mask_add_ps(sum, mask, sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+// x[i] *= factor for i < n.
+FDC_AVX512 inline void scale_in_place(float* x, int64_t n, float factor) {
+  const __m512 f = _mm512_set1_ps(factor);
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __mmask16 mask = lanes_mask(n - i);
+    _mm512_mask_storeu_ps(x + i, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, x + i), f));
+  }
+}
+
+}  // namespace fdc::cpu::avx512
