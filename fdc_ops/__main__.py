@@ -13,7 +13,7 @@ import torch
 
 
 def _calibrate(args) -> None:
-    from . import calibration, datasets, models
+    from . import calibration, models
 
     torch.manual_seed(args.seed)
     if args.model is None:
@@ -23,21 +23,25 @@ def _calibrate(args) -> None:
 
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
         tokenizer = None
-    input_ids = None
-    if args.text != "random":
-        if tokenizer is None:
-            from transformers import AutoTokenizer
+    if args.text != "random" and tokenizer is None:
+        from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(args.model)
-        input_ids = datasets.text_tokens(tokenizer, args.text)
-    artifact = calibration.calibrate(model, num_tokens=args.num_tokens, seq_len=args.seq_len, seed=args.seed,
-                                     input_ids=input_ids, source_name=args.text, v_method=args.v_method)
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    artifact = calibration.calibrate(model, tokenizer, text=args.text, num_tokens=args.num_tokens,
+                                     seq_len=args.seq_len, seed=args.seed, v_method=args.v_method,
+                                     sensitivity_tokens=args.sensitivity_tokens)
     directory = artifact.save(args.out)
     print(f"artifact: {directory} ({artifact.metadata['calibration']['num_tokens']} tokens of {args.text})")
     print(f"{'removal rate':>12} {'KV compression':>15} {'mean qk dim':>12} {'mean v dim':>11}")
     for rate in (0.02, 0.05, 0.1, 0.2, 0.3):
         allocation = artifact.allocate(rate)
         print(f"{rate:>12.2f} {allocation.compression_rate:>15.3f} {allocation.qk_dims.double().mean():>12.1f} "
+              f"{allocation.v_dims.double().mean():>11.1f}")
+    rule = "sensitivity" if artifact.has_sensitivity else "explained_variance"
+    print(f"\n{'KV budget':>12} {'KV compression':>15} {'mean qk dim':>12} {'mean v dim':>11}   (rule: {rule})")
+    for compression in (0.05, 0.1, 0.2, 0.3):
+        allocation = artifact.allocate(compression=compression)
+        print(f"{compression:>12.2f} {allocation.compression_rate:>15.3f} {allocation.qk_dims.double().mean():>12.1f} "
               f"{allocation.v_dims.double().mean():>11.1f}")
 
 
@@ -69,14 +73,16 @@ def main() -> None:
     calibrate.add_argument("--model", default=None,
                            help="Hugging Face model directory or hub id (default: the bundled SmolLM2-135M)")
     calibrate.add_argument("--out", required=True, help="directory to write the artifact to")
-    calibrate.add_argument("--text", choices=["random", "wikipedia", "humaneval"], default="random",
-                           help="calibration tokens: uniformly random (default), or real text")
+    calibrate.add_argument("--text", choices=["random", "wikipedia", "humaneval"], default="wikipedia",
+                           help="calibration tokens: bundled real text (default wikipedia), or uniformly random")
     calibrate.add_argument("--num-tokens", type=int, default=8192)
     calibrate.add_argument("--seq-len", type=int, default=1024,
                            help="length of each calibration sequence (RoPE statistics depend on position)")
     calibrate.add_argument("--seed", type=int, default=0)
-    calibrate.add_argument("--v-method", choices=["activation", "weight"], default="activation",
-                           help="V basis: SVD of captured values (default) or of W_V")
+    calibrate.add_argument("--v-method", choices=["output", "activation", "weight"], default="output",
+                           help="V factors: output-aware (default), SVD of the captured values, or of W_V")
+    calibrate.add_argument("--sensitivity-tokens", type=int, default=2048,
+                           help="calibration tokens that measure each head's sensitivity (0: skip)")
 
     report = commands.add_parser("report", help="reproduce the paper's calibration analyses on SmolLM2")
     report.add_argument("--out", default="bench/results/calibration", help="directory for the JSON and plots")
