@@ -2,7 +2,8 @@
 
   python -m fdc_ops demo                                  the main job: FDC on the bundled SmolLM2 (fdc_ops/demo.py)
   python -m fdc_ops ops-demo                              the operator-level demo (fdc_ops/ops_demo.py)
-  python -m fdc_ops eval                                  FDC vs uniform ranks vs Palu at 99% (fdc_ops/compare.py)
+  python -m fdc_ops eval [--metric M]                     accuracy vs KV compression, FDC vs uniform vs Palu
+                                                          (fdc_ops/compare.py)
   python -m fdc_ops calibrate [--model PATH] --out DIR    calibrate a model (default: the bundled SmolLM2-135M)
   python -m fdc_ops report [--out DIR]                    the calibration analyses on SmolLM2 (fdc_ops/report.py)
 """
@@ -55,13 +56,20 @@ def main() -> None:
                           help="calibration tokens (default wikipedia: see bench/results/calibration/README.md)")
     main_job.add_argument("--method", choices=["fdc", "palu"], default="fdc")
 
-    evaluate = commands.add_parser("eval", help="FDC, uniform ranks and Palu side by side at an accuracy target")
-    evaluate.add_argument("--out", default="bench/results/eval", help="directory for the JSON")
-    evaluate.add_argument("--target", type=float, default=0.99)
-    evaluate.add_argument("--text", choices=["random", "wikipedia", "humaneval"], default="wikipedia")
-    evaluate.add_argument("--problems", type=int, default=32, help="HumanEval problems (the first N)")
-    evaluate.add_argument("--max-new-tokens", type=int, default=96)
-    evaluate.add_argument("--quick", action="store_true", help="a smoke run: few problems and tokens")
+    evaluate = commands.add_parser("eval", help="accuracy vs KV compression: FDC (paper, defaults), uniform, Palu")
+    evaluate.add_argument("--out", default="bench/results/eval", help="directory for the JSON and PNG")
+    evaluate.add_argument("--metric", choices=["perplexity", "edit_similarity"], default="perplexity")
+    evaluate.add_argument("--text", choices=["random", "wikipedia", "humaneval"], default="wikipedia",
+                          help="calibration text of every method")
+    evaluate.add_argument("--methods", nargs="+", default=None,
+                          help="methods to measure (default: the four compared; fdc_ops/compare.py lists ablations)")
+    evaluate.add_argument("--refine", type=float, nargs="+", default=[0.99, 0.9],
+                          help="accuracy levels to refine the grid around by bisection")
+    evaluate.add_argument("--eval-tokens", type=int, default=4096, help="held-out Wikipedia tokens (perplexity)")
+    evaluate.add_argument("--problems", type=int, default=16, help="HumanEval problems (the first N)")
+    evaluate.add_argument("--max-new-tokens", type=int, default=64)
+    evaluate.add_argument("--budget-s", type=float, default=None,
+                          help="stop starting evaluations after this many seconds (a later run resumes)")
 
     demo = commands.add_parser("ops-demo", help="run the FDC ops on one SmolLM2-shaped layer and print a table")
     demo.add_argument("--removal-rate", type=float, default=0.1,
@@ -99,8 +107,9 @@ def main() -> None:
     elif args.command == "eval":
         from . import compare
 
-        compare.run(out=args.out, target=args.target, text=args.text, problems=args.problems,
-                    max_new_tokens=args.max_new_tokens, quick=args.quick)
+        compare.run(out=args.out, metric=args.metric, text=args.text, methods=args.methods, refine=tuple(args.refine),
+                    eval_tokens=args.eval_tokens, problems=args.problems, max_new_tokens=args.max_new_tokens,
+                    budget_s=args.budget_s)
     elif args.command == "calibrate":
         _calibrate(args)
     elif args.command == "report":
