@@ -89,7 +89,7 @@ def main() -> None:
     calibrate.add_argument("--seed", type=int, default=0)
     calibrate.add_argument("--v-method", choices=["output", "activation", "weight"], default="output",
                            help="V factors: output-aware (default), SVD of the captured values, or of W_V")
-    calibrate.add_argument("--sensitivity-tokens", type=int, default=2048,
+    calibrate.add_argument("--sensitivity-tokens", type=int, default=8192,
                            help="calibration tokens that measure each head's sensitivity (0: skip)")
 
     report = commands.add_parser("report", help="reproduce the paper's calibration analyses on SmolLM2")

@@ -113,7 +113,7 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
     points_path = directory / f"{model_name}-eval-{metric}-points.json"
     settings_tag = {"metric": metric, "text": text, "eval_tokens": eval_tokens, "problems": problems,
                     "max_new_tokens": max_new_tokens, "fingerprint": models.fingerprint(model),
-                    "format_version": calibration.FORMAT_VERSION}
+                    "calibration": {name: artifact.metadata["calibration"] for name, artifact in artifacts.items()}}
     store = json.loads(points_path.read_text()) if points_path.is_file() else {}
     if store.get("settings") != settings_tag:
         store = {"settings": settings_tag, "base": None, "points": {}}
