@@ -213,6 +213,9 @@ def test_sensitivity_is_a_non_negative_decreasing_tail_and_leaves_the_model_unch
     for damage in (artifact.qk_damage, artifact.v_damage):
         assert (damage >= 0).all() and (damage[..., -1] == 0).all() and (damage[..., 0] > 0).all()
     assert (artifact.palu_fisher > 0).all()
+    balance = artifact.metadata["calibration"]["balance"]  # fitted on the random sequences after the calibration ones
+    assert balance["measured_nll_increase"][f"{balance['v_to_qk']:.4f}"] == min(
+        balance["measured_nll_increase"].values())
     terms = torch.randn(3, 5, 8, dtype=torch.float64)
     brute = torch.stack([0.5 * (terms[..., w:].sum(-1) ** 2).sum(-1) for w in range(9)], dim=-1)
     torch.testing.assert_close(calibration._tail_damage(terms), brute)
