@@ -1,5 +1,5 @@
 """Offline calibration (paper sections 3-5.2, DESIGN.md section 1): from a Hugging Face causal LM, the per-KV-head
-post-RoPE Q/K rotations, the V factors (output-aware by default), their singular values, every head's measured
+post-RoPE Q/K rotations, the V factors (activation, output-aware or weight), their singular values, every head's measured
 sensitivity, and the rank allocations: the paper's removal rate, or a KV byte budget spent where it hurts least.
 
 Statistics are accumulated as float64 Gram matrices (``X^T X``) rather than stacked rows: for rows ``X = U S R^T`` the
@@ -765,7 +765,7 @@ def v_factors_from_statistics(model, stats: CalibrationStatistics, v_method: str
     return values, basis, basis
 
 
-def artifact_from_statistics(model, stats: CalibrationStatistics, *, v_method: str = "output",
+def artifact_from_statistics(model, stats: CalibrationStatistics, *, v_method: str = "activation",
                              source: dict | None = None, sensitivity_batches: Sequence[torch.Tensor] = (),
                              balance_batches: Sequence[torch.Tensor] = (), progress: bool = True) -> FDCArtifact:
     """Rotations and V factors from captured statistics, and the sensitivities measured on ``sensitivity_batches``
@@ -858,7 +858,7 @@ def balance_sensitivity(model, artifact: "FDCArtifact", batches: Sequence[torch.
 
 def calibrate(model, tokenizer=None, *, text: str = "wikipedia", num_tokens: int = 8192, seq_len: int = 1024,
               seed: int = 0, input_ids: torch.Tensor | None = None, source_name: str | None = None,
-              v_method: str = "output", sensitivity_tokens: int = 8192, batch_size: int = 1,
+              v_method: str = "activation", sensitivity_tokens: int = 8192, batch_size: int = 1,
               progress: bool = True) -> FDCArtifact:
     """Calibrates ``model`` (a Hugging Face causal LM of a supported family) and returns its FDCArtifact.
 
@@ -869,9 +869,10 @@ def calibrate(model, tokenizer=None, *, text: str = "wikipedia", num_tokens: int
     sensitivities, the BALANCE_SEQUENCES sequences that follow the calibration tokens (in the text, or the random
     stream) fit their V-to-Q/K balance; (N, S) ``input_ids`` give no such sequences, and the balance is left at 1.
 
-    ``v_method``: ``output`` (output-aware factors, the default: see output_aware_factors and
-    bench/results/eval/README.md for the measurement that chose it), ``activation`` (principal axes of the captured
-    values, Palu-style) or ``weight`` (the paper's SVD of W_V). ``sensitivity_tokens``: how many of the calibration
+    ``v_method``: ``activation`` (principal axes of the captured values, Palu-style; the default: with the
+    sensitivity allocation it kept more of the held-out perplexity score than the output-aware factors at every
+    budget measured, bench/results/eval/README.md), ``output`` (output-aware factors, see output_aware_factors) or
+    ``weight`` (the paper's SVD of W_V). ``sensitivity_tokens``: how many of the calibration
     tokens (whole sequences) measure every head's sensitivity for allocate(compression=...) (a forward and backward
     pass, about 3x a calibration pass; all 8192 by default, bench/results/eval/README.md); 0 skips it."""
     if v_method not in V_METHODS:
@@ -916,7 +917,7 @@ def calibrate(model, tokenizer=None, *, text: str = "wikipedia", num_tokens: int
 
 
 def load_or_calibrate(model, tokenizer=None, *, text: str = "wikipedia", num_tokens: int = 8192,
-                      seq_len: int = 1024, seed: int = 0, v_method: str = "output", sensitivity_tokens: int = 8192,
+                      seq_len: int = 1024, seed: int = 0, v_method: str = "activation", sensitivity_tokens: int = 8192,
                       directory=None, progress: bool = True) -> FDCArtifact:
     """The artifact for these settings from the cache (``$FDC_CACHE/artifacts``, keyed by the format version, the
     model's fingerprint and the settings), calibrating and saving it on first use. ``text``: a bundled text (needs

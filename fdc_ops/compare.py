@@ -3,8 +3,8 @@ same modules (fdc_ops.hf.compress) and operators:
 
 - ``FDC (paper)``: the paper's rule (one singular-value removal rate for every head, searched to the byte budget)
   with the V basis from the activations;
-- ``FDC (defaults)``: this package's defaults (output-aware V factors, widths from the measured sensitivities by
-  an exact knapsack over the byte budget);
+- ``FDC (defaults)``: this package's defaults (V basis from the activations, widths from the measured
+  sensitivities by an exact knapsack over the byte budget);
 - ``uniform ranks``: one Q/K width and one V width for every head (the paper's /AC ablation), default artifact;
 - ``Palu``: Palu as Palu builds it: low-rank K latent before RoPE and V from the whitened SVD (principal axes of the
   keys and values), widths by its Fisher-information rank search.
@@ -36,16 +36,15 @@ from . import calibration, datasets, evaluation, hf, models, provenance
 from .calibration import RankAllocation
 
 METHODS = {
-    "FDC (paper)": {"artifact": "activation", "rule": "singular_value"},
+    "FDC (paper)": {"artifact": "default", "rule": "singular_value"},
     "FDC (defaults)": {"artifact": "default"},
     "uniform ranks": {"artifact": "default", "uniform": True},
     "Palu": {"artifact": "default", "method": "palu"},
 }
-# The measurements behind the defaults (bench/results/eval/README.md): each default against its alternatives.
+# The measurements behind the defaults (bench/results/eval/README.md): the output-aware V factors against the
+# default activation V, each with the sensitivity allocation.
 ABLATIONS = {
-    "output V, s^2 rule": {"artifact": "default", "rule": "explained_variance"},
-    "activation V, sensitivity": {"artifact": "activation", "rule": "sensitivity"},
-    "activation V, s^2 rule": {"artifact": "activation", "rule": "explained_variance"},
+    "output V, sensitivity": {"artifact": "output"},
 }
 GRID = (0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)  # dense where 99% is decided, to 0.5
 LEVELS = tuple(round(0.90 + 0.01 * i, 2) for i in range(10))  # accuracy levels tabulated: 0.90 .. 0.99
@@ -97,7 +96,7 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
     model, tokenizer = models.load_model()
     shape = models.attention_shape(model)
     artifacts = {"default": calibration.load_or_calibrate(model, tokenizer, text=text),
-                 "activation": calibration.load_or_calibrate(model, tokenizer, text=text, v_method="activation")}
+                 "output": calibration.load_or_calibrate(model, tokenizer, text=text, v_method="output")}
     wiki = datasets.text_tokens(tokenizer, "wikipedia")[-eval_tokens:]
     tasks = list(datasets.humaneval_problems()[:problems])
 
