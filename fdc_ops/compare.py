@@ -225,7 +225,7 @@ def _plot(path: Path, curves: dict, metric: str) -> None:
     for level in (0.99, 0.9):
         axis.axhline(level, color="grey", linewidth=0.8, linestyle="--")
     axis.set_xlim(0, 0.5)
-    axis.set_ylim(0.5, 1.01)
+    axis.set_ylim(0.2, 1.01)
     axis.set_xlabel("KV cache compression (share of bytes removed)")
     axis.set_ylabel(f"{metric} score / uncompressed")
     axis.set_title(f"SmolLM2-135M: {metric} vs KV compression")
