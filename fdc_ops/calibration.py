@@ -1,5 +1,6 @@
 """Offline calibration (paper sections 3-5.2, DESIGN.md section 1): from a Hugging Face causal LM, the per-KV-head
-post-RoPE Q/K rotations, the V bases, their singular values, and the removal-rate rank allocation.
+post-RoPE Q/K rotations, the V factors (activation, output-aware or weight), their singular values, every head's measured
+sensitivity, and the rank allocations: the paper's removal rate, or a KV byte budget spent where it hurts least.
 
 Statistics are accumulated as float64 Gram matrices (``X^T X``) rather than stacked rows: for rows ``X = U S R^T`` the
 Gram matrix is ``R S^2 R^T``, so its eigenvectors are ``R`` and the square roots of its eigenvalues are the singular
@@ -86,6 +87,51 @@ def weight_value_axes(model) -> tuple[torch.Tensor, torch.Tensor]:
     return principal_axes(torch.stack(grams))
 
 
+COVARIANCE_FLOOR = 1e-4  # output-aware V: value-covariance eigenvalues below this share of the largest are raised to
+# it. Such directions carry < 1e-4 of the values' energy, so the basis barely changes, and the factor pair's condition
+# number stays <= 1e2: folded into float32 weights, full rank reproduces the layer to ~1e-6 relative.
+NULL_SPACE = 1e-10  # eigenvalues below this share of the largest are the values' null space (float64 round-off of
+# exactly-zero variance): those directions go last, orthonormal, with singular value 0, so an exactly low-rank V is
+# reproduced exactly at its rank.
+
+
+def output_aware_factors(model, v_gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The output-aware V factorization (DESIGN.md section 1, "Beyond the paper"). What the model consumes is
+    ``sum_h W_O(h) o_h``, not v: per layer and KV head j, with ``C = L L^T`` the value covariance (v_gram) and
+    ``W = [W_O(h) for h in j's group]`` stacked (G * hidden, D), the SVD ``W L = P S Q^T`` orders the whitened value
+    directions by the output energy they carry. Caching ``c = Q_r^T L^-1 v`` and folding ``L Q_r`` into W_O is the
+    best rank-r pair for E||W (v - v_r)||^2 when the group's heads see the values' statistics; at full rank
+    ``L Q Q^T L^-1 = I`` (exact). The pair is not orthonormal. L is taken on the values' range; their null space
+    (if any) comes last.
+
+    v_gram: (L, H_kv, D, D). Returns singular values S (L, H_kv, D) descending, encoder ``L^-T Q`` and decoder ``L Q``
+    (L, H_kv, D, D) float64, column i of each belonging to S_i: c_i = encoder[:, i] . v, v = sum_i decoder[:, i] c_i."""
+    shape = models.attention_shape(model)
+    D, Hkv, G = shape.head_dim, shape.num_kv_heads, shape.group
+    eigenvalues, eigenvectors = torch.linalg.eigh(v_gram.to(torch.float64))  # ascending: (L, H_kv, D), (.., D, D)
+    values = torch.zeros(v_gram.shape[:-1], dtype=torch.float64)
+    encoders, decoders = torch.zeros_like(eigenvectors), torch.zeros_like(eigenvectors)
+    for layer, module in enumerate(models.attention_modules(model)):
+        o_weight = models.attention_weights(module, shape).o_weight.detach().to("cpu", torch.float64)
+        per_head = o_weight.view(o_weight.shape[0], Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, -1, D)
+        for j in range(Hkv):
+            e, U = eigenvalues[layer, j], eigenvectors[layer, j]
+            largest = float(e[-1].clamp_min(0))
+            null = int((e <= NULL_SPACE * largest).sum())
+            root = e[null:].clamp_min(COVARIANCE_FLOOR * largest).sqrt()  # (r,)
+            square_root = U[:, null:] * root  # L on the range: (D, r)
+            _, singular, right_t = torch.linalg.svd(per_head[j] @ square_root, full_matrices=False)
+            right = right_t.T  # Q: (r, r)
+            pivot = right.abs().argmax(dim=0, keepdim=True)  # sign convention as in principal_axes
+            right = right * torch.where(torch.gather(right, 0, pivot) < 0, -1.0, 1.0)
+            rank = D - null
+            values[layer, j, :rank] = singular
+            encoders[layer, j, :, :rank] = (U[:, null:] / root) @ right  # L^-T Q
+            decoders[layer, j, :, :rank] = square_root @ right  # L Q
+            encoders[layer, j, :, rank:] = decoders[layer, j, :, rank:] = U[:, :null]
+    return values, encoders, decoders
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Capture
 
@@ -159,6 +205,125 @@ def capture_statistics(model, batches: Iterable[torch.Tensor], *, progress: bool
     return stats
 
 
+@dataclass
+class Sensitivity:
+    """Measured cost of narrowing each head, per layer and KV head (float64). ``qk_damage[l, j, w]`` and
+    ``v_damage[l, j, w]`` estimate the increase of the mean next-token loss (nats per token) when KV head j of layer
+    l keeps its first w Q/K (resp. V) dims, w = 0..D (0 at w = D). ``palu_fisher[l, j, 0 / 1]`` is Palu's rank-search
+    score of the K / V projection rows of that head (mean over entries of sqrt(mean over sequences of grad^2))."""
+
+    qk_damage: torch.Tensor  # (L, H_kv, D + 1)
+    v_damage: torch.Tensor  # (L, H_kv, D + 1)
+    palu_fisher: torch.Tensor  # (L, H_kv, 2)
+    num_tokens: int
+
+
+def _tail_damage(terms: torch.Tensor) -> torch.Tensor:
+    """terms (..., T, D): per token t, the first-order loss change ``a[t, i]`` from component i of one head. Dropping
+    components w.. changes token t's contribution by ``sum_{i >= w} a[t, i]``; the second-order (empirical Fisher)
+    estimate of the loss increase is half its square, summed over tokens. Returns (..., D + 1), w = 0..D."""
+    tail = terms.flip(-1).cumsum(-1).flip(-1)
+    tail = torch.cat([tail, torch.zeros_like(tail[..., :1])], dim=-1)
+    return 0.5 * tail.square().sum(-2)
+
+
+def measure_sensitivity(model, qk_rotation: torch.Tensor, v_encoder: torch.Tensor, v_decoder: torch.Tensor,
+                        batches: Iterable[torch.Tensor], *, progress: bool = True) -> Sensitivity:
+    """One forward and backward pass of the next-token loss per (batch, seq_len) batch of token ids, recording for
+    every head how much each basis direction of its cached keys, queries and values moves the loss (the gradients
+    at the post-RoPE queries and keys and at the values, projected on the rotation and the V factors): a
+    second-order Taylor (empirical Fisher) estimate of the loss increase of every width, without evaluating any
+    compressed model. The same backward pass gives Palu's Fisher information of the K and V projections.
+
+    qk_rotation: (L, H_kv, D, D); v_encoder, v_decoder: (L, H_kv, D, D). The model is not changed."""
+    from tqdm.auto import tqdm
+
+    shape = models.attention_shape(model)
+    L, Hkv, D, G = shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.group
+    qk_damage = torch.zeros(L, Hkv, D + 1, dtype=torch.float64)
+    v_damage = torch.zeros_like(qk_damage)
+    rotation, encoder, decoder = (t.to(torch.float64) for t in (qk_rotation, v_encoder, v_decoder))
+    modules = models.attention_modules(model)
+    v_biases = [models.attention_weights(m, shape).v_bias for m in modules]
+
+    def projected_terms(rows: torch.Tensor, grad: torch.Tensor, first: torch.Tensor, second: torch.Tensor):
+        """rows, grad (B, heads, S, D); first, second (heads, D, D) -> (heads, B * S, D): (rows first) * (grad
+        second), the per-token, per-direction first-order terms."""
+        a = torch.einsum("bhsd,hde->hbse", rows.to(torch.float64), first)
+        b = torch.einsum("bhsd,hde->hbse", grad.to(torch.float64), second)
+        return (a * b).flatten(1, 2)
+
+    def record(module, query, key, value, attention_mask, original, **kwargs):
+        layer = module.layer_idx
+        if torch.is_grad_enabled() and query.requires_grad:
+            q_rows, k_rows = query.detach(), key.detach()
+            v_rows = value.detach()
+            if v_biases[layer] is not None:  # the V bias is folded exactly; only x W_V is compressed
+                v_rows = v_rows - v_biases[layer].detach().view(1, Hkv, 1, D)
+            per_query = rotation[layer].repeat_interleave(G, dim=0)  # (H, D, D)
+
+            def on_query(grad):
+                damage = _tail_damage(projected_terms(q_rows, grad, per_query, per_query))  # (H, D + 1)
+                qk_damage[layer] += damage.view(Hkv, G, D + 1).sum(1)
+
+            def on_key(grad):
+                qk_damage[layer] += _tail_damage(projected_terms(k_rows, grad, rotation[layer], rotation[layer]))
+
+            def on_value(grad):
+                v_damage[layer] += _tail_damage(projected_terms(v_rows, grad, encoder[layer], decoder[layer]))
+
+            query.register_hook(on_query)
+            key.register_hook(on_key)
+            value.register_hook(on_value)
+        return original(module, query, key, value, attention_mask, **kwargs)
+
+    def kv_weights(module) -> tuple[torch.nn.Parameter, ...]:
+        return (module.qkv_proj.weight,) if hasattr(module, "qkv_proj") else (module.k_proj.weight,
+                                                                               module.v_proj.weight)
+
+    def kv_gradients(module) -> tuple[torch.Tensor, torch.Tensor]:  # (H_kv * D, hidden) each
+        if hasattr(module, "qkv_proj"):
+            grad = module.qkv_proj.weight.grad
+            return grad[shape.num_heads * D: (shape.num_heads + Hkv) * D], grad[(shape.num_heads + Hkv) * D:]
+        return module.k_proj.weight.grad, module.v_proj.weight.grad
+
+    squared = [torch.zeros(2, Hkv * D, shape.hidden_size, dtype=torch.float64) for _ in range(L)]
+    trainable = {parameter: parameter.requires_grad for parameter in model.parameters()}
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    for module in modules:
+        for weight in kv_weights(module):
+            weight.requires_grad_(True)
+            weight.grad = None
+    device = next(model.parameters()).device
+    embed = model.get_input_embeddings()
+    num_tokens, sequences = 0, 0
+    try:
+        with models.override_attention(model, record), torch.enable_grad():
+            for batch in tqdm(list(batches), desc="measuring sensitivity", unit="seq", disable=not progress):
+                batch = batch.to(device)
+                embeddings = embed(batch).detach().requires_grad_(True)  # gradients reach layer 0's queries too
+                logits = model(inputs_embeds=embeddings, use_cache=False).logits[:, :-1].float()
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(),
+                                                         reduction="sum")
+                loss.backward()
+                for layer, module in enumerate(modules):
+                    for index, grad in enumerate(kv_gradients(module)):
+                        squared[layer][index] += grad.detach().to("cpu", torch.float64).square()
+                    for weight in kv_weights(module):
+                        weight.grad = None
+                num_tokens += batch[:, 1:].numel()
+                sequences += batch.shape[0]
+    finally:
+        for parameter, flag in trainable.items():
+            parameter.requires_grad_(flag)
+            parameter.grad = None
+    if num_tokens == 0:
+        raise ValueError("fdc_ops.calibration.measure_sensitivity: no tokens to measure on")
+    fisher = torch.stack([(s / sequences).sqrt().view(2, Hkv, -1).mean(-1).T for s in squared])  # (L, H_kv, 2)
+    return Sensitivity(qk_damage / num_tokens, v_damage / num_tokens, fisher, num_tokens)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Rank allocation
 
@@ -184,6 +349,67 @@ def kept_dims(singular_values: torch.Tensor, removal_rate: float, multiple: int 
     keep = torch.where(total.squeeze(-1) > 0, keep, torch.zeros_like(keep))
     rounded = (keep + multiple - 1) // multiple * multiple
     return rounded.clamp(min=min(multiple, D), max=D).to(torch.int64)
+
+
+def knapsack_dims(damage: torch.Tensor, budget: int, multiple: int = 8) -> torch.Tensor:
+    """The widths that minimise the summed damage under a width budget, exactly (multiple-choice knapsack by dynamic
+    programming over the budget in quanta). damage: (N, D + 1), item n's cost of keeping w dims (w = 0..D, only
+    multiples of ``multiple`` from ``multiple`` to D are offered; a width never costs more than a narrower one,
+    which the estimate may violate by noise, so it is made non-increasing first). budget: the most total width.
+    Returns (N,) int64."""
+    N, D = damage.shape[0], damage.shape[1] - 1
+    widths = torch.arange(multiple, D + 1, multiple)  # (K,)
+    if widths.numel() == 0 or widths[-1] != D:
+        raise ValueError(f"fdc_ops.calibration: the width quantum {multiple} must divide head_dim {D}")
+    costs = damage.to(torch.float64).cummin(-1).values[:, widths]  # (N, K): best cost of keeping at most w dims
+    steps = budget // multiple  # budget in quanta
+    if steps < N:
+        raise ValueError(f"fdc_ops.calibration: a budget of {budget} dims cannot give each of {N} heads {multiple}")
+    K = widths.numel()
+    best = torch.full((steps + 1,), float("inf"), dtype=torch.float64)
+    best[0] = 0.0
+    choices = torch.zeros(N, steps + 1, dtype=torch.int64)
+    for n in range(N):
+        candidates = torch.full((K, steps + 1), float("inf"), dtype=torch.float64)
+        for k in range(min(K, steps)):
+            candidates[k, k + 1:] = best[: steps - k] + costs[n, k]  # choice k uses k + 1 quanta
+        best, choices[n] = candidates.min(0)
+    used = int(best.argmin())
+    chosen = torch.empty(N, dtype=torch.int64)
+    for n in range(N - 1, -1, -1):
+        chosen[n] = choices[n, used]
+        used -= int(chosen[n]) + 1
+    return widths[chosen]
+
+
+def fisher_dims(fisher: torch.Tensor, budget: int, head_dim: int, multiple: int = 8) -> torch.Tensor:
+    """Palu's rank search, with its widths kept within the budget: each item (a layer's K or V projection rows of
+    one KV head) gets a width proportional to its Fisher information, at most head_dim, what the cap frees going to
+    the others in proportion again; widths are rounded down to the quantum (at least one quantum) and the quanta left
+    go to the items that lost most in the rounding. fisher: (N,); budget >= N * multiple. Returns (N,) int64."""
+    N = fisher.numel()
+    weights = fisher.to(torch.float64).clamp_min(0) + 1e-30  # a zero score still gets its proportional nothing
+    share = torch.zeros(N, dtype=torch.float64)
+    capped = torch.zeros(N, dtype=torch.bool)
+    for _ in range(N):  # water-filling: at most N items can reach the cap
+        free = budget - head_dim * int(capped.sum())
+        share = torch.where(capped, float(head_dim), free * weights / weights[~capped].sum())
+        over = (share > head_dim) & ~capped
+        if not over.any():
+            break
+        capped |= over
+    dims = (share // multiple * multiple).clamp(min=multiple, max=head_dim).to(torch.int64)
+    while int(dims.sum()) > budget:  # the one-quantum floor overspent: take back where it gave most beyond the share
+        excess = torch.where(dims > multiple, dims - share, -float("inf"))
+        dims[int(excess.argmax())] -= multiple
+    left = (budget - int(dims.sum())) // multiple
+    for n in torch.argsort(share - dims, descending=True).tolist():
+        if left <= 0:
+            break
+        if dims[n] < head_dim:
+            dims[n] += multiple
+            left -= 1
+    return dims
 
 
 @dataclass
@@ -228,26 +454,28 @@ class RankAllocation:
 # Folding the V factors into the projections
 
 
-def fold_value_projection(v_weight: torch.Tensor, v_basis: torch.Tensor, v_dims: Sequence[int]) -> torch.Tensor:
-    """A_V as a packed nn.Linear weight: KV head j's rows are ``V_k(j)^T W_V(j)^T``, so ``x @ result.T`` is the
-    compressed values ``v'`` (T, sum v_dims). The V bias is not folded in here (see fold_value_bias).
+def fold_value_projection(v_weight: torch.Tensor, v_encoder: torch.Tensor, v_dims: Sequence[int]) -> torch.Tensor:
+    """A_V as a packed nn.Linear weight: KV head j's rows are ``E(j)[:, :c]^T W_V(j)^T`` (E the V encoder: an
+    orthonormal basis, or the output-aware ``L^-T Q``), so ``x @ result.T`` is the compressed values ``v'``
+    (T, sum v_dims). The V bias is not folded in here (see fold_value_bias).
 
-    v_weight: (H_kv * D, hidden); v_basis: (H_kv, D, D) orthonormal columns; v_dims: H_kv widths."""
-    Hkv, D = v_basis.shape[0], v_basis.shape[1]
+    v_weight: (H_kv * D, hidden); v_encoder: (H_kv, D, D); v_dims: H_kv widths."""
+    Hkv, D = v_encoder.shape[0], v_encoder.shape[1]
     per_head = v_weight.to(torch.float64).view(Hkv, D, -1)
-    rows = [v_basis[j, :, : int(v_dims[j])].to(torch.float64).T @ per_head[j] for j in range(Hkv)]
+    rows = [v_encoder[j, :, : int(v_dims[j])].to(torch.float64).T @ per_head[j] for j in range(Hkv)]
     return torch.cat(rows).to(v_weight.dtype)
 
 
-def fold_output_projection(o_weight: torch.Tensor, v_basis: torch.Tensor, v_dims: Sequence[int],
+def fold_output_projection(o_weight: torch.Tensor, v_decoder: torch.Tensor, v_dims: Sequence[int],
                            group: int) -> torch.Tensor:
-    """W_O' as a packed nn.Linear weight: query head h's columns are ``W_O(h) B_V(kv(h))^T``, so the c-wide attention
-    outputs ``o'`` (T, sum_h v_dims[kv(h)]) map straight to the hidden size.
+    """W_O' as a packed nn.Linear weight: query head h's columns are ``W_O(h) B(kv(h))[:, :c]`` (B the V decoder:
+    the orthonormal basis itself, or the output-aware ``L Q``), so the c-wide attention outputs ``o'``
+    (T, sum_h v_dims[kv(h)]) map straight to the hidden size.
 
-    o_weight: (hidden, H * D); v_basis: (H_kv, D, D); v_dims: H_kv widths. Returns (hidden, sum_h v_dims[kv(h)])."""
-    Hkv, D = v_basis.shape[0], v_basis.shape[1]
+    o_weight: (hidden, H * D); v_decoder: (H_kv, D, D); v_dims: H_kv widths. Returns (hidden, sum_h v_dims[kv(h)])."""
+    Hkv, D = v_decoder.shape[0], v_decoder.shape[1]
     per_head = o_weight.to(torch.float64).view(o_weight.shape[0], Hkv * group, D)
-    columns = [per_head[:, h] @ v_basis[h // group, :, : int(v_dims[h // group])].to(torch.float64)
+    columns = [per_head[:, h] @ v_decoder[h // group, :, : int(v_dims[h // group])].to(torch.float64)
                for h in range(Hkv * group)]
     return torch.cat(columns, dim=1).to(o_weight.dtype)
 
@@ -265,79 +493,138 @@ def fold_value_bias(v_bias: torch.Tensor, o_weight: torch.Tensor, num_kv_heads: 
 # The artifact
 
 FORMAT = "fdc_ops.calibration"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: V encoder/decoder pair (output-aware V), Palu's value basis, measured sensitivity
 METADATA_FILE = "fdc_artifact.json"
 TENSORS_FILE = "fdc_artifact.safetensors"
 ORTHONORMALITY_TOLERANCE = 1e-4  # bases are stored in float32: columns orthonormal to ~1e-6; this flags corruption
-V_METHODS = ("activation", "weight")
+INVERSE_TOLERANCE = 1e-8  # V factor pairs are stored in float64: decoder^T encoder = I to ~1e-13; this flags corruption
+V_METHODS = ("output", "activation", "weight")
+RULES = ("sensitivity", "explained_variance", "singular_value", "fisher")
+RECALIBRATE = ("recalibrate: fdc_ops.calibration.calibrate(model, tokenizer) or `python -m fdc_ops calibrate --out "
+               "DIR` (load_or_calibrate recalibrates its cache entries by itself)")
 
 
 class ArtifactError(ValueError):
     """A calibration artifact that cannot be used: unreadable, corrupt, of another format version or another model."""
 
 
+def _tensor_specs(shape: AttentionShape) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    L, Hkv, D = shape.num_layers, shape.num_kv_heads, shape.head_dim
+    square, spectrum = (L, Hkv, D, D), (L, Hkv, D)
+    return {"qk_rotation": (square, torch.float32), "qk_singular_values": (spectrum, torch.float64),
+            "v_encoder": (square, torch.float64), "v_decoder": (square, torch.float64),
+            "v_singular_values": (spectrum, torch.float64),
+            "key_basis": (square, torch.float32), "key_singular_values": (spectrum, torch.float64),
+            "value_basis": (square, torch.float32), "value_singular_values": (spectrum, torch.float64),
+            "qk_damage": ((L, Hkv, D + 1), torch.float64), "v_damage": ((L, Hkv, D + 1), torch.float64),
+            "palu_fisher": ((L, Hkv, 2), torch.float64)}
+
+
+SENSITIVITY_TENSORS = ("qk_damage", "v_damage", "palu_fisher")  # absent when calibrated without measuring them
+
+
 @dataclass
 class FDCArtifact:
-    """Everything the online path needs from calibration, for one model."""
+    """Everything the online path needs from calibration, for one model. Columns of every basis are ordered by
+    their singular value, descending; a head keeping w dims uses the first w columns."""
 
     qk_rotation: torch.Tensor  # (L, H_kv, D, D) float32: columns = rotation R per KV head, by singular value
     qk_singular_values: torch.Tensor  # (L, H_kv, D) float64, descending
-    v_basis: torch.Tensor  # (L, H_kv, D, D) float32: orthonormal V_k columns of the chosen V factorization
+    v_encoder: torch.Tensor  # (L, H_kv, D, D) float64: the cache holds c = v_encoder[:, :w]^T v
+    v_decoder: torch.Tensor  # (L, H_kv, D, D) float64: v ~ v_decoder[:, :w] c, folded into W_O; decoder^T enc = I
     v_singular_values: torch.Tensor  # (L, H_kv, D) float64, descending
     key_basis: torch.Tensor  # (L, H_kv, D, D) float32: principal axes of the pre-RoPE keys (the Palu baseline)
     key_singular_values: torch.Tensor  # (L, H_kv, D) float64, descending
+    value_basis: torch.Tensor  # (L, H_kv, D, D) float32: principal axes of the values (Palu's whitened SVD of W_V)
+    value_singular_values: torch.Tensor  # (L, H_kv, D) float64, descending
     metadata: dict
+    qk_damage: torch.Tensor | None = None  # (L, H_kv, D + 1) float64: see Sensitivity
+    v_damage: torch.Tensor | None = None  # (L, H_kv, D + 1) float64, weighted by metadata calibration.balance
+    palu_fisher: torch.Tensor | None = None  # (L, H_kv, 2) float64
 
     @property
     def shape(self) -> AttentionShape:
         return AttentionShape(**self.metadata["shape"])
 
+    @property
+    def has_sensitivity(self) -> bool:
+        return self.qk_damage is not None
+
     def allocate(self, removal_rate: float | None = None, multiple: int = 8, weighting: str | None = None,
-                 method: str = "fdc", *, compression: float | None = None) -> RankAllocation:
+                 method: str = "fdc", *, compression: float | None = None, rule: str | None = None) -> RankAllocation:
         """Per-layer, per-KV-head qk and v dims, by one of two budgets (give exactly one):
 
         ``removal_rate``: the paper's rule (section 5.2), one shared singular-value removal rate for every head
-        (``weighting="singular_value"``, the default here); ``weighting="explained_variance"`` applies it to s^2.
+        (``weighting="singular_value"``, the default); ``weighting="explained_variance"`` applies it to s^2.
 
         ``compression``: a KV byte budget, the share of the uncompressed K/V cache to remove (0.1 keeps 90% of the
-        bytes). The widths are chosen so that ``compression_rate >= compression`` (the cache fits the budget), as
-        close to it as the width quantum ``multiple`` allows; ``weighting`` defaults to ``explained_variance`` (the
-        removal rate of the s^2 rule that meets the budget, found by bisection).
+        bytes): ``compression_rate >= compression``, as close to it as the width quantum allows. ``rule``:
+        ``sensitivity`` (the default when the artifact holds measured sensitivities): the widths of every head's Q/K
+        and V that minimise the summed measured loss increase within the budget (exact knapsack);
+        ``explained_variance`` / ``singular_value``: the removal-rate rule on s^2 / s whose smallest rate meets the
+        budget (``weighting`` is taken as this rule when ``rule`` is not given); ``fisher``: Palu's rank search
+        (widths proportional to the K/V projections' Fisher information), the default for ``method="palu"``.
 
-        ``method="palu"`` sizes the qk dims from the pre-RoPE key spectrum (the widths of the Palu baseline's key
-        latent). ``multiple``: the width quantum; the kernels take widths that are multiples of 8 (16-byte rows in
-        fp16/bf16), so it must be a positive multiple of 8 for the result to be served."""
+        ``method="palu"`` sizes the qk dims from the pre-RoPE key spectrum and the v dims from the values' (the
+        widths of the Palu baseline's latents). ``multiple``: the width quantum; the kernels take widths that are
+        multiples of 8 (16-byte rows in fp16/bf16, DESIGN.md section 3), so it must be a positive multiple of 8 that
+        divides head_dim for the result to be served."""
         if (removal_rate is None) == (compression is None):
             raise ValueError("fdc_ops.calibration.allocate: give exactly one of removal_rate and compression, got "
                              f"removal_rate={removal_rate}, compression={compression}")
+        if method not in ("fdc", "palu"):
+            raise ValueError(f"fdc_ops.calibration.allocate: method must be 'fdc' or 'palu', got {method!r}")
+        if multiple <= 0:
+            raise ValueError(f"fdc_ops.calibration.allocate: multiple must be positive, got {multiple}")
         if compression is not None:
-            return self._allocate_compression(compression, multiple, weighting or "explained_variance", method)
+            rule = rule or weighting or ("fisher" if method == "palu" else
+                                         "sensitivity" if self.has_sensitivity else "explained_variance")
+            return self._allocate_compression(compression, multiple, rule, method)
         powers = {"singular_value": 1.0, "explained_variance": 2.0}
         weighting = weighting or "singular_value"
         if weighting not in powers:
             raise ValueError(f"fdc_ops: weighting must be one of {sorted(powers)}, got {weighting!r}")
-        qk_values = {"fdc": self.qk_singular_values, "palu": self.key_singular_values}.get(method)
-        if qk_values is None:
-            raise ValueError(f"fdc_ops: method must be 'fdc' or 'palu', got {method!r}")
+        qk_values = self.qk_singular_values if method == "fdc" else self.key_singular_values
+        v_values = self.v_singular_values if method == "fdc" else self.value_singular_values
         power = powers[weighting]
         name = weighting if method == "fdc" else f"palu {weighting}"
         return RankAllocation(kept_dims(qk_values, removal_rate, multiple, power),
-                              kept_dims(self.v_singular_values, removal_rate, multiple, power),
+                              kept_dims(v_values, removal_rate, multiple, power),
                               self.shape.head_dim, name, removal_rate)
 
-    def _allocate_compression(self, compression: float, multiple: int, weighting: str,
-                              method: str) -> RankAllocation:
-        """The smallest removal rate of the ``weighting`` rule whose allocation removes at least ``compression`` of
-        the cache (compression grows with the rate), by bisection."""
+    def _allocate_compression(self, compression: float, multiple: int, rule: str, method: str) -> RankAllocation:
         if not 0.0 <= compression < 1.0:
             raise ValueError(f"fdc_ops.calibration.allocate: compression must be in [0, 1), got {compression}")
+        if rule not in RULES:
+            raise ValueError(f"fdc_ops.calibration.allocate: rule must be one of {RULES}, got {rule!r}")
+        shape = self.shape
+        L, Hkv, D = shape.num_layers, shape.num_kv_heads, shape.head_dim
+        budget = int((1.0 - compression) * 2 * L * Hkv * D + 1e-9)  # the most dims all heads may keep together
+        notes = {"compression_target": compression, "rule": rule}
+        if rule in ("sensitivity", "fisher"):
+            if not self.has_sensitivity:
+                raise ValueError(f"fdc_ops.calibration.allocate: rule {rule!r} needs the sensitivities measured at "
+                                 "calibration (calibrate(..., sensitivity_tokens > 0))")
+            if budget < 2 * L * Hkv * multiple:
+                raise ValueError(f"fdc_ops.calibration.allocate: compression {compression} needs fewer than "
+                                 f"{multiple} dims per head")
+            if rule == "sensitivity":
+                if method != "fdc":
+                    raise ValueError("fdc_ops.calibration.allocate: the sensitivities are measured on FDC's bases; "
+                                     "method='palu' takes rule 'fisher' or a removal-rate rule")
+                dims = knapsack_dims(torch.cat([self.qk_damage.flatten(0, 1), self.v_damage.flatten(0, 1)]),
+                                     budget, multiple)
+            else:
+                dims = fisher_dims(self.palu_fisher.permute(2, 0, 1).flatten(), budget, D, multiple)
+            return RankAllocation(dims[: L * Hkv].view(L, Hkv), dims[L * Hkv:].view(L, Hkv), D,
+                                  rule if method == "fdc" else f"palu {rule}", None, notes)
 
         def at(rate: float) -> RankAllocation:
-            return self.allocate(rate, multiple, weighting, method)
+            return self.allocate(rate, multiple, rule, method)
 
         low, high = 0.0, 1.0 - 1e-9  # removal rate 1 - eps keeps the minimum width everywhere
         if at(low).compression_rate >= compression:
-            return dataclasses.replace(at(low), notes={"compression_target": compression})
+            return dataclasses.replace(at(low), notes=notes)
         if at(high).compression_rate < compression:
             raise ValueError(f"fdc_ops.calibration.allocate: compression {compression} needs fewer than {multiple} "
                              f"dims per head; the most this quantum allows is {at(high).compression_rate:.4f}")
@@ -347,7 +634,14 @@ class FDCArtifact:
                 high = middle
             else:
                 low = middle
-        return dataclasses.replace(at(high), notes={"compression_target": compression})
+        return dataclasses.replace(at(high), notes=notes)
+
+    def v_factors(self, method: str = "fdc") -> tuple[torch.Tensor, torch.Tensor]:
+        """(encoder, decoder) (L, H_kv, D, D) of the V path: the artifact's V factorization for FDC, the values'
+        principal axes (orthonormal: encoder = decoder) for the Palu baseline."""
+        if method == "palu":
+            return self.value_basis, self.value_basis
+        return self.v_encoder, self.v_decoder
 
     def check_model(self, model) -> None:
         """Raises ArtifactError unless the artifact was calibrated on this model (same config and weights)."""
@@ -361,9 +655,8 @@ class FDCArtifact:
                                 f"{actual[:12]}: recalibrate for this model")
 
     def _tensors(self) -> dict[str, torch.Tensor]:
-        return {"qk_rotation": self.qk_rotation, "qk_singular_values": self.qk_singular_values,
-                "v_basis": self.v_basis, "v_singular_values": self.v_singular_values, "key_basis": self.key_basis,
-                "key_singular_values": self.key_singular_values}
+        names = [name for name in _tensor_specs(self.shape)]
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     def save(self, path) -> Path:
         """Writes ``path/fdc_artifact.safetensors`` and ``path/fdc_artifact.json`` (the JSON names the tensors'
@@ -384,8 +677,9 @@ class FDCArtifact:
     @classmethod
     def load(cls, path, model=None) -> "FDCArtifact":
         """Reads an artifact written by save() and validates it (format and version, checksum, tensor shapes and
-        dtypes, finite values, orthonormal bases, sorted singular values); with ``model``, also that it was
-        calibrated on that model. Any problem raises ArtifactError naming the file and what is wrong."""
+        dtypes, finite values, orthonormal bases, V factor pairs that invert each other, sorted singular values);
+        with ``model``, also that it was calibrated on that model. Any problem raises ArtifactError naming the file
+        and what is wrong; an artifact of another format version says how to recalibrate."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
@@ -403,7 +697,8 @@ class FDCArtifact:
         version = metadata.get("format_version")
         if version != FORMAT_VERSION:
             raise ArtifactError(f"fdc_ops: {metadata_path} has format version {version}; this fdc_ops reads version "
-                                f"{FORMAT_VERSION}: recalibrate")
+                                f"{FORMAT_VERSION} (version 2 added the output-aware V factors and the measured "
+                                f"sensitivities): {RECALIBRATE}")
         if _sha256(tensors_path) != metadata.get("tensors_sha256"):
             raise ArtifactError(f"fdc_ops: {tensors_path} does not match the checksum in {metadata_path} "
                                 f"(truncated or modified)")
@@ -415,29 +710,37 @@ class FDCArtifact:
             shape = AttentionShape(**metadata["shape"])
         except (KeyError, TypeError) as error:
             raise ArtifactError(f"fdc_ops: {metadata_path} has no valid 'shape' ({error})") from None
-        L, Hkv, D = shape.num_layers, shape.num_kv_heads, shape.head_dim
-        expected = {"qk_rotation": ((L, Hkv, D, D), torch.float32), "qk_singular_values": ((L, Hkv, D), torch.float64),
-                    "v_basis": ((L, Hkv, D, D), torch.float32), "v_singular_values": ((L, Hkv, D), torch.float64),
-                    "key_basis": ((L, Hkv, D, D), torch.float32), "key_singular_values": ((L, Hkv, D), torch.float64)}
+        D = shape.head_dim
+        expected = _tensor_specs(shape)
+        present = [name in tensors for name in SENSITIVITY_TENSORS]
+        if any(present) and not all(present):
+            raise ArtifactError(f"fdc_ops: {tensors_path} has only some of {SENSITIVITY_TENSORS}")
         for name, (want_shape, want_dtype) in expected.items():
             tensor = tensors.get(name)
             if tensor is None:
+                if name in SENSITIVITY_TENSORS:
+                    continue
                 raise ArtifactError(f"fdc_ops: {tensors_path} has no tensor {name!r}")
             if tuple(tensor.shape) != want_shape or tensor.dtype != want_dtype:
                 raise ArtifactError(f"fdc_ops: {tensors_path}: {name} must be {want_dtype} of shape {want_shape}, got "
                                     f"{tensor.dtype} of shape {tuple(tensor.shape)}")
             if not torch.isfinite(tensor).all():
                 raise ArtifactError(f"fdc_ops: {tensors_path}: {name} has non-finite values")
-        for name in ("qk_rotation", "v_basis", "key_basis"):
+        eye = torch.eye(D, dtype=torch.float64)
+        for name in ("qk_rotation", "key_basis", "value_basis"):
             basis = tensors[name].to(torch.float64)
-            error = (basis.transpose(-1, -2) @ basis - torch.eye(D, dtype=torch.float64)).abs().max().item()
+            error = (basis.transpose(-1, -2) @ basis - eye).abs().max().item()
             if error > ORTHONORMALITY_TOLERANCE:
                 raise ArtifactError(f"fdc_ops: {tensors_path}: {name} columns are not orthonormal (error {error:.2e})")
-        for name in ("qk_singular_values", "v_singular_values", "key_singular_values"):
+        error = (tensors["v_decoder"].transpose(-1, -2) @ tensors["v_encoder"] - eye).abs().max().item()
+        if error > INVERSE_TOLERANCE:
+            raise ArtifactError(f"fdc_ops: {tensors_path}: v_decoder^T v_encoder is not the identity (error "
+                                f"{error:.2e})")
+        for name in ("qk_singular_values", "v_singular_values", "key_singular_values", "value_singular_values"):
             values = tensors[name]
             if (values < 0).any() or (values[..., 1:] > values[..., :-1]).any():
                 raise ArtifactError(f"fdc_ops: {tensors_path}: {name} must be non-negative and descending")
-        artifact = cls(**{name: tensors[name] for name in expected}, metadata=metadata)
+        artifact = cls(**{name: tensors[name] for name in expected if name in tensors}, metadata=metadata)
         if model is not None:
             artifact.check_model(model)
         return artifact
@@ -451,79 +754,182 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def artifact_from_statistics(model, stats: CalibrationStatistics, *, v_method: str = "activation",
-                             source: dict | None = None) -> FDCArtifact:
-    """Rotations and V bases from captured statistics (see calibrate)."""
+def v_factors_from_statistics(model, stats: CalibrationStatistics, v_method: str):
+    """(singular values, encoder, decoder) of one V factorization (see V_METHODS and calibrate)."""
     if v_method not in V_METHODS:
-        raise ValueError(f"fdc_ops: v_method must be one of {V_METHODS}, got {v_method!r}")
+        raise ValueError(f"fdc_ops.calibration: v_method must be one of {V_METHODS}, got {v_method!r}")
+    if v_method == "output":
+        return output_aware_factors(model, stats.v_gram)
+    values, basis = principal_axes(stats.v_gram) if v_method == "activation" else weight_value_axes(model)
+    return values, basis, basis
+
+
+def artifact_from_statistics(model, stats: CalibrationStatistics, *, v_method: str = "activation",
+                             source: dict | None = None, sensitivity_batches: Sequence[torch.Tensor] = (),
+                             balance_batches: Sequence[torch.Tensor] = (), progress: bool = True) -> FDCArtifact:
+    """Rotations and V factors from captured statistics, and the sensitivities measured on ``sensitivity_batches``
+    (none: the artifact has none, and allocate(compression=...) uses the explained-variance rule), their V-to-Q/K
+    balance fitted on ``balance_batches`` (tokens the statistics have not seen: on the bases' own tokens every
+    compression looks nearly free; none: ratio 1). See calibrate."""
+    v_values, v_encoder, v_decoder = v_factors_from_statistics(model, stats, v_method)
     qk_values, qk_rotation = principal_axes(stats.qk_gram("kv_head"))
-    if v_method == "activation":
-        v_values, v_basis = principal_axes(stats.v_gram)
-    else:
-        v_values, v_basis = weight_value_axes(model)
+    key_values, key_basis = principal_axes(stats.key_gram)
+    value_values, value_basis = principal_axes(stats.v_gram)
+    sensitivity = None
+    if len(sensitivity_batches):
+        sensitivity = measure_sensitivity(model, qk_rotation, v_encoder, v_decoder, sensitivity_batches,
+                                          progress=progress)
     import transformers
 
     metadata = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "model_id": models.model_id(model),
         "fingerprint": models.fingerprint(model), "shape": dataclasses.asdict(stats.shape),
         "calibration": {**(source or {}), "num_tokens": stats.num_tokens, "seq_len": stats.positions,
-                        "v_method": v_method, "qk_mode": "kv_head"},
+                        "v_method": v_method, "qk_mode": "kv_head",
+                        "sensitivity_tokens": sensitivity.num_tokens if sensitivity is not None else 0},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
-    key_values, key_basis = principal_axes(stats.key_gram)
-    return FDCArtifact(qk_rotation.to(torch.float32), qk_values, v_basis.to(torch.float32), v_values,
-                       key_basis.to(torch.float32), key_values, metadata)
+    extra = {} if sensitivity is None else {"qk_damage": sensitivity.qk_damage, "v_damage": sensitivity.v_damage,
+                                            "palu_fisher": sensitivity.palu_fisher}
+    artifact = FDCArtifact(qk_rotation.to(torch.float32), qk_values, v_encoder.to(torch.float64),
+                           v_decoder.to(torch.float64), v_values, key_basis.to(torch.float32), key_values,
+                           value_basis.to(torch.float32), value_values, metadata, **extra)
+    if sensitivity is not None:
+        metadata["calibration"]["balance"] = balance_sensitivity(model, artifact, balance_batches) \
+            if len(balance_batches) else None
+    return artifact
 
 
-def calibrate(model, *, num_tokens: int = 8192, seq_len: int = 1024, seed: int = 0,
-              input_ids: torch.Tensor | None = None, source_name: str | None = None, v_method: str = "activation",
-              batch_size: int = 1, progress: bool = True) -> FDCArtifact:
+BALANCE_COMPRESSION = 0.075  # the budget at which the V-to-Q/K weight of the estimates is fitted to measured losses:
+# between where SmolLM2 keeps 99% and 90% of its perplexity score (bench/results/eval/README.md)
+BALANCE_RATIOS = (0.25, 0.5, 1.0, 2.0, 4.0)  # V-to-Q/K weights tried first (then the best one's sqrt(2) neighbours):
+# the raw estimates misjudged the halves' costs by up to 5x in either direction on SmolLM2
+BALANCE_SEQUENCES = 2  # sequences after the calibration tokens the fit measures on: two of 1024 tokens resolve loss
+# differences of ~1e-3 nats (paired: the same tokens with and without compression) in ~3 s each on 2 cores. They must
+# be unseen: on the bases' own tokens the best fit lost 0.0003 nats where held-out text lost 0.035
+
+
+def _mean_nll(model, batches: Sequence[torch.Tensor]) -> float:
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    with torch.inference_mode():
+        for batch in batches:
+            batch = batch.to(device)
+            logits = model(input_ids=batch, use_cache=False).logits[:, :-1].float()
+            total += torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(),
+                                                       reduction="sum").item()
+            count += batch[:, 1:].numel()
+    return total / count
+
+
+def balance_sensitivity(model, artifact: "FDCArtifact", batches: Sequence[torch.Tensor]) -> dict:
+    """Fits the one thing the Taylor estimates get worst, the cost of V against Q/K (they rank heads within a half
+    well, but over-predict shallow cuts against deep ones, differently for the two halves): the V damage table is
+    weighted by the ratio, among BALANCE_RATIOS and the best one's sqrt(2) neighbours, whose knapsack allocation at
+    the BALANCE_COMPRESSION budget loses the least measured loss on ``batches``. Only the ratio matters to the
+    allocation; artifact.v_damage is multiplied by it in place. Returns the ratio and the measured losses."""
+    from . import hf
+
+    base = _mean_nll(model, batches)
+    v_raw = artifact.v_damage.clone()
+    measured: dict[float, float] = {}
+
+    def loss(ratio: float) -> float:
+        if ratio not in measured:
+            artifact.v_damage = v_raw * ratio
+            hf.compress(model, artifact, compression=BALANCE_COMPRESSION, rule="sensitivity")
+            try:
+                measured[ratio] = _mean_nll(model, batches) - base
+            finally:
+                hf.restore(model)
+        return measured[ratio]
+
+    for ratio in BALANCE_RATIOS:
+        loss(ratio)
+    best = min(measured, key=measured.get)
+    for ratio in (best / 2**0.5, best * 2**0.5):
+        loss(ratio)
+    best = min(measured, key=measured.get)
+    artifact.v_damage = v_raw * best
+    return {"compression": BALANCE_COMPRESSION, "v_to_qk": best,
+            "measured_nll_increase": {f"{ratio:.4f}": value for ratio, value in sorted(measured.items())}}
+
+
+def calibrate(model, tokenizer=None, *, text: str = "wikipedia", num_tokens: int = 8192, seq_len: int = 1024,
+              seed: int = 0, input_ids: torch.Tensor | None = None, source_name: str | None = None,
+              v_method: str = "activation", sensitivity_tokens: int = 8192, batch_size: int = 1,
+              progress: bool = True) -> FDCArtifact:
     """Calibrates ``model`` (a Hugging Face causal LM of a supported family) and returns its FDCArtifact.
 
-    By default the tokens are ``num_tokens`` uniformly random token ids (``seed``), in sequences of ``seq_len``
-    (RoPE statistics depend on position: calibrate up to the positions you serve). ``input_ids``, a 1-D token stream
-    or (N, S) sequences of real text (named by ``source_name``), replaces them. ``v_method``: ``activation`` (SVD of the
-    captured value rows, Palu-style) or ``weight`` (the paper's SVD of W_V)."""
-    if input_ids is None:
+    Tokens: ``num_tokens`` of the bundled ``text`` (``wikipedia`` by default, read from its start; needs the
+    model's ``tokenizer``), or ``text="random"``: uniformly random token ids (``seed``, the paper's setting), or
+    ``input_ids``, a 1-D token stream or (N, S) sequences of your own text (named by ``source_name``). Sequences are
+    ``seq_len`` long (RoPE statistics depend on position: calibrate up to the positions you serve). With
+    sensitivities, the BALANCE_SEQUENCES sequences that follow the calibration tokens (in the text, or the random
+    stream) fit their V-to-Q/K balance; (N, S) ``input_ids`` give no such sequences, and the balance is left at 1.
+
+    ``v_method``: ``activation`` (principal axes of the captured values, Palu-style; the default: with the
+    sensitivity allocation it kept more of the held-out perplexity score than the output-aware factors at every
+    budget measured, bench/results/eval/README.md), ``output`` (output-aware factors, see output_aware_factors) or
+    ``weight`` (the paper's SVD of W_V). ``sensitivity_tokens``: how many of the calibration
+    tokens (whole sequences) measure every head's sensitivity for allocate(compression=...) (a forward and backward
+    pass, about 3x a calibration pass; all 8192 by default, bench/results/eval/README.md); 0 skips it."""
+    if v_method not in V_METHODS:
+        raise ValueError(f"fdc_ops.calibration.calibrate: v_method must be one of {V_METHODS}, got {v_method!r}")
+    if sensitivity_tokens < 0:
+        raise ValueError(f"fdc_ops.calibration.calibrate: sensitivity_tokens must be >= 0, got {sensitivity_tokens}")
+    held_out: list[torch.Tensor] = []  # sequences after the calibration tokens: what the V/QK balance is fitted on
+    balance = BALANCE_SEQUENCES if sensitivity_tokens else 0
+    if input_ids is None and text == "random":
         vocab_size = models._text_config(model).vocab_size
         batches = random_token_batches(vocab_size, num_tokens, seq_len, seed, batch_size)
+        if balance:
+            extra = random_token_batches(vocab_size, num_tokens + balance * seq_len, seq_len, seed, 1)
+            held_out = extra[-balance:]
         source = {"source": "random_tokens", "seed": seed}
     else:
+        if input_ids is None:
+            from . import datasets
+
+            if tokenizer is None:
+                raise ValueError(f"fdc_ops.calibration.calibrate: calibrating on text={text!r} needs the model's "
+                                 "tokenizer (pass tokenizer=), or pass text='random' for uniformly random tokens")
+            input_ids, source_name = datasets.text_tokens(tokenizer, text), text
         if input_ids.dim() == 1:
             usable = max(seq_len, min(num_tokens, input_ids.numel() // seq_len * seq_len))
             batches = text_token_batches(input_ids, usable, seq_len, batch_size)
+            used = sum(batch.shape[0] for batch in batches) * seq_len
+            if balance and input_ids.numel() >= used + balance * seq_len:
+                held_out = list(input_ids[used: used + balance * seq_len].view(balance, 1, seq_len))
         elif input_ids.dim() == 2:
             batches = list(input_ids.split(batch_size))
         else:
-            raise ValueError(f"fdc_ops: input_ids must be 1-D or (N, S), got shape {tuple(input_ids.shape)}")
+            raise ValueError(f"fdc_ops.calibration.calibrate: input_ids must be 1-D or (N, S), got shape "
+                             f"{tuple(input_ids.shape)}")
         source = {"source": source_name or "text", "seed": None}
     stats = capture_statistics(model, batches, progress=progress)
-    return artifact_from_statistics(model, stats, v_method=v_method, source=source)
+    sequences = [row[None] for batch in batches for row in batch]
+    wanted = -(-sensitivity_tokens // sequences[0].shape[1]) if sensitivity_tokens else 0
+    return artifact_from_statistics(model, stats, v_method=v_method, source=source,
+                                    sensitivity_batches=sequences[:wanted], balance_batches=held_out,
+                                    progress=progress)
 
 
-def load_or_calibrate(model, tokenizer=None, *, text: str = "random", num_tokens: int = 8192, seq_len: int = 1024,
-                      seed: int = 0, v_method: str = "activation", directory=None,
-                      progress: bool = True) -> FDCArtifact:
-    """The artifact for these settings from the cache (``$FDC_CACHE/artifacts``, keyed by the model's fingerprint and
-    the settings), calibrating and saving it on first use. ``text``: ``random`` or a bundled text (needs the
-    tokenizer). A cached artifact that fails validation is recalibrated."""
-    from . import datasets
-
+def load_or_calibrate(model, tokenizer=None, *, text: str = "wikipedia", num_tokens: int = 8192,
+                      seq_len: int = 1024, seed: int = 0, v_method: str = "activation", sensitivity_tokens: int = 8192,
+                      directory=None, progress: bool = True) -> FDCArtifact:
+    """The artifact for these settings from the cache (``$FDC_CACHE/artifacts``, keyed by the format version, the
+    model's fingerprint and the settings), calibrating and saving it on first use. ``text``: a bundled text (needs
+    the tokenizer) or ``random``. A cached artifact that fails validation is recalibrated."""
     fingerprint = models.fingerprint(model)
-    path = Path(directory or models.cache_dir() / "artifacts") / \
-        f"{fingerprint[:16]}-{text}-{num_tokens}-{seq_len}-{seed}-{v_method}"
+    path = Path(directory or models.cache_dir() / "artifacts") / (
+        f"v{FORMAT_VERSION}-{fingerprint[:16]}-{text}-{num_tokens}-{seq_len}-{seed}-{v_method}-{sensitivity_tokens}")
     if path.is_dir():
         try:
             return FDCArtifact.load(path, model=model)
         except ArtifactError as error:
             print(f"recalibrating: the cached artifact is unusable ({error})")
-    if text == "random":
-        artifact = calibrate(model, num_tokens=num_tokens, seq_len=seq_len, seed=seed, v_method=v_method,
-                             progress=progress)
-    else:
-        if tokenizer is None:
-            raise ValueError(f"fdc_ops: calibrating on {text} needs the model's tokenizer")
-        artifact = calibrate(model, num_tokens=num_tokens, seq_len=seq_len, input_ids=datasets.text_tokens(
-            tokenizer, text), source_name=text, v_method=v_method, progress=progress)
+    artifact = calibrate(model, tokenizer, text=text, num_tokens=num_tokens, seq_len=seq_len, seed=seed,
+                         v_method=v_method, sensitivity_tokens=sensitivity_tokens, progress=progress)
     artifact.save(path)
     return artifact

@@ -1,16 +1,31 @@
-"""``python -m fdc_ops eval``: FDC, FDC with uniform ranks (the paper's /AC) and the Palu baseline on the bundled
-SmolLM2-135M, through the same modules (fdc_ops.hf.compress) and operators.
+"""``python -m fdc_ops eval``: accuracy against KV compression on the bundled SmolLM2-135M, side by side, through the
+same modules (fdc_ops.hf.compress) and operators:
 
-For each method and metric (perplexity on held-out Wikipedia; edit similarity of greedy HumanEval completions
-against the canonical solutions), the removal rate that keeps ``target`` (default 99%) of the uncompressed score is
-found by bisection, and the KV compression rate it gives is tabulated (the paper's Tables 7-11, in this setting).
-Then each method at its perplexity-target rate side by side: perplexity, edit similarity, ROUGE-1 against the
-canonical solutions, time to first token and time between tokens. Writes JSON to ``--out``.
+- ``FDC (paper)``: the paper's rule (one singular-value removal rate for every head, searched to the byte budget)
+  with the V basis from the activations;
+- ``FDC (defaults)``: this package's defaults (V basis from the activations, widths from the measured
+  sensitivities by an exact knapsack over the byte budget);
+- ``uniform ranks``: one Q/K width and one V width for every head (the paper's /AC ablation), default artifact;
+- ``Palu``: Palu as Palu builds it: low-rank K latent before RoPE and V from the whitened SVD (principal axes of the
+  keys and values), widths by its Fisher-information rank search.
+
+All are calibrated on the same text (the start of the bundled Wikipedia stream, ``--text``). For each method and
+metric (perplexity on held-out Wikipedia, scored as ``exp(-NLL)``, so 99% of the score allows about 1% more
+perplexity; edit similarity of greedy HumanEval completions), the score relative to the uncompressed model is
+measured on a grid of compressions from 0 to 0.5, then refined by bisection around each accuracy level of
+``--refine``. A score need not fall monotonically with compression (HumanEval edit similarity visibly does not), so
+the compression reported for a level is the largest tried compression whose score, and the score of every smaller
+tried compression, stay at or above it: never one that only bisection's monotonicity assumption would give.
+
+Every evaluation is appended to ``<out>/<model>-eval-<metric>-points.json`` as it finishes (keyed by the widths, so
+an interrupted run resumes and equal allocations are measured once); each run rewrites the curves, JSON and PNG,
+from all points so far.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -18,95 +33,203 @@ from pathlib import Path
 import torch
 
 from . import calibration, datasets, evaluation, hf, models, provenance
+from .calibration import RankAllocation
 
-METHODS = {"FDC": {"method": "fdc"}, "FDC, uniform ranks (/AC)": {"method": "fdc", "uniform": True},
-           "Palu": {"method": "palu"}}
+METHODS = {
+    "FDC (paper)": {"artifact": "default", "rule": "singular_value"},
+    "FDC (defaults)": {"artifact": "default"},
+    "uniform ranks": {"artifact": "default", "uniform": True},
+    "Palu": {"artifact": "default", "method": "palu"},
+}
+# The measurements behind the defaults (bench/results/eval/README.md): the output-aware V factors against the
+# default activation V, each with the sensitivity allocation.
+ABLATIONS = {
+    "output V, sensitivity": {"artifact": "output"},
+}
+GRID = (0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)  # dense where 99% is decided, to 0.5
+LEVELS = tuple(round(0.90 + 0.01 * i, 2) for i in range(10))  # accuracy levels tabulated: 0.90 .. 0.99
+METRICS = ("perplexity", "edit_similarity")
 
 
-def run(out: str = "bench/results/eval", target: float = 0.99, text: str = "wikipedia", problems: int = 32,
-        max_new_tokens: int = 96, eval_tokens: int = 4096, quick: bool = False) -> dict:
+def best_compression(points: list[tuple[float, float]], level: float) -> float:
+    """The largest compression whose relative score and that of every smaller tried compression are >= level (0 when
+    the smallest tried one already falls short). points: (compression, relative score) pairs, any order."""
+    best = 0.0
+    for compression, score in sorted(points):
+        if score < level:
+            break
+        best = compression
+    return best
+
+
+def uniform_allocation(shape, compression: float, multiple: int = 8) -> RankAllocation:
+    """One Q/K width and one V width for all heads, the widest pair within the byte budget; when the pair's total is
+    an odd number of quanta, V (the more fragile half on this model) gets the extra quantum."""
+    D = shape.head_dim
+    pair = int((1.0 - compression) * 2 * D + 1e-9) // multiple * multiple
+    v = min(D, -(-pair // (2 * multiple)) * multiple)
+    qk = max(multiple, pair - v)
+    dims = torch.full((shape.num_layers, shape.num_kv_heads), qk, dtype=torch.int64)
+    return RankAllocation(dims, torch.full_like(dims, v), D, "uniform", None, {"compression_target": compression})
+
+
+def _key(name: str, allocation: RankAllocation) -> str:
+    widths = torch.cat([allocation.qk_dims.flatten(), allocation.v_dims.flatten()]).tolist()
+    tag = f"{name}|{widths}"
+    return hashlib.sha256(tag.encode()).hexdigest()[:16]
+
+
+def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str = "wikipedia",
+        methods: tuple[str, ...] | None = None, refine: tuple[float, ...] = (0.99, 0.9), refine_steps: int = 3,
+        eval_tokens: int = 4096, problems: int = 16, max_new_tokens: int = 64, budget_s: float | None = None) -> dict:
+    """Measures what is missing (see the module docstring), for at most ``budget_s`` seconds of evaluations, and
+    writes the curves. Returns the results dictionary."""
+    if metric not in METRICS:
+        raise ValueError(f"fdc_ops.compare.run: metric must be one of {METRICS}, got {metric!r}")
+    table = {**METHODS, **ABLATIONS}
+    methods = tuple(methods or METHODS)
+    unknown = [name for name in methods if name not in table]
+    if unknown:
+        raise ValueError(f"fdc_ops.compare.run: unknown methods {unknown}; known: {list(table)}")
     begin = time.time()
     torch.manual_seed(0)
-    if quick:
-        problems, max_new_tokens, eval_tokens = 4, 24, 1024
     model, tokenizer = models.load_model()
-    artifact = calibration.load_or_calibrate(model, tokenizer, text=text)
+    shape = models.attention_shape(model)
+    artifacts = {"default": calibration.load_or_calibrate(model, tokenizer, text=text),
+                 "output": calibration.load_or_calibrate(model, tokenizer, text=text, v_method="output")}
     wiki = datasets.text_tokens(tokenizer, "wikipedia")[-eval_tokens:]
     tasks = list(datasets.humaneval_problems()[:problems])
 
-    def perplexity_score() -> dict:
-        value = evaluation.perplexity(model, wiki, progress=False)
-        return {"perplexity": value, "score": 1.0 / value}  # exp(-mean NLL): higher is better
-
-    def humaneval_score() -> dict:
+    def measure() -> float:
+        if metric == "perplexity":
+            return 1.0 / evaluation.perplexity(model, wiki, progress=False)  # exp(-mean NLL): higher is better
         scores = evaluation.humaneval_scores(model, tokenizer, tasks, max_new_tokens=max_new_tokens, progress=False)
-        return {**scores, "score": scores["edit_similarity"]}
+        return scores["edit_similarity"]
 
-    metrics = {"perplexity": perplexity_score, "edit similarity": humaneval_score}
-    base = {name: measure() for name, measure in metrics.items()}
-    base_speed = evaluation.latency(model)
-    print(f"uncompressed: perplexity {base['perplexity']['perplexity']:.3f}, HumanEval edit similarity "
-          f"{base['edit similarity']['edit_similarity']:.4f} ({problems} problems), ROUGE-1 "
-          f"{base['edit similarity']['rouge1']:.4f}")
+    directory = Path(out)
+    directory.mkdir(parents=True, exist_ok=True)
+    model_name = "smollm2"
+    points_path = directory / f"{model_name}-eval-{metric}-points.json"
+    settings_tag = {"metric": metric, "text": text, "eval_tokens": eval_tokens, "problems": problems,
+                    "max_new_tokens": max_new_tokens, "fingerprint": models.fingerprint(model),
+                    "calibration": {name: artifact.metadata["calibration"] for name, artifact in artifacts.items()}}
+    store = json.loads(points_path.read_text()) if points_path.is_file() else {}
+    if store.get("settings") != settings_tag:
+        store = {"settings": settings_tag, "base": None, "points": {}}
+    if store["base"] is None:
+        store["base"] = measure()
+        points_path.write_text(json.dumps(store, indent=1) + "\n")
+    base = store["base"]
 
-    def compressed(settings: dict, rate: float, measure):
-        allocation = hf.compress(model, artifact, removal_rate=rate, **settings)
-        try:
-            return allocation, measure()
-        finally:
-            hf.restore(model)
+    def allocation_for(settings: dict, compression: float) -> RankAllocation:
+        if settings.get("uniform"):
+            return uniform_allocation(shape, compression)
+        artifact = artifacts[settings["artifact"]]
+        return artifact.allocate(compression=compression, rule=settings.get("rule"),
+                                 method=settings.get("method", "fdc"))
 
-    searches = []
-    for method, settings in METHODS.items():
-        for metric, measure in metrics.items():
+    class OutOfTime(Exception):
+        pass
+
+    def relative(name: str, compression: float) -> tuple[float, float]:
+        """(actual compression, relative score) of ``name`` at a byte budget, measured once per allocation."""
+        settings = table[name]
+        allocation = allocation_for(settings, compression)
+        key = _key(name, allocation)
+        if key not in store["points"]:
+            if budget_s is not None and time.time() - begin > budget_s:
+                raise OutOfTime
             started = time.time()
-            rate, relative, tried = evaluation.search_removal_rate(
-                lambda r: compressed(settings, r, measure)[1]["score"] / base[metric]["score"], target)
-            allocation = hf.compress(model, artifact, removal_rate=rate, **settings)
-            hf.restore(model)
-            searches.append({"method": method, "metric": metric, "removal_rate": rate,
-                             "compression": allocation.compression_rate, "relative_score": relative, "tried": tried,
-                             "seconds": time.time() - started})
-            print(f"{method:<26} {metric:<16} removal rate {rate:.4f}  KV compression {allocation.compression_rate:.3f}"
-                  f"  relative score {relative:.4f}")
+            hf.compress(model, artifacts[settings["artifact"]], allocation=allocation,
+                        method=settings.get("method", "fdc"))
+            try:
+                score = measure()
+            finally:
+                hf.restore(model)
+            store["points"][key] = {"method": name, "requested": compression,
+                                    "compression": allocation.compression_rate, "relative_score": score / base,
+                                    "mean_qk_dim": float(allocation.qk_dims.double().mean()),
+                                    "mean_v_dim": float(allocation.v_dims.double().mean()),
+                                    "seconds": time.time() - started}
+            points_path.write_text(json.dumps(store, indent=1) + "\n")
+            print(f"{name:<28} budget {compression:.4f}  KV compression {allocation.compression_rate:.4f}  relative "
+                  f"{metric} score {score / base:.4f}", flush=True)
+        point = store["points"][key]
+        return point["compression"], point["relative_score"]
 
-    side_by_side = [{"method": "uncompressed", "compression": 0.0, "perplexity": base["perplexity"]["perplexity"],
-                     "edit_similarity": base["edit similarity"]["edit_similarity"],
-                     "rouge1": base["edit similarity"]["rouge1"], **base_speed}]
-    for method, settings in METHODS.items():
-        rate = next(s["removal_rate"] for s in searches if s["method"] == method and s["metric"] == "perplexity")
-        allocation = hf.compress(model, artifact, removal_rate=rate, **settings)
-        try:
-            row = {"method": method, "removal_rate": rate, "compression": allocation.compression_rate,
-                   **perplexity_score(), **humaneval_score(), **evaluation.latency(model)}
-        finally:
-            hf.restore(model)
-        row.pop("completions")
-        side_by_side.append(row)
+    complete = True
+    try:
+        for name in methods:
+            tried = {c: relative(name, c) for c in GRID}  # budget -> (compression, relative score)
+            for level in refine:
+                for _ in range(refine_steps):  # bisect between the last budget keeping the level and the next one
+                    low = 0.0
+                    for budget in sorted(tried):
+                        if tried[budget][1] < level:
+                            break
+                        low = budget
+                    higher = [budget for budget in sorted(tried) if budget > low]
+                    if not higher:
+                        break
+                    middle = (low + higher[0]) / 2
+                    tried[middle] = relative(name, middle)
+    except OutOfTime:
+        complete = False
+        print(f"stopping: the {budget_s:.0f} s budget is spent; run again to continue")
+    return _write(directory, model_name, metric, store, methods, complete, begin)
 
-    print(f"\nKV compression rate at {target:.0%} of the uncompressed score (SmolLM2-135M, calibrated on {text})")
-    print(f"{'method':<26}{'perplexity':>12}{'edit similarity':>17}")
-    for method in METHODS:
-        cells = [next(s["compression"] for s in searches if s["method"] == method and s["metric"] == metric)
-                 for metric in metrics]
-        print(f"{method:<26}{cells[0]:>12.3f}{cells[1]:>17.3f}")
-    print(f"\neach method at its {target:.0%}-perplexity rate")
-    print(f"{'method':<26}{'KV compr.':>10}{'ppl':>9}{'edit sim':>10}{'ROUGE-1':>9}{'TTFT ms':>9}{'TBT ms':>8}")
-    for row in side_by_side:
-        print(f"{row['method']:<26}{row['compression']:>10.3f}{row['perplexity']:>9.3f}{row['edit_similarity']:>10.4f}"
-              f"{row['rouge1']:>9.4f}{row['ttft_ms']:>9.1f}{row['tbt_ms']:>8.2f}")
 
+def _write(directory: Path, model_name: str, metric: str, store: dict, methods, complete: bool, begin: float) -> dict:
+    curves = {}
+    for name in methods:
+        points = sorted((p["compression"], p["relative_score"]) for p in store["points"].values()
+                        if p["method"] == name)
+        if not points:
+            continue
+        curves[name] = {"points": [{"compression": c, "relative_score": s} for c, s in points],
+                        "compression_at": {f"{level:.2f}": best_compression(points, level) for level in LEVELS}}
+    print(f"\nKV compression at each share of the uncompressed {metric} score (largest with every smaller tried "
+          f"compression also at or above it)")
+    print(f"{'method':<28}" + "".join(f"{level:>7.2f}" for level in LEVELS))
+    for name, curve in curves.items():
+        print(f"{name:<28}" + "".join(f"{curve['compression_at'][f'{level:.2f}']:>7.3f}" for level in LEVELS))
+    if "FDC (defaults)" in curves and "Palu" in curves:
+        gaps = {level: curves["FDC (defaults)"]["compression_at"][level] - curves["Palu"]["compression_at"][level]
+                for level in curves["Palu"]["compression_at"]}
+        print(f"{'defaults - Palu':<28}" + "".join(f"{gap:>7.3f}" for gap in gaps.values()))
     commit, dirty = provenance.git_commit()
     utc = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    results = {"model": models.model_id(model), "calibration_text": text, "target": target, "problems": problems,
-               "max_new_tokens": max_new_tokens, "eval_tokens": eval_tokens, "quick": quick, "searches": searches,
-               "side_by_side": side_by_side,
+    results = {"model": model_name, "settings": store["settings"], "base_score": store["base"], "complete": complete,
+               "curves": curves,
                "run": {"device": provenance.device_name(torch.device("cpu")), "torch": torch.__version__,
                        "threads": torch.get_num_threads(), "commit": commit, "dirty": dirty, "utc": utc,
                        "seconds": time.time() - begin}}
-    directory = Path(out)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"smollm2-eval{'-quick' if quick else ''}-{utc}.json"
+    path = directory / f"{model_name}-eval-{metric}.json"
     path.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"\nwritten to {path} in {time.time() - begin:.0f} s")
+    _plot(directory / f"{model_name}-eval-{metric}.png", curves, metric)
+    print(f"\nwritten to {path} and its .png")
     return results
+
+
+def _plot(path: Path, curves: dict, metric: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for name, curve in curves.items():
+        xs = [p["compression"] for p in curve["points"]]
+        ys = [p["relative_score"] for p in curve["points"]]
+        axis.plot(xs, ys, "o-", markersize=3, label=name)
+    for level in (0.99, 0.9):
+        axis.axhline(level, color="grey", linewidth=0.8, linestyle="--")
+    axis.set_xlim(0, 0.5)
+    axis.set_ylim(0.2, 1.01)
+    axis.set_xlabel("KV cache compression (share of bytes removed)")
+    axis.set_ylabel(f"{metric} score / uncompressed")
+    axis.set_title(f"SmolLM2-135M: {metric} vs KV compression")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

@@ -2,7 +2,7 @@
 the KV cache a generation holds.
 
     model, tokenizer = fdc_ops.models.load_model()
-    artifact = fdc_ops.calibration.calibrate(model)
+    artifact = fdc_ops.calibration.calibrate(model, tokenizer)    # Wikipedia text; text="random" for the paper's
     allocation = fdc_ops.hf.compress(model, artifact, compression=0.1)   # or removal_rate=0.05 (the paper's rule)
     cache = transformers.DynamicCache()
     model.generate(**inputs, past_key_values=cache)      # or let generate() create the cache
@@ -25,7 +25,7 @@ METHODS = ("fdc", "palu")
 
 
 def _allocation(artifact: FDCArtifact, method: str, removal_rate, compression, allocation, qk_dims, v_dims,
-                weighting: str | None, uniform: bool) -> RankAllocation:
+                weighting: str | None, rule: str | None, uniform: bool) -> RankAllocation:
     shape = artifact.shape
     given = [removal_rate is not None, compression is not None, allocation is not None,
              qk_dims is not None or v_dims is not None]
@@ -33,7 +33,8 @@ def _allocation(artifact: FDCArtifact, method: str, removal_rate, compression, a
         raise ValueError("fdc_ops.hf.compress: give exactly one of removal_rate, compression, allocation, or qk_dims "
                          "and v_dims")
     if removal_rate is not None or compression is not None:
-        allocation = artifact.allocate(removal_rate, weighting=weighting, method=method, compression=compression)
+        allocation = artifact.allocate(removal_rate, weighting=weighting, method=method, compression=compression,
+                                       rule=rule)
         return allocation.uniform() if uniform else allocation
     if allocation is None:
         if qk_dims is None or v_dims is None:
@@ -62,10 +63,11 @@ def _check_sliding_window(model) -> None:
 
 def compress(model, artifact: FDCArtifact, removal_rate: float | None = None, *, compression: float | None = None,
              allocation: RankAllocation | None = None, qk_dims=None, v_dims=None, method: str = "fdc",
-             weighting: str | None = None, uniform: bool = False) -> RankAllocation:
+             weighting: str | None = None, rule: str | None = None, uniform: bool = False) -> RankAllocation:
     """Replaces every attention module of ``model`` in place by FDCAttention (``method="fdc"``) or the Palu baseline
     (``method="palu"``; ``qk_dims`` are then the widths of the cached key latent). Widths: a KV byte budget
-    (``compression=0.1`` removes at least 10% of the cache: ``FDCArtifact.allocate(compression=...)``), one removal
+    (``compression=0.1`` removes at least 10% of the cache, widths by ``rule``, default the measured sensitivities:
+    ``FDCArtifact.allocate(compression=...)``), one removal
     rate (the paper's rule on the artifact's singular values; ``weighting="explained_variance"`` uses s^2), an
     allocation, or explicit (L, H_kv) ``qk_dims`` and ``v_dims``; ``uniform=True`` gives every head the mean width
     (the /AC ablation). Returns the allocation used. generate() and forward() work unchanged; fdc_ops.hf.restore undoes it."""
@@ -76,20 +78,22 @@ def compress(model, artifact: FDCArtifact, removal_rate: float | None = None, *,
     _check_sliding_window(model)
     artifact.check_model(model)
     allocation = _allocation(artifact, method, removal_rate, compression, allocation, qk_dims, v_dims, weighting,
-                             uniform)
+                             rule, uniform)
     shape = models.attention_shape(model)
     H, Hkv, D, G = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.group
     decoder = model.get_decoder()
     padding = PaddingState()
     originals = models.attention_modules(model)
+    v_encoder, v_decoder = artifact.v_factors(method)
     for layer, original in enumerate(originals):
         weights = models.attention_weights(original, shape)
         dtype, device = weights.q_weight.dtype, weights.q_weight.device
         qk_dims_l, v_dims_l = allocation.qk_dims[layer], allocation.v_dims[layer]
         qk_offsets, v_offsets = allocation.offsets(layer)
-        v_basis = artifact.v_basis[layer].to(device)
-        value_weight = calibration.fold_value_projection(weights.v_weight.detach(), v_basis, v_dims_l.tolist())
-        output_weight = calibration.fold_output_projection(weights.o_weight.detach(), v_basis, v_dims_l.tolist(), G)
+        value_weight = calibration.fold_value_projection(weights.v_weight.detach(), v_encoder[layer].to(device),
+                                                         v_dims_l.tolist())
+        output_weight = calibration.fold_output_projection(weights.o_weight.detach(), v_decoder[layer].to(device),
+                                                           v_dims_l.tolist(), G)
         output_bias = weights.o_bias.detach() if weights.o_bias is not None else None
         if weights.v_bias is not None:
             folded = calibration.fold_value_bias(weights.v_bias.detach(), weights.o_weight.detach(), Hkv, G)

@@ -53,7 +53,7 @@ def test_rotations_are_the_svd_of_the_stacked_rows(family):
     generator, rng, replay = case_generator("rotations", FAMILIES.index(family))
     model = tiny_model(family, seed=rng.randrange(1000))
     ids = random_ids(model, generator, 3, rng.randrange(20, 50))
-    artifact = calibration.calibrate(model, input_ids=ids, progress=False)
+    artifact = calibration.calibrate(model, input_ids=ids, v_method="activation", progress=False)
     G = models.attention_shape(model).group
     eye = torch.eye(HEAD_DIM, dtype=torch.float64)
     for layer, hidden in enumerate(layer_inputs(model, ids)):
@@ -128,8 +128,8 @@ def test_folded_projections_reproduce_attention_at_full_rank(family, v_method):
     q = ops.rotate_compress(q_p.float().transpose(1, 2).reshape(tokens, -1, D), R, qk_offsets, G)
     k = ops.rotate_compress(k_p.float().transpose(1, 2).reshape(tokens, -1, D), R, qk_offsets, 1)
     dims = allocation.v_dims[layer].tolist()
-    A_V = calibration.fold_value_projection(weights.v_weight.detach(), artifact.v_basis[layer], dims)
-    W_O = calibration.fold_output_projection(weights.o_weight.detach(), artifact.v_basis[layer], dims, G)
+    A_V = calibration.fold_value_projection(weights.v_weight.detach(), artifact.v_encoder[layer], dims)
+    W_O = calibration.fold_output_projection(weights.o_weight.detach(), artifact.v_decoder[layer], dims, G)
     v = hidden.flatten(0, 1) @ A_V.T
     cu = torch.tensor([0, ids.shape[1], 2 * ids.shape[1]], dtype=torch.int32)
     out = ops.prefill_attention(q, k, v, cu, cu, qk_offsets, v_offsets, G, D**-0.5, True)
@@ -141,6 +141,87 @@ def test_folded_projections_reproduce_attention_at_full_rank(family, v_method):
                                                       shape.num_kv_heads, G)
     torch.testing.assert_close(result.view_as(expected), expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item(),
                                msg=f"{family} layer {layer}: {replay}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_output_aware_v_factors_are_exact_at_full_rank_in_float64(family):
+    """The output-aware pair folded into A_V and W_O' composes to W_O(h) W_V(kv(h)) for every query head, and the
+    factors order directions by the output energy they carry: truncating to w dims loses exactly the tail of S^2
+    in E||W (v - v_w)||^2 (the best any rank-w pair can do for that objective)."""
+    generator, rng, replay = case_generator("output_aware", FAMILIES.index(family))
+    model = tiny_model(family, seed=rng.randrange(1000)).double()
+    ids = random_ids(model, generator, 2, 40)
+    stats = calibration.capture_statistics(model, [ids], progress=False)
+    values, encoder, decoder = calibration.output_aware_factors(model, stats.v_gram)
+    shape = models.attention_shape(model)
+    G, D, Hkv = shape.group, shape.head_dim, shape.num_kv_heads
+    eye = torch.eye(D, dtype=torch.float64)
+    for layer, module in enumerate(models.attention_modules(model)):
+        weights = models.attention_weights(module, shape)
+        full = [D] * Hkv
+        A_V = calibration.fold_value_projection(weights.v_weight.detach(), encoder[layer], full)
+        W_O = calibration.fold_output_projection(weights.o_weight.detach(), decoder[layer], full, G)
+        assert A_V.dtype == torch.float64
+        for h in range(shape.num_heads):
+            j = h // G
+            folded = W_O[:, h * D:(h + 1) * D] @ A_V[j * D:(j + 1) * D]
+            original = weights.o_weight.detach()[:, h * D:(h + 1) * D] @ weights.v_weight.detach()[j * D:(j + 1) * D]
+            torch.testing.assert_close(folded, original, rtol=0, atol=1e-12 * original.abs().max().item(),
+                                       msg=f"{family} layer {layer} head {h}: {replay}")
+        torch.testing.assert_close(decoder[layer].transpose(-1, -2) @ encoder[layer], eye.expand(Hkv, D, D),
+                                   rtol=0, atol=1e-12)
+        o_weight = weights.o_weight.detach().view(-1, Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, -1, D)
+        for j in range(Hkv):
+            w = rng.randrange(1, D)
+            projector = decoder[layer, j, :, :w] @ encoder[layer, j, :, :w].T  # v -> v_w
+            residual = o_weight[j] @ (eye - projector)
+            lost = torch.trace(residual @ stats.v_gram[layer, j] @ residual.T)
+            floor = calibration.COVARIANCE_FLOOR * torch.linalg.eigvalsh(stats.v_gram[layer, j])[-1]
+            assert lost <= (values[layer, j, w:] ** 2).sum() + 1e-9 * lost.abs(), replay
+            assert lost >= (values[layer, j, w:] ** 2).sum() - floor * (o_weight[j] ** 2).sum(), replay
+
+
+def test_knapsack_dims_is_optimal_and_fisher_dims_meets_the_budget():
+    import itertools
+
+    for case in range(30):
+        generator, rng, replay = case_generator("knapsack", case)
+        N, D, multiple = rng.randrange(1, 5), rng.choice([16, 24, 32]), 8
+        damage = torch.rand(N, D + 1, generator=generator, dtype=torch.float64).sort(-1, descending=True).values
+        damage[:, D] = 0.0
+        budget = rng.randrange(N * multiple, N * D + 1)
+        widths = list(range(multiple, D + 1, multiple))
+        best = min((sum(damage[n, w].item() for n, w in enumerate(choice)), choice)
+                   for choice in itertools.product(widths, repeat=N) if sum(choice) <= budget)
+        got = calibration.knapsack_dims(damage, budget, multiple)
+        assert int(got.sum()) <= budget, replay
+        assert sum(damage[n, w].item() for n, w in enumerate(got.tolist())) == pytest.approx(best[0]), replay
+        fisher = torch.rand(N, generator=generator, dtype=torch.float64)
+        dims = calibration.fisher_dims(fisher, budget, D, multiple)
+        assert int(dims.sum()) <= budget and budget - int(dims.sum()) < multiple or (dims == D).all(), replay
+        assert ((dims % multiple == 0) & (dims >= multiple) & (dims <= D)).all(), replay
+    with pytest.raises(ValueError, match="must divide head_dim"):
+        calibration.knapsack_dims(torch.zeros(2, 21), 32, 8)  # D = 20
+
+
+def test_sensitivity_is_a_non_negative_decreasing_tail_and_leaves_the_model_unchanged():
+    model = tiny_model("phi3", seed=4)  # fused qkv_proj: the Fisher path splits its gradient
+    requires = [p.requires_grad for p in model.parameters()]
+    artifact = small_artifact(model=model)
+    assert [p.requires_grad for p in model.parameters()] == requires
+    assert all(p.grad is None for p in model.parameters())
+    for damage in (artifact.qk_damage, artifact.v_damage):
+        assert (damage >= 0).all() and (damage[..., -1] == 0).all() and (damage[..., 0] > 0).all()
+    assert (artifact.palu_fisher > 0).all()
+    balance = artifact.metadata["calibration"]["balance"]  # fitted on the random sequences after the calibration ones
+    assert balance["measured_nll_increase"][f"{balance['v_to_qk']:.4f}"] == min(
+        balance["measured_nll_increase"].values())
+    terms = torch.randn(3, 5, 8, dtype=torch.float64)
+    brute = torch.stack([0.5 * (terms[..., w:].sum(-1) ** 2).sum(-1) for w in range(9)], dim=-1)
+    torch.testing.assert_close(calibration._tail_damage(terms), brute)
+    for rule in ("sensitivity", "fisher"):
+        allocation = artifact.allocate(compression=0.25, rule=rule, method="fdc" if rule == "sensitivity" else "palu")
+        assert 0.25 <= allocation.compression_rate < 0.25 + 8 / (2 * HEAD_DIM), rule
 
 
 def paper_kept_dims(values: list[float], removal_rate: float) -> int:
@@ -177,7 +258,8 @@ def test_rank_allocation_matches_the_paper_condition():
 
 def small_artifact(seed: int = 0, model=None) -> FDCArtifact:
     model = model if model is not None else tiny_model("llama", seed=seed)
-    return calibration.calibrate(model, num_tokens=96, seq_len=32, seed=seed, progress=False)
+    return calibration.calibrate(model, text="random", num_tokens=96, seq_len=32, seed=seed, sensitivity_tokens=64,
+                                 progress=False)
 
 
 def test_allocation_compression_rate_offsets_and_uniform_ablation():
@@ -223,14 +305,19 @@ def test_artifact_round_trip(tmp_path):
     artifact = small_artifact(model=model)
     artifact.save(tmp_path / "artifact")
     loaded = FDCArtifact.load(tmp_path / "artifact", model=model)
-    for name in ("qk_rotation", "qk_singular_values", "v_basis", "v_singular_values", "key_basis",
-                 "key_singular_values"):
+    for name in calibration._tensor_specs(artifact.shape):
         assert torch.equal(getattr(loaded, name), getattr(artifact, name)), name
     assert loaded.metadata["calibration"] == artifact.metadata["calibration"]
     assert loaded.metadata["fingerprint"] == models.fingerprint(model)
     for rate in (0.0, 0.1, 0.4):
         assert torch.equal(loaded.allocate(rate).qk_dims, artifact.allocate(rate).qk_dims)
         assert torch.equal(loaded.allocate(rate).v_dims, artifact.allocate(rate).v_dims)
+    assert torch.equal(loaded.allocate(compression=0.3).v_dims, artifact.allocate(compression=0.3).v_dims)
+    assert loaded.metadata["calibration"]["sensitivity_tokens"] == 62  # two sequences of 32, first tokens unscored
+    unmeasured = calibration.calibrate(model, text="random", num_tokens=64, seq_len=32, sensitivity_tokens=0,
+                                       progress=False)
+    unmeasured.save(tmp_path / "unmeasured")
+    assert not FDCArtifact.load(tmp_path / "unmeasured").has_sensitivity
 
 
 @pytest.fixture
@@ -265,6 +352,10 @@ def test_bad_metadata_is_rejected(saved):
     path.write_text(json.dumps({**metadata, "format_version": 99}))
     with pytest.raises(ArtifactError, match="format version 99"):
         FDCArtifact.load(directory)
+    path.write_text(json.dumps({**metadata, "format_version": 1}))
+    with pytest.raises(ArtifactError, match=r"format version 1; this fdc_ops reads version 2 .*: recalibrate: "
+                                            r"fdc_ops.calibration.calibrate\(model, tokenizer\)"):
+        FDCArtifact.load(directory)
     path.write_text(json.dumps(metadata)[:50])
     with pytest.raises(ArtifactError, match="not valid JSON"):
         FDCArtifact.load(directory)
@@ -294,6 +385,11 @@ def test_non_orthonormal_basis_is_rejected(tmp_path):
     artifact.save(tmp_path / "bad")
     with pytest.raises(ArtifactError, match="not orthonormal"):
         FDCArtifact.load(tmp_path / "bad")
+    artifact = small_artifact()
+    artifact.v_decoder = artifact.v_decoder * (1 + 1e-6)
+    artifact.save(tmp_path / "bad_v")
+    with pytest.raises(ArtifactError, match="not the identity"):
+        FDCArtifact.load(tmp_path / "bad_v")
 
 
 def test_artifact_of_another_model_is_rejected(saved):
@@ -308,9 +404,11 @@ def test_artifact_of_another_model_is_rejected(saved):
 def test_calibrate_rejects_bad_arguments():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="v_method"):
-        calibration.calibrate(model, num_tokens=32, seq_len=16, v_method="whitened", progress=False)
+        calibration.calibrate(model, text="random", num_tokens=32, seq_len=16, v_method="whitened", progress=False)
     with pytest.raises(ValueError, match="num_tokens"):
-        calibration.calibrate(model, num_tokens=0, progress=False)
+        calibration.calibrate(model, text="random", num_tokens=0, progress=False)
+    with pytest.raises(ValueError, match=r"text='wikipedia' needs the model's tokenizer"):
+        calibration.calibrate(model, progress=False)
     with pytest.raises(ValueError, match="fewer than"):
         calibration.calibrate(model, input_ids=torch.arange(10), seq_len=16, progress=False)
 
@@ -329,7 +427,7 @@ def test_calibrate_command_line(tmp_path):
     model.save_pretrained(tmp_path / "model")
     out = tmp_path / "artifact"
     result = subprocess.run([sys.executable, "-m", "fdc_ops", "calibrate", "--model", str(tmp_path / "model"),
-                             "--out", str(out), "--num-tokens", "64", "--seq-len", "32"],
+                             "--out", str(out), "--num-tokens", "64", "--seq-len", "32", "--text", "random"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     artifact = FDCArtifact.load(out, model=model)

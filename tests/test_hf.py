@@ -17,7 +17,8 @@ METHODS = ("fdc", "palu")
 
 def calibrated(family: str, seed: int, **overrides):
     model = tiny_model(family, seed=seed, **overrides)
-    artifact = calibration.calibrate(model, num_tokens=128, seq_len=32, seed=seed, progress=False)
+    artifact = calibration.calibrate(model, text="random", num_tokens=128, seq_len=32, seed=seed, sensitivity_tokens=64,
+                                     progress=False)
     return model, artifact
 
 
@@ -121,7 +122,7 @@ def test_heads_of_different_widths_reproduce_an_exactly_low_rank_model():
     qk_dims = [[8, 24], [16, 8]]
     v_dims = [[16, 8], [24, 16]]
     model = low_rank_model(rng.randrange(1000), qk_dims, v_dims)
-    artifact = calibration.calibrate(model, num_tokens=256, seq_len=64, seed=1, progress=False)
+    artifact = calibration.calibrate(model, text="random", num_tokens=256, seq_len=64, seed=1, progress=False)
     ids = torch.randint(1, model.config.vocab_size, (2, 40), generator=generator)
     expected = logits_of(model, ids)
     expected_tokens = generate(model, ids)
@@ -183,7 +184,7 @@ def test_compress_rejects_bad_requests():
         hf.compress(model, artifact, removal_rate=0.1)
     windowed = tiny_model("mistral", sliding_window=16)
     with pytest.raises(NotImplementedError, match="sliding"):
-        hf.compress(windowed, calibration.calibrate(windowed, num_tokens=32, seq_len=16, progress=False),
+        hf.compress(windowed, calibration.calibrate(windowed, text="random", num_tokens=32, seq_len=16, progress=False),
                     removal_rate=0.1)
 
 
@@ -192,7 +193,7 @@ def test_smollm2_at_full_rank_matches_the_original():
     from fdc_ops import models
 
     model, tokenizer = models.load_model()
-    artifact = calibration.calibrate(model, num_tokens=1024, seq_len=256, progress=False)
+    artifact = calibration.calibrate(model, tokenizer, num_tokens=1024, seq_len=256, sensitivity_tokens=0, progress=False)
     ids = tokenizer(["The history of the printing press", "def fibonacci(n):"], return_tensors="pt",
                     padding=True, padding_side="left")
     expected = logits_of(model, ids["input_ids"], ids["attention_mask"])

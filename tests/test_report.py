@@ -58,8 +58,9 @@ def test_allocation_at_compression_does_not_exceed_the_target():
     generator, _, _ = case_generator("allocation_at_compression", 0)
     values = torch.rand(3, 2, 32, generator=generator, dtype=torch.float64).sort(-1, descending=True).values
     eye = torch.eye(32).expand(3, 2, 32, 32).contiguous()
-    artifact = calibration.FDCArtifact(eye, values, eye, values, eye, values, {"shape": {
-        "num_layers": 3, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32, "hidden_size": 64}})
+    artifact = calibration.FDCArtifact(eye, values, eye.double(), eye.double(), values, eye, values, eye, values,
+                                       {"shape": {"num_layers": 3, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32,
+                                                  "hidden_size": 64}})
     for target in (0.1, 0.3, 0.5):
         allocation = report.allocation_at_compression(artifact, target, "explained_variance")
         assert allocation.compression_rate <= target
