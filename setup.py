@@ -114,6 +114,7 @@ setup(
     version="0.1.0",
     description="FDC: post-RoPE KV dimensionality compression operators for PyTorch",
     packages=find_packages(include=["fdc_ops", "fdc_ops.*"]),
+    package_data={"fdc_ops": ["artifacts/*/*"]},  # the calibrated artifact of the bundled model
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",

@@ -236,8 +236,6 @@ def measure_sensitivity(model, qk_rotation: torch.Tensor, v_encoder: torch.Tenso
     compressed model. The same backward pass gives Palu's Fisher information of the K and V projections.
 
     qk_rotation: (L, H_kv, D, D); v_encoder, v_decoder: (L, H_kv, D, D). The model is not changed."""
-    from tqdm.auto import tqdm
-
     shape = models.attention_shape(model)
     L, Hkv, D, G = shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.group
     qk_damage = torch.zeros(L, Hkv, D + 1, dtype=torch.float64)
@@ -300,7 +298,7 @@ def measure_sensitivity(model, qk_rotation: torch.Tensor, v_encoder: torch.Tenso
     num_tokens, sequences = 0, 0
     try:
         with models.override_attention(model, record), torch.enable_grad():
-            for batch in tqdm(list(batches), desc="measuring sensitivity", unit="seq", disable=not progress):
+            for batch in progress_bar(list(batches), "measuring sensitivity", "seq", enabled=progress):
                 batch = batch.to(device)
                 embeddings = embed(batch).detach().requires_grad_(True)  # gradients reach layer 0's queries too
                 logits = model(inputs_embeds=embeddings, use_cache=False).logits[:, :-1].float()
@@ -915,20 +913,28 @@ def calibrate(model, tokenizer=None, *, text: str = "wikipedia", num_tokens: int
                                     progress=progress)
 
 
+# Artifacts shipped with the package, for the bundled SmolLM2 at load_or_calibrate's defaults: calibrating it takes
+# about 2 minutes on 2 cores, a third of the newcomer's first run (README). The key carries the format version and
+# the model's fingerprint, so a stale one is never used; tests/test_calibration.py checks it is current.
+BUNDLED_ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
+
+
 def load_or_calibrate(model, tokenizer=None, *, text: str = "wikipedia", num_tokens: int = 8192,
                       seq_len: int = 1024, seed: int = 0, v_method: str = "activation", sensitivity_tokens: int = 8192,
                       directory=None, progress: bool = True) -> FDCArtifact:
     """The artifact for these settings from the cache (``$FDC_CACHE/artifacts``, keyed by the format version, the
-    model's fingerprint and the settings), calibrating and saving it on first use. ``text``: a bundled text (needs
-    the tokenizer) or ``random``. A cached artifact that fails validation is recalibrated."""
+    model's fingerprint and the settings), else from the artifacts shipped with the package (BUNDLED_ARTIFACTS,
+    same keys), calibrating and saving it on first use. ``text``: a bundled text (needs the tokenizer) or
+    ``random``. An artifact that fails validation is recalibrated."""
     fingerprint = models.fingerprint(model)
-    path = Path(directory or models.cache_dir() / "artifacts") / (
-        f"v{FORMAT_VERSION}-{fingerprint[:16]}-{text}-{num_tokens}-{seq_len}-{seed}-{v_method}-{sensitivity_tokens}")
-    if path.is_dir():
-        try:
-            return FDCArtifact.load(path, model=model)
-        except ArtifactError as error:
-            print(f"recalibrating: the cached artifact is unusable ({error})")
+    key = f"v{FORMAT_VERSION}-{fingerprint[:16]}-{text}-{num_tokens}-{seq_len}-{seed}-{v_method}-{sensitivity_tokens}"
+    path = Path(directory or models.cache_dir() / "artifacts") / key
+    for candidate in (path, BUNDLED_ARTIFACTS / key):
+        if candidate.is_dir():
+            try:
+                return FDCArtifact.load(candidate, model=model)
+            except ArtifactError as error:
+                print(f"recalibrating: the artifact in {candidate} is unusable ({error})")
     artifact = calibrate(model, tokenizer, text=text, num_tokens=num_tokens, seq_len=seq_len, seed=seed,
                          v_method=v_method, sensitivity_tokens=sensitivity_tokens, progress=progress)
     artifact.save(path)

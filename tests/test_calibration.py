@@ -433,3 +433,20 @@ def test_calibrate_command_line(tmp_path):
     artifact = FDCArtifact.load(out, model=model)
     assert artifact.metadata["calibration"]["num_tokens"] == 64
     assert "removal rate" in result.stdout
+
+
+def test_bundled_artifact_is_current_and_valid():
+    """The artifact shipped for the bundled SmolLM2 must be one load_or_calibrate would find: this format version,
+    load_or_calibrate's default settings, and a model fingerprint that matches the key (and the model, when its
+    converted copy is already cached here)."""
+    bundled = [path for path in calibration.BUNDLED_ARTIFACTS.iterdir() if path.is_dir()]
+    assert bundled, f"no artifact in {calibration.BUNDLED_ARTIFACTS}"
+    for path in bundled:
+        artifact = FDCArtifact.load(path)  # format, checksum, shapes, bases, factor pairs
+        fingerprint = artifact.metadata["fingerprint"]
+        settings = artifact.metadata["calibration"]
+        assert path.name.startswith(f"v{calibration.FORMAT_VERSION}-{fingerprint[:16]}-{settings['source']}-"
+                                    f"{settings['num_tokens']}-{settings['seq_len']}-0-{settings['v_method']}-"), path.name
+        if (models.cache_dir() / "smollm2-135m-instruct" / "model.safetensors").is_file():
+            model, _ = models.load_model()
+            assert models.fingerprint(model) == fingerprint, "recalibrate the bundled artifact for this model"
