@@ -130,7 +130,9 @@ def run(target: float = 0.99, text: str = "wikipedia", context: int = 4096, deco
     with stages("calibration") as stage:
         artifact = calibration.load_or_calibrate(model, tokenizer, text=text, progress=not quiet)
         settings = artifact.metadata["calibration"]
-        stage.note = f"{settings['num_tokens']} tokens of {settings['source']} (cached in {models.cache_dir()})"
+        stage.note = (f"{settings['num_tokens']} tokens of {settings['source']}, sensitivity on "
+                      f"{settings.get('sensitivity_tokens', 0)} (from {models.cache_dir()} or the artifact shipped in "
+                      "fdc_ops/artifacts; calibrated and cached there when neither has it)")
 
     held_out = datasets.text_tokens(tokenizer, "wikipedia")[-CURVE_TOKENS:]
     with stages(f"accuracy curve: perplexity on {CURVE_TOKENS} held-out Wikipedia tokens") as stage:
