@@ -7,7 +7,6 @@ in a file or a CI log every refresh becomes a line; there each job prints one li
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
 from typing import Iterable, Iterator, TypeVar
@@ -21,11 +20,10 @@ def configure(*, quiet: bool) -> None:
     """For a command-line job: bars only when stderr is a terminal and the job is not quiet."""
     global _bars_allowed
     _bars_allowed = not quiet and sys.stderr.isatty()
-    if not _bars_allowed:  # transformers draws its own bars (loading weights, converting a GGUF) unless told not to
+    if not _bars_allowed:  # transformers draws its own bars (loading weights) unless told not to
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()
-        os.environ["TQDM_DISABLE"] = "1"  # the GGUF conversion's bar ignores the setting above; tqdm reads this
 
 
 def bar(items: Iterable[Item], description: str, unit: str, enabled: bool = True,
