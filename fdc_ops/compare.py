@@ -34,6 +34,7 @@ import torch
 
 from . import calibration, datasets, evaluation, hf, models, provenance
 from .calibration import RankAllocation
+from .evaluation import best_compression
 
 METHODS = {
     "FDC (paper)": {"artifact": "default", "rule": "singular_value"},
@@ -49,17 +50,6 @@ ABLATIONS = {
 GRID = (0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)  # dense where 99% is decided, to 0.5
 LEVELS = tuple(round(0.90 + 0.01 * i, 2) for i in range(10))  # accuracy levels tabulated: 0.90 .. 0.99
 METRICS = ("perplexity", "edit_similarity")
-
-
-def best_compression(points: list[tuple[float, float]], level: float) -> float:
-    """The largest compression whose relative score and that of every smaller tried compression are >= level (0 when
-    the smallest tried one already falls short). points: (compression, relative score) pairs, any order."""
-    best = 0.0
-    for compression, score in sorted(points):
-        if score < level:
-            break
-        best = compression
-    return best
 
 
 def uniform_allocation(shape, compression: float, multiple: int = 8) -> RankAllocation:
@@ -160,19 +150,7 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
     complete = True
     try:
         for name in methods:
-            tried = {c: relative(name, c) for c in GRID}  # budget -> (compression, relative score)
-            for level in refine:
-                for _ in range(refine_steps):  # bisect between the last budget keeping the level and the next one
-                    low = 0.0
-                    for budget in sorted(tried):
-                        if tried[budget][1] < level:
-                            break
-                        low = budget
-                    higher = [budget for budget in sorted(tried) if budget > low]
-                    if not higher:
-                        break
-                    middle = (low + higher[0]) / 2
-                    tried[middle] = relative(name, middle)
+            evaluation.compression_curve(lambda c: relative(name, c)[1], GRID, refine, refine_steps)
     except OutOfTime:
         complete = False
         print(f"stopping: the {budget_s:.0f} s budget is spent; run again to continue")

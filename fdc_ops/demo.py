@@ -51,32 +51,12 @@ class Curve:
     best: float = 0.0
     best_score: float = 1.0
 
-    def keeps(self, compression: float, target: float) -> bool:
-        """Whether ``compression`` and every smaller one tried kept the target."""
-        return all(score >= target for c, score in self.points if c <= compression)
-
 
 def accuracy_curve(method: str, relative_score, target: float) -> Curve:
     """The grid, then bisection between the last grid point whose prefix keeps ``target`` and the next one."""
-    curve = Curve(method)
-    for compression in CURVE_GRID:
-        curve.points.append((compression, relative_score(compression)))
-    passing = [c for c, _ in curve.points if curve.keeps(c, target)]
-    low = max(passing, default=0.0)
-    above = [c for c in CURVE_GRID if c > low]
-    if above:
-        high = above[0]
-        for _ in range(REFINE_STEPS):
-            middle = round((low + high) / 2, 6)
-            curve.points.append((middle, relative_score(middle)))
-            if curve.keeps(middle, target):
-                low = middle
-            else:
-                high = middle
-    curve.points.sort()
-    curve.best = low
-    curve.best_score = dict(curve.points).get(low, 1.0)
-    return curve
+    tried = evaluation.compression_curve(relative_score, CURVE_GRID, (target,), REFINE_STEPS)
+    best = evaluation.best_compression(tried.items(), target)
+    return Curve(method, sorted(tried.items()), best, tried.get(best, 1.0))
 
 
 def _sample(model, tokenizer, max_new_tokens: int = 48) -> str:

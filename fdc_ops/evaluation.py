@@ -116,28 +116,28 @@ def latency(model, prompt_tokens: int = 512, new_tokens: int = 32, batch: int = 
             "batch": batch, "new_tokens": new_tokens}
 
 
-def search_removal_rate(relative_score: Callable[[float], float], target: float = 0.99, high: float = 0.5,
-                        steps: int = 7) -> tuple[float, float, list[tuple[float, float]]]:
-    """The largest removal rate whose score, relative to the uncompressed model's (1.0 = no loss), stays at or above
-    ``target``, by bisection on [0, high] (the score falls as the rate grows). Returns (rate, its relative score,
-    every (rate, score) tried). Rate 0 (no compression) always qualifies."""
-    tried = []
+def best_compression(points, level: float) -> float:
+    """The largest compression whose relative score and that of every smaller tried compression are >= level (0 when
+    the smallest tried one already falls short): right for a score that is not monotone in the compression.
+    points: (compression, relative score) pairs, any order."""
+    best = 0.0
+    for compression, score in sorted(points):
+        if score < level:
+            break
+        best = compression
+    return best
 
-    def score(rate: float) -> float:
-        value = relative_score(rate)
-        tried.append((rate, value))
-        return value
 
-    best, best_score = 0.0, 1.0
-    high_score = score(high)
-    if high_score >= target:
-        return high, high_score, tried
-    low = 0.0
-    for _ in range(steps):
-        middle = (low + high) / 2
-        value = score(middle)
-        if value >= target:
-            low, best, best_score = middle, middle, value
-        else:
-            high = middle
-    return best, best_score, tried
+def compression_curve(relative_score: Callable[[float], float], grid, levels=(0.99,), steps: int = 2) -> dict:
+    """{compression: relative score} on ``grid``, then for each level ``steps`` bisections between the last
+    compression that keeps it (best_compression) and the next one tried."""
+    tried = {compression: relative_score(compression) for compression in grid}
+    for level in levels:
+        for _ in range(steps):
+            low = best_compression(tried.items(), level)
+            higher = [compression for compression in sorted(tried) if compression > low]
+            if not higher:
+                break
+            middle = (low + higher[0]) / 2
+            tried[middle] = relative_score(middle)
+    return tried
