@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import ops, reference
+from .. import ops, reference
 
 HEAD_DIM = 64
 NUM_KV_HEADS = 3
@@ -145,7 +145,7 @@ def run(removal_rate: float = 0.1, prompt_lengths: tuple[int, ...] = (301, 77, 1
     print(f"fdc_ops demo: SmolLM2-135M attention shape (H={NUM_KV_HEADS * GROUP}, H_kv={NUM_KV_HEADS}, "
           f"D={HEAD_DIM}), {dtype}, removal rate {removal_rate}, {torch.get_num_threads()} threads")
     print(f"per-KV-head dims: qk {qk_dims}  v {v_dims}  (full {HEAD_DIM})")
-    print(f"relative score error of q'k'^T vs q_p k_p^T per KV head: "
+    print("relative score error of q'k'^T vs q_p k_p^T per KV head: "
           + ", ".join(f"{e:.3f}" for e in score_errors))
     full_bytes = 2 * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
     packed_bytes = (int(qk_offsets[-1]) + int(v_offsets[-1])) * dtype.itemsize

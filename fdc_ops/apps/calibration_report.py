@@ -30,8 +30,10 @@ from pathlib import Path
 
 import torch
 
-from . import calibration, datasets, evaluation, hf, models, provenance
-from .calibration import CalibrationStatistics, principal_axes
+from .. import calibration, datasets, hf
+from ..calibration import CalibrationStatistics, principal_axes
+from ..hf import families, loading
+from . import metrics, provenance
 
 RATES = (0.05, 0.1, 0.2)
 SWEEP_TOKENS = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -125,13 +127,13 @@ def print_table(title: str, header: list[str], rows: list[list]) -> None:
 def run(out: str = "bench/results/calibration", quick: bool = False) -> dict:
     torch.manual_seed(0)
     started = time.time()
-    model, tokenizer = models.load_model()
-    shape = models.attention_shape(model)
+    model, tokenizer = loading.load_model()
+    shape = families.attention_shape(model)
     rates = (0.1,) if quick else RATES
     sweep = SWEEP_TOKENS[:3] if quick else SWEEP_TOKENS
     tokens = 2048 if quick else 8192
     eval_tokens = 1024 if quick else EVAL_TOKENS
-    results: dict = {"model": models.model_id(model), "shape": dataclasses.asdict(shape),
+    results: dict = {"model": families.model_id(model), "shape": dataclasses.asdict(shape),
                      "quick": quick}
 
     wiki = datasets.token_stream(tokenizer, datasets.wikipedia_articles())
@@ -280,13 +282,13 @@ def run(out: str = "bench/results/calibration", quick: bool = False) -> dict:
     # 7. perplexity through the fdc operators
     def ppl(tokens_eval, allocation=None, rotation=None, basis=None, seq_len=EVAL_SEQ_LEN, label=""):
         if allocation is None:
-            return evaluation.perplexity(model, tokens_eval, seq_len=seq_len, description=label)
+            return metrics.perplexity(model, tokens_eval, seq_len=seq_len, description=label)
         variant = dataclasses.replace(artifact, **({} if rotation is None else {"qk_rotation": rotation.float()}),
                                       **({} if basis is None else {"v_encoder": basis.double(),
                                                                   "v_decoder": basis.double()}))
         hf.compress(model, variant, allocation=allocation)
         try:
-            return evaluation.perplexity(model, tokens_eval, seq_len=seq_len, description=label)
+            return metrics.perplexity(model, tokens_eval, seq_len=seq_len, description=label)
         finally:
             hf.restore(model)
 
