@@ -1,4 +1,4 @@
-"""Offline calibration (paper sections 3-5.2, DESIGN.md section 1): from a Hugging Face causal LM, the per-KV-head
+"""Offline calibration (docs/design.md sections 1 and 5): from a Hugging Face causal LM, the per-KV-head
 post-RoPE Q/K rotations, the V factors (activation, output-aware or weight), their singular values, every head's measured
 sensitivity, and the rank allocations: the paper's removal rate, or a KV byte budget spent where it hurts least.
 
@@ -97,7 +97,7 @@ NULL_SPACE = 1e-10  # eigenvalues below this share of the largest are the values
 
 
 def output_aware_factors(model, v_gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The output-aware V factorization (DESIGN.md section 1, "Beyond the paper"). What the model consumes is
+    """The output-aware V factorization (docs/design.md section 1, "V compression"). What the model consumes is
     ``sum_h W_O(h) o_h``, not v: per layer and KV head j, with ``C = L L^T`` the value covariance (v_gram) and
     ``W = [W_O(h) for h in j's group]`` stacked (G * hidden, D), the SVD ``W L = P S Q^T`` orders the whitened value
     directions by the output energy they carry. Caching ``c = Q_r^T L^-1 v`` and folding ``L Q_r`` into W_O is the
@@ -330,7 +330,7 @@ def measure_sensitivity(model, qk_rotation: torch.Tensor, v_encoder: torch.Tenso
 def kept_dims(singular_values: torch.Tensor, removal_rate: float, multiple: int = 8,
               power: float = 1.0) -> torch.Tensor:
     """Per head (last axis = the head's D singular values, descending), the dims kept at singular-value removal rate
-    ``r`` (paper section 5.2): drop the largest number of trailing dims whose values sum to at most ``r`` of the
+    ``r`` (the paper's rule, docs/design.md section 1): drop the largest number of trailing dims whose values sum to at most ``r`` of the
     head's total, keep the rest (``j + 1`` dims where ``sum_{i>j} s_i <= r * sum_i s_i < sum_{i>=j} s_i``), then round
     up to a multiple of ``multiple`` (at most D, at least ``multiple``). ``power=2`` ranks by explained variance
     (``s^2``) instead. Returns int64 of the leading shape."""
@@ -566,7 +566,7 @@ class FDCArtifact:
 
         ``method="palu"`` sizes the qk dims from the pre-RoPE key spectrum and the v dims from the values' (the
         widths of the Palu baseline's latents). ``multiple``: the width quantum; the kernels take widths that are
-        multiples of 8 (16-byte rows in fp16/bf16, DESIGN.md section 3), so it must be a positive multiple of 8 that
+        multiples of 8 (16-byte rows in fp16/bf16, docs/design.md section 3), so it must be a positive multiple of 8 that
         divides head_dim for the result to be served."""
         if (removal_rate is None) == (compression is None):
             raise ValueError("fdc_ops.calibration.allocate: give exactly one of removal_rate and compression, got "

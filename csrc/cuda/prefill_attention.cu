@@ -9,7 +9,7 @@
 // 128 or 256), which size the register accumulators; narrower heads of the same layout skip the unused k- and
 // n-steps at run time. Row-block rescaling (narrow heads get more rows per record) is the planner's: a record's
 // rows run as consecutive base tiles of kRowsPerCta rows, each against all the keys it sees, so a record of a
-// narrow head is several base tiles (the issue's "loop over base tiles inside the task"; B_c stays fixed per
+// narrow head is several base tiles, looped over inside the task (B_c stays fixed per
 // bucket because the tile sizes already fit registers and shared memory at every width).
 //
 // Tensor-core path, per CTA of 4 warps and per base tile: each warp owns 16 query rows, keeps its Q fragments in

@@ -31,7 +31,7 @@ from .. import calibration, datasets, hf, progress
 from ..hf import families, loading
 from . import metrics, provenance
 
-# KV compressions of the curve, up to the 0.5 the issue's curves span. Each point costs one perplexity evaluation, the
+# KV compressions of the curve, up to 0.5, the span of `python -m fdc_ops eval`'s curves. Each point costs one perplexity evaluation, the
 # demo's largest expense: five points and two refinement steps per method keep the curve stage near a minute.
 CURVE_GRID = (0.05, 0.1, 0.2, 0.3, 0.5)
 REFINE_STEPS = 2  # bisection steps between the last grid point that keeps the target and the next: 1/4 of the gap

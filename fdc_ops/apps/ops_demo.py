@@ -1,6 +1,6 @@
 """The operator-level demo: one attention layer of SmolLM2-135M's shape (9 query / 3 KV heads, head_dim 64) taken
 through the FDC online path with ``torch.ops.fdc``, on synthetic post-RoPE activations whose heads have decaying
-spectra of different steepness (as real heads do, paper section 4).
+spectra of different steepness (as real heads do: bench/results/calibration/README.md).
 
 Steps: rotations from the SVD of each KV head's stacked queries and keys (the offline calibration in miniature),
 per-head ranks from one singular-value removal rate, then rotate_compress -> prefill_attention -> append_kv ->
@@ -80,7 +80,7 @@ def run(removal_rate: float = 0.1, prompt_lengths: tuple[int, ...] = (301, 77, 1
     q_full = _activations(total, spectra, bases, GROUP, generator)
     k_full = _activations(total, spectra, bases, 1, generator)
 
-    # Offline: per KV head, R from the SVD of its keys stacked with its group's queries (DESIGN.md section 1).
+    # Offline: per KV head, R from the SVD of its keys stacked with its group's queries (docs/design.md section 1).
     stacked = torch.cat([k_full.view(total, NUM_KV_HEADS, 1, HEAD_DIM),
                          q_full.view(total, NUM_KV_HEADS, GROUP, HEAD_DIM)], dim=2)
     stacked = stacked.permute(1, 0, 2, 3).reshape(NUM_KV_HEADS, -1, HEAD_DIM).double()

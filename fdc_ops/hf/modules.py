@@ -1,4 +1,4 @@
-"""Compressed attention modules and their packed KV cache (DESIGN.md section 5), for Hugging Face decoder layers.
+"""Compressed attention modules and their packed KV cache (docs/design.md section 5), for Hugging Face decoder layers.
 
 ``FDCAttention`` (the method): queries and keys get the family's RoPE and are rotated and truncated per KV head in
 one pass (``rope_rotate_compress``); values come out of the folded ``A_V`` already compressed; attention runs on the

@@ -1,4 +1,4 @@
-// The decode planner (paper section 6.2, DESIGN.md section 1): one new query token per request against its KV cache.
+// The decode planner (docs/design.md sections 1 and 4): one new query token per request against its KV cache.
 //
 // Task: (request b, KV head j with all its G query heads, KV chunk [kv_start, kv_end)). The G query heads share one
 // read of the chunk's K/V rows, which is what a memory-bound decode pays for. Cost: (kv_end - kv_start) * d_sum(j),

@@ -1,4 +1,4 @@
-// The packed head layout (DESIGN.md section 3), as plain-array math usable on host and device.
+// The packed head layout (docs/design.md section 3), as plain-array math usable on host and device.
 //
 // A layout has H_kv KV heads; KV head j has a qk width qk_dim(j) and a v width v_dim(j), stored as int32 prefix sums
 // qk_offsets[H_kv + 1] and v_offsets[H_kv + 1]. Each KV head serves `group` (G) query heads; query head h belongs to

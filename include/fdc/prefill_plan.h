@@ -1,4 +1,4 @@
-// The prefill planner (paper section 6.1, DESIGN.md section 1): varlen attention of many query rows per sequence.
+// The prefill planner (docs/design.md sections 1 and 4): varlen attention of many query rows per sequence.
 //
 // Task: (sequence b, query head h, row block [row_start, row_end)), rows counted from the sequence's first query.
 // Row blocks are sized per head so tiles of wide and narrow heads cost about the same: with
