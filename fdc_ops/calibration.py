@@ -1,5 +1,5 @@
-"""Offline calibration (docs/design.md sections 1 and 5): from a Hugging Face causal LM, the per-KV-head
-post-RoPE Q/K rotations, the V factors (activation, output-aware or weight), their singular values, every head's measured
+"""Offline calibration (docs/design.md sections 1 and 5): from a Hugging Face causal LM, the per-KV-head post-RoPE
+Q/K rotations, the V factors (activation, output-aware or weight), their singular values, every head's measured
 sensitivity, and the rank allocations: the paper's removal rate, or a KV byte budget spent where it hurts least.
 
 Statistics are accumulated as float64 Gram matrices (``X^T X``) rather than stacked rows: for rows ``X = U S R^T`` the
@@ -330,9 +330,10 @@ def measure_sensitivity(model, qk_rotation: torch.Tensor, v_encoder: torch.Tenso
 def kept_dims(singular_values: torch.Tensor, removal_rate: float, multiple: int = 8,
               power: float = 1.0) -> torch.Tensor:
     """Per head (last axis = the head's D singular values, descending), the dims kept at singular-value removal rate
-    ``r`` (the paper's rule, docs/design.md section 1): drop the largest number of trailing dims whose values sum to at most ``r`` of the
-    head's total, keep the rest (``j + 1`` dims where ``sum_{i>j} s_i <= r * sum_i s_i < sum_{i>=j} s_i``), then round
-    up to a multiple of ``multiple`` (at most D, at least ``multiple``). ``power=2`` ranks by explained variance
+    ``r`` (the paper's rule, docs/design.md section 1): drop the largest number of trailing dims whose values sum to
+    at most ``r`` of the head's total, keep the rest (``j + 1`` dims where
+    ``sum_{i>j} s_i <= r * sum_i s_i < sum_{i>=j} s_i``), then round up to a multiple of ``multiple`` (at most D, at
+    least ``multiple``). ``power=2`` ranks by explained variance
     (``s^2``) instead. Returns int64 of the leading shape."""
     if not 0.0 <= removal_rate < 1.0:
         raise ValueError(f"fdc_ops: removal_rate must be in [0, 1), got {removal_rate}")
@@ -566,8 +567,8 @@ class FDCArtifact:
 
         ``method="palu"`` sizes the qk dims from the pre-RoPE key spectrum and the v dims from the values' (the
         widths of the Palu baseline's latents). ``multiple``: the width quantum; the kernels take widths that are
-        multiples of 8 (16-byte rows in fp16/bf16, docs/design.md section 3), so it must be a positive multiple of 8 that
-        divides head_dim for the result to be served."""
+        multiples of 8 (16-byte rows in fp16/bf16, docs/design.md section 3), so it must be a positive multiple of 8
+        that divides head_dim for the result to be served."""
         if (removal_rate is None) == (compression is None):
             raise ValueError("fdc_ops.calibration.allocate: give exactly one of removal_rate and compression, got "
                              f"removal_rate={removal_rate}, compression={compression}")

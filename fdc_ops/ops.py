@@ -12,7 +12,8 @@ side along their last dimension:
 
 Floating-point tensors are float32, float16 or bfloat16 (accumulation is float32); rows may be strided, anything else
 non-contiguous is copied, except KV caches, which are read and written in place and so must have unit-stride rows
-(contiguous pages when paged). Sequence boundaries (``cu_seqlens``) and cache lengths are int32 on the device of the data.
+(contiguous pages when paged). Sequence boundaries (``cu_seqlens``) and cache lengths are int32 on the device of the
+data.
 
 KV caches are either contiguous, ``(B, S_max, width)`` with ``cache_seqlens`` (B), or paged: ``(num_pages, width,
 page_size)`` with ``block_table`` int32 ``(B, max_pages)``; token ``t`` of request ``b`` lives in page

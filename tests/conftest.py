@@ -188,7 +188,8 @@ def assert_close_to_reference(actual: torch.Tensor, expected64: torch.Tensor, to
     assert not torch.isnan(actual).any(), f"{what}: NaN in output"
     tolerance, torch_error = _tolerance(expected64, torch_lowp, actual.dtype)
     error = float((actual.double() - expected64).abs().max())
-    assert error <= tolerance, f"{what}: max error {error:.3g} > tolerance {tolerance:.3g} (torch's own {torch_error:.3g})"
+    assert error <= tolerance, \
+        f"{what}: max error {error:.3g} > tolerance {tolerance:.3g} (torch's own {torch_error:.3g})"
 
 
 def assert_close_to_cpu(actual: torch.Tensor, cpu: torch.Tensor, expected64: torch.Tensor, torch_lowp: torch.Tensor,

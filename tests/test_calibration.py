@@ -70,8 +70,9 @@ def test_rotations_are_the_svd_of_the_stacked_rows(family):
             rotated = rows @ R
             off_diagonal = rotated.T @ rotated - torch.diag(values**2)
             assert off_diagonal.abs().max() <= 1e-4 * values[0] ** 2, replay
-            torch.testing.assert_close(artifact.v_singular_values[layer, j], torch.linalg.svdvals(v[:, j].flatten(0, 1)),
-                                       rtol=1e-5, atol=1e-6 * values[0].item())
+            torch.testing.assert_close(artifact.v_singular_values[layer, j],
+                                       torch.linalg.svdvals(v[:, j].flatten(0, 1)), rtol=1e-5,
+                                       atol=1e-6 * values[0].item())
 
 
 def test_query_head_mode_pairs_each_query_head_with_its_key_head():
@@ -447,7 +448,8 @@ def test_bundled_artifact_is_current_and_valid():
         fingerprint = artifact.metadata["fingerprint"]
         settings = artifact.metadata["calibration"]
         assert path.name.startswith(f"v{calibration.FORMAT_VERSION}-{fingerprint[:16]}-{settings['source']}-"
-                                    f"{settings['num_tokens']}-{settings['seq_len']}-0-{settings['v_method']}-"), path.name
+                                    f"{settings['num_tokens']}-{settings['seq_len']}-0-{settings['v_method']}-"), \
+            path.name
         if (loading.cache_dir() / "smollm2-135m-instruct" / "model.safetensors").is_file():
             model, _ = loading.load_model()
             assert families.fingerprint(model) == fingerprint, "recalibrate the bundled artifact for this model"

@@ -35,7 +35,8 @@ def test_subspace_overlap_sees_spans_not_columns():
     mixed[..., :k] = R[..., :k] @ mixing
     overlap, angle = calibration_report.subspace_overlap(mixed, R, k)
     assert overlap == pytest.approx(1.0, abs=1e-10) and angle == pytest.approx(0.0, abs=1e-4)
-    assert calibration_report.delta_over_epsilon(mixed, R, k) > 0.3  # while the element-wise measure calls them different
+    # while the element-wise measure calls them different
+    assert calibration_report.delta_over_epsilon(mixed, R, k) > 0.3
     swapped = torch.cat([R[..., k:2 * k], R[..., :k], R[..., 2 * k:]], dim=-1)  # an orthogonal span
     overlap, angle = calibration_report.subspace_overlap(swapped, R, k)
     assert overlap == pytest.approx(0.0, abs=1e-10) and angle == pytest.approx(90.0, abs=1e-6)

@@ -5,7 +5,8 @@ sequences (and rows of q outside them must come back zero), non-contiguous q/k/v
 8 up to 256 (layouts mixing 8- and 256-wide heads), one 16K causal sequence per dtype, explicit plans for 1, 5 and 132
 workers and row blocks of 16, 64 and 128 (equal integer for integer to the CPU planner's), hand-built unbalanced
 plans (no row-block rescaling, no last-round split, everything on one worker, one record per head) giving the same
-result (opcheck on CUDA inputs: tests/test_opcheck.py), and bad input on CUDA raising errors that name the op and argument.
+result (opcheck on CUDA inputs: tests/test_opcheck.py), and bad input on CUDA raising errors that name the op and
+argument.
 
 CUDA conventions of the ops: q/k/v, cu_seqlens_q/k and plans live on the GPU; qk_offsets/v_offsets stay int32 CPU
 tensors; the CUDA prefill_plan runs the host planner on the boundaries copied to the host, so its plan equals the CPU

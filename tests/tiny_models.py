@@ -20,7 +20,8 @@ def tiny_model(family: str, seed: int = 0, **overrides):
         "qwen2": (transformers.Qwen2Config, {}),
         "qwen3": (transformers.Qwen3Config, {}),
         # Phi-3: fused qkv_proj, and rotary on the first half of each head only
-        "phi3": (transformers.Phi3Config, {"partial_rotary_factor": 0.5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+        "phi3": (transformers.Phi3Config, {"partial_rotary_factor": 0.5, "pad_token_id": 0, "bos_token_id": 1,
+                                           "eos_token_id": 2}),
     }
     config_class, extra = specific[family]
     config = config_class(**{**common, **extra, **overrides})

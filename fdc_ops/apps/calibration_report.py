@@ -180,7 +180,8 @@ def run(out: str = "bench/results/calibration", quick: bool = False) -> dict:
     reference_dims = artifact.allocate(0.1).qk_dims
 
     # 1. spectra
-    spectra = {"post-RoPE Q/K": axes["random_seed1"][0], "pre-RoPE K": principal_axes(other_random.key_gram)[0], "V rows": principal_axes(other_random.v_gram)[0], "W_V": weight_values}
+    spectra = {"post-RoPE Q/K": axes["random_seed1"][0], "pre-RoPE K": principal_axes(other_random.key_gram)[0],
+               "V rows": principal_axes(other_random.v_gram)[0], "W_V": weight_values}
     rows = [[name] + [dims_for_share(values, share) for share in SHARES] +
             [float((values[..., 0] / values.sum(-1)).mean())] for name, values in spectra.items()]
     print_table(f"1. singular-value spectra (D = {shape.head_dim}; {tokens} random tokens, seed 1): mean dims for a "
@@ -192,7 +193,8 @@ def run(out: str = "bench/results/calibration", quick: bool = False) -> dict:
     # 2. R from random tokens vs from real text
     def compare(first: str, second: str, target: CalibrationStatistics) -> dict:
         R_a, R_b = axes[first][1], axes[second][1]
-        entry = {"delta_over_epsilon": delta_over_epsilon(R_a, R_b), "delta_over_epsilon_16": delta_over_epsilon(R_a, R_b, 16),
+        entry = {"delta_over_epsilon": delta_over_epsilon(R_a, R_b),
+                 "delta_over_epsilon_16": delta_over_epsilon(R_a, R_b, 16),
                  "energy_loss_ratio": energy_loss_ratio(R_a, target.qk_gram(), reference_dims)}
         for k in SUBSPACE_DIMS:
             entry[f"overlap_{k}"], entry[f"largest_angle_{k}"] = subspace_overlap(R_a, R_b, k)
@@ -206,7 +208,8 @@ def run(out: str = "bench/results/calibration", quick: bool = False) -> dict:
              [f"mean angle@{k}" for k in SUBSPACE_DIMS] + ["energy loss ratio"]
     print_table("2. R from random tokens vs R from text (overlap = mean cos^2 of principal angles; energy loss ratio = "
                 "energy the first R loses on the second's data / what that data's own R loses, at r=0.1 dims)", header,
-                [[name, e["delta_over_epsilon"], e["delta_over_epsilon_16"]] + [e[f"overlap_{k}"] for k in SUBSPACE_DIMS] +
+                [[name, e["delta_over_epsilon"], e["delta_over_epsilon_16"]]
+                 + [e[f"overlap_{k}"] for k in SUBSPACE_DIMS] +
                  [e[f"largest_angle_{k}"] for k in SUBSPACE_DIMS] + [e["energy_loss_ratio"]]
                  for name, e in similarity.items()])
     results["similarity"] = similarity
@@ -257,8 +260,8 @@ def run(out: str = "bench/results/calibration", quick: bool = False) -> dict:
     results["positions"] = positions
 
     # 5. CV of the largest singular values across heads
-    cv_rows = [[name, coefficient_of_variation(axes[name][0][..., 0]), coefficient_of_variation(v_axes[name][0][..., 0])]
-               for name in ("random", "wikipedia", "humaneval")]
+    cv_rows = [[name, coefficient_of_variation(axes[name][0][..., 0]),
+                coefficient_of_variation(v_axes[name][0][..., 0])] for name in ("random", "wikipedia", "humaneval")]
     print_table("5. CV of the largest singular value across heads (paper Tables 4-5: 40-50%)",
                 ["data", "Q_p-K_p", "V"], cv_rows)
     results["cv_max_singular_value"] = {row[0]: {"qk": row[1], "v": row[2]} for row in cv_rows}

@@ -31,8 +31,9 @@ from .. import calibration, datasets, hf, progress
 from ..hf import families, loading
 from . import metrics, provenance
 
-# KV compressions of the curve, up to 0.5, the span of `python -m fdc_ops eval`'s curves. Each point costs one perplexity evaluation, the
-# demo's largest expense: five points and two refinement steps per method keep the curve stage near a minute.
+# KV compressions of the curve, up to 0.5, the span of `python -m fdc_ops eval`'s curves. Each point costs one
+# perplexity evaluation, the demo's largest expense: five points and two refinement steps per method keep the curve
+# stage near a minute.
 CURVE_GRID = (0.05, 0.1, 0.2, 0.3, 0.5)
 REFINE_STEPS = 2  # bisection steps between the last grid point that keeps the target and the next: 1/4 of the gap
 # Held-out Wikipedia tokens per perplexity (4 windows of 512; about 5 s each on 2 cores, mostly the MLPs and the
@@ -107,7 +108,8 @@ def run(target: float = 0.99, text: str = "wikipedia", context: int = 4096, deco
         model, tokenizer = loading.load_model()
         shape = families.attention_shape(model)
         stage.note = (f"{families.model_id(model)}: {shape.num_layers} layers, {shape.num_heads} query / "
-                      f"{shape.num_kv_heads} KV heads of {shape.head_dim}; {provenance.device_name(torch.device('cpu'))}, "
+                      f"{shape.num_kv_heads} KV heads of {shape.head_dim}; "
+                      f"{provenance.device_name(torch.device('cpu'))}, "
                       f"{torch.get_num_threads()} threads")
     with stages("calibration") as stage:
         artifact = calibration.load_or_calibrate(model, tokenizer, text=text, progress=not quiet)

@@ -61,16 +61,18 @@ def _check_sliding_window(model) -> None:
                                   "supported by the compressed modules")
 
 
-def compress(model, artifact: calibration.FDCArtifact, removal_rate: float | None = None, *, compression: float | None = None,
-             allocation: calibration.RankAllocation | None = None, qk_dims=None, v_dims=None, method: str = "fdc",
-             weighting: str | None = None, rule: str | None = None, uniform: bool = False) -> calibration.RankAllocation:
+def compress(model, artifact: calibration.FDCArtifact, removal_rate: float | None = None, *,
+             compression: float | None = None, allocation: calibration.RankAllocation | None = None, qk_dims=None,
+             v_dims=None, method: str = "fdc", weighting: str | None = None, rule: str | None = None,
+             uniform: bool = False) -> calibration.RankAllocation:
     """Replaces every attention module of ``model`` in place by FDCAttention (``method="fdc"``) or the Palu baseline
     (``method="palu"``; ``qk_dims`` are then the widths of the cached key latent). Widths: a KV byte budget
     (``compression=0.1`` removes at least 10% of the cache, widths by ``rule``, default the measured sensitivities:
     ``calibration.FDCArtifact.allocate(compression=...)``), one removal
     rate (the paper's rule on the artifact's singular values; ``weighting="explained_variance"`` uses s^2), an
     allocation, or explicit (L, H_kv) ``qk_dims`` and ``v_dims``; ``uniform=True`` gives every head the mean width
-    (the /AC ablation). Returns the allocation used. generate() and forward() work unchanged; fdc_ops.hf.restore undoes it."""
+    (the /AC ablation). Returns the allocation used. generate() and forward() work unchanged; fdc_ops.hf.restore
+    undoes it."""
     if method not in METHODS:
         raise ValueError(f"fdc_ops.hf.compress: method must be one of {METHODS}, got {method!r}")
     if getattr(model, "_fdc_compression", None) is not None:
