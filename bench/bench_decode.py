@@ -47,7 +47,6 @@ import math
 import sys
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -59,6 +58,7 @@ from bench_common import (GROUP, HEAD_DIM, NUM_KV_HEADS, SCALE, SdpaSweep, Timer
                           write_json)
 from fdc_ops import ops
 from fdc_ops.apps.provenance import device_name, git_commit
+from fdc_ops.plans import DecodePlan, concat_workers
 
 # Mean of the adaptive widths (bench_common.adaptive_dims): 51, ~40% of D.
 DIM_MEAN = 51
@@ -250,58 +250,32 @@ def capture_step(inputs: FdcInputs, device: torch.device):
 
 # --------------------------------------------------------------------------------------------------- decode plans
 
-HEADER = 8  # include/fdc/decode_plan.h: kDecodeHeader
-FIELDS = 4  # kDecodeRecordFields
-
-
-def plan_parts(plan: torch.Tensor):
-    """(header, split_offsets, worker_offsets, records[num_tasks, 4]) of a decode plan (include/fdc/decode_plan.h)."""
-    p = plan.cpu().numpy().astype(np.int64)
-    batch, hkv, workers, tasks = int(p[1]), int(p[2]), int(p[3]), int(p[5])
-    split = p[HEADER:HEADER + batch * hkv + 1]
-    worker = p[HEADER + batch * hkv + 1:HEADER + batch * hkv + workers + 2]
-    records = p[HEADER + batch * hkv + workers + 2:].reshape(-1, FIELDS)[:tasks]
-    return p[:HEADER], split, worker, records
-
-
 def makespan(plan: torch.Tensor, qk_dims: list[int], v_dims: list[int]) -> tuple[int, float]:
     """(largest per-worker cost, that over the ideal total / N); cost of a record = keys * (d_qk + d_v + 1)."""
-    header, _, worker, records = plan_parts(plan)
-    hkv, workers = int(header[2]), int(header[3])
-    d_sum = np.array(qk_dims) + np.array(v_dims) + 1
-    cost = (records[:, 3] - records[:, 2]) * d_sum[records[:, 0] % hkv]
-    loads = np.array([cost[worker[w]:worker[w + 1]].sum() for w in range(workers)])
-    ideal = max(cost.sum() / workers, 1)
-    return int(loads.max()), float(loads.max() / ideal)
+    decoded = DecodePlan.from_tensor(plan)
+    loads = decoded.worker_loads(qk_dims, v_dims)
+    ideal = max(sum(loads) / decoded.num_workers, 1)
+    return max(loads), max(loads) / ideal
 
 
 def static_plan(lpt: torch.Tensor, policy: str) -> torch.Tensor:
     """A "no balancing" plan with the LPT plan's chunks: tasks in head-major order (KV head j, request b, chunk c),
     given to workers in contiguous blocks of equal task counts ("blocks") or one by one in turn ("round_robin")."""
-    header, split, _, records = plan_parts(lpt)
-    batch, hkv, workers, capacity = (int(x) for x in header[1:5])
-    order = sorted(range(len(records)), key=lambda r: (records[r][0] % hkv, records[r][0] // hkv, records[r][1]))
-    n = len(order)
+    plan = DecodePlan.from_tensor(lpt)
+    hkv, workers = plan.num_kv_heads, plan.num_workers
+    records = sorted(plan.records, key=lambda r: (r[0] % hkv, r[0] // hkv, r[1]))
+    n = len(records)
     if policy == "blocks":
         owner = [min(workers - 1, i * workers // max(n, 1)) for i in range(n)]
     elif policy == "round_robin":
         owner = [i % workers for i in range(n)]
     else:
         raise ValueError(f"static_plan: unknown policy {policy!r}")
-    per_worker: list[list[int]] = [[] for _ in range(workers)]
-    for i, r in enumerate(order):
-        per_worker[owner[i]].append(r)
-    worker_offsets = np.zeros(workers + 1, dtype=np.int64)
-    body = []
-    for w in range(workers):
-        worker_offsets[w + 1] = worker_offsets[w] + len(per_worker[w])
-        body += [records[r] for r in per_worker[w]]
-    rec = np.full((capacity, FIELDS), -1, dtype=np.int64)
-    if body:
-        rec[:n] = np.stack(body)
-    out = np.concatenate([header, split, worker_offsets, rec.reshape(-1)]).astype(np.int32)
-    out[7] = 0
-    return torch.from_numpy(out).to(lpt.device)
+    per_worker: list[list[tuple]] = [[] for _ in range(workers)]
+    for record, w in zip(records, owner):
+        per_worker[w].append(record)
+    return DecodePlan(plan.batch, hkv, workers, plan.group, plan.split_offsets,
+                      *concat_workers(per_worker)).to_tensor(lpt.device)
 
 
 # ------------------------------------------------------------------------------------------------------------ cases

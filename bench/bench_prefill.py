@@ -68,6 +68,7 @@ from bench_common import (GROUP, HEAD_DIM, NUM_KV_HEADS, SCALE, SDPA_REFUSALS, S
                           prefix, print_header, provenance, randn, release, sdpa_backends, setup, target, write_json)
 from fdc_ops import ops
 from fdc_ops.apps.provenance import device_name, git_commit
+from fdc_ops.plans import ROW_STEP, PrefillPlan, concat_workers, visible_keys
 
 # Mean of the adaptive widths (bench_common.adaptive_dims): 64, 50% of D, the middle of the paper's 40-60%.
 DIM_MEAN = 64
@@ -79,7 +80,6 @@ MATH_MEMORY_SHARE = 0.5
 # Workers of the ablation's plans on the CPU, where intra-op threads are few: 7 does not divide the 32 heads, so the
 # policies differ (as 132 SMs do not divide them on an H100).
 CPU_ABLATION_WORKERS = 7
-ROW_STEP, PLAN_TAG, PLAN_HEADER = 16, 0x46444350, 8  # include/fdc/prefill_plan.h: kRowStep, kPrefillPlanTag, header
 
 
 @dataclass
@@ -129,19 +129,6 @@ def mixed_lengths(total: int, seed: int, low: int = 300, high: int = 16384) -> l
         lengths.append(int(round(math.exp(rng.uniform(math.log(low), math.log(high))))))
     lengths[-1] -= sum(lengths) - total  # stays >= 1: the lengths before it summed to less than total
     return lengths
-
-
-def visible_keys(r0: int, r1: int, s_q: int, s_k: int, causal: bool) -> int:
-    """Sum over query rows [r0, r1) of the keys each sees (include/fdc/prefill_plan.h, visible_keys)."""
-    if r1 <= r0 or s_k <= 0:
-        return 0
-    if not causal:
-        return (r1 - r0) * s_k
-    shift = s_k - s_q + 1
-    lin_lo, lin_hi = max(r0, -shift + 1), min(r1, s_k - shift)
-    total = (lin_lo + lin_hi - 1 + 2 * shift) * (lin_hi - lin_lo) // 2 if lin_hi > lin_lo else 0
-    full_lo = max(r0, s_k - shift)
-    return total + ((r1 - full_lo) * s_k if r1 > full_lo else 0)
 
 
 def useful_flops(lengths: list[int], causal: bool, qk_dims: list[int], v_dims: list[int]) -> float:
@@ -249,8 +236,8 @@ class FdcInputs:
 
 
 def python_plan(lengths: list[int], qk_dims: list[int], v_dims: list[int], causal: bool, num_workers: int,
-                row_block: int, rescale: bool, assign: str) -> np.ndarray:
-    """A prefill plan in the format of include/fdc/prefill_plan.h, built in Python (s_q = s_k per sequence).
+                row_block: int, rescale: bool, assign: str) -> PrefillPlan:
+    """A prefill plan built in Python (s_q = s_k per sequence).
 
     rescale: rows per task max(16, round_down(row_block * d_sum_max / d_sum, 16)) as the planner does, else
     row_block for every head. assign: "planner" (tasks sorted by cost, descending and stable; full rounds to the
@@ -303,23 +290,13 @@ def python_plan(lengths: list[int], qk_dims: list[int], v_dims: list[int], causa
                 p0 = p1
     else:
         raise ValueError(f"python_plan: unknown assignment {assign!r}")
-    offsets = np.cumsum([0] + [len(p) for p in per_worker])
-    records = [field for p in per_worker for record in p for field in record]
-    header = [PLAN_TAG, len(lengths), heads, num_workers, int(offsets[-1]), int(causal), row_block, GROUP]
-    return np.array(header + offsets.tolist() + records, dtype=np.int64)
+    return PrefillPlan(len(lengths), heads, num_workers, causal, row_block, GROUP, *concat_workers(per_worker))
 
 
-def makespan(plan: np.ndarray | torch.Tensor, lengths: list[int], qk_dims, v_dims, causal: bool) -> tuple[int, float]:
+def makespan(plan: PrefillPlan, lengths: list[int], qk_dims, v_dims) -> tuple[int, float]:
     """(largest per-worker cost, that over the ideal total / N); cost of a record = d_sum * visible keys."""
-    p = plan.cpu().numpy().astype(np.int64) if isinstance(plan, torch.Tensor) else plan
-    workers, count = int(p[3]), int(p[4])
-    offsets = p[PLAN_HEADER:PLAN_HEADER + workers + 1]
-    records = p[PLAN_HEADER + workers + 1:].reshape(-1, 4)[:count]
-    cost = np.array([(qk_dims[h // GROUP] + v_dims[h // GROUP] + 1) * visible_keys(r0, r1, lengths[b], lengths[b],
-                                                                                    causal)
-                     for b, h, r0, r1 in records.tolist()], dtype=np.int64)
-    loads = np.array([cost[offsets[w]:offsets[w + 1]].sum() for w in range(workers)])
-    return int(loads.max()), float(loads.max() / max(cost.sum() / workers, 1))
+    loads = plan.worker_loads(qk_dims, v_dims, lengths, lengths)
+    return max(loads), max(loads) / max(sum(loads) / plan.num_workers, 1)
 
 
 ABLATION_POLICIES = {  # name: (rescale, assignment)
@@ -346,10 +323,10 @@ def balance_ablation(shapes: list[tuple[str, list[int], bool]], dtype, device, t
         for policy, (rescale, assign) in ABLATION_POLICIES.items():
             plan = python_plan(lengths, qk_dims, v_dims, causal, workers, ops.DEFAULT_ROW_BLOCK, rescale, assign)
             if policy == "lpt":
-                entry["python_planner_matches_op"] = bool(np.array_equal(plan, op_plan.numpy()))
-            span, over_ideal = makespan(plan, lengths, qk_dims, v_dims, causal)
-            result = dict(makespan=span, makespan_over_ideal=over_ideal, records=int(plan[4]))
-            plan_t = torch.from_numpy(plan.astype(np.int32)).to(device)
+                entry["python_planner_matches_op"] = plan == PrefillPlan.from_tensor(op_plan)
+            span, over_ideal = makespan(plan, lengths, qk_dims, v_dims)
+            result = dict(makespan=span, makespan_over_ideal=over_ideal, records=plan.num_records)
+            plan_t = plan.to_tensor(device)
             try:
                 out_t = inputs.attention(plan_t)
                 if reference is None:
@@ -384,7 +361,8 @@ def plan_cost(shapes: list[tuple[str, list[int], bool]], qk_dims, v_dims, dtype,
             sync(device)
             entry["first_us"] = (time.perf_counter() - begin) * 1e6
             cached = timer(inputs.plan, repeats=max(timer.repeats, 20), flush=False)
-            entry.update(records=int(plan[4]), cached_us=median(cached) * 1e6, cached_max_us=max(cached) * 1e6)
+            entry.update(records=PrefillPlan.from_tensor(plan).num_records, cached_us=median(cached) * 1e6,
+                         cached_max_us=max(cached) * 1e6)
             entry["attention_us"] = median(timer(lambda: inputs.attention(plan))) * 1e6
             entry["step_us"] = median(timer(lambda: inputs.attention(None))) * 1e6
             entry["first_share"] = entry["first_us"] / entry["attention_us"]
