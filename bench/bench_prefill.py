@@ -19,7 +19,8 @@ What is measured (DESIGN.md section 6):
 - fdc rows: fdc_attention (prefill_attention with a plan made beforehand) and fdc_step (prefill_plan inside the
   call, as a model layer calls it). Packed q (T, G * sum d_qk), k (T, sum d_qk), v (T, sum d_v), int32 cu_seqlens.
 
-Targets, each printed PASS or MISS:
+Targets, each printed PASS or MISS, from the prefill rows of bench_common.TARGETS (the one table of every benchmark's
+targets, with the reason for each number):
 - fdc time <= 1.25 * (useful FLOPs of fdc / useful FLOPs of full width) * full-width SDPA time;
 - fdc is faster than sdpa_padded and sdpa_bucketed.
 
@@ -65,15 +66,14 @@ import torch.nn.functional as F
 from bench_common import (GROUP, HEAD_DIM, NUM_KV_HEADS, SCALE, SDPA_REFUSALS, SdpaSweep, Timer, ablation_dims,
                           adaptive_dims, bench_parser, cell, detail, device_line, dtype_name, faster_than, finite,
                           first_line, has_enable_gqa, head_buckets, layout_line, layout_record, median, num_workers_for,
-                          prefix, print_header, provenance, randn, release, sdpa_backends, setup, target, write_json)
+                          phase_targets, prefix, print_header, provenance, randn, release, sdpa_backends, setup,
+                          target, useful_flops, write_json)
 from fdc_ops import ops
 from fdc_ops.apps.provenance import device_name, git_commit
 from fdc_ops.plans import ROW_STEP, PrefillPlan, concat_workers, visible_keys
 
 # Mean of the adaptive widths (bench_common.adaptive_dims): 64, 50% of D, the middle of the paper's 40-60%.
 DIM_MEAN = 64
-# Targets of the issue.
-FULL_RATIO_SLACK = 1.25
 # The math backend materialises (heads, s_q, s_k) scores and softmax in float32: skip it beyond this share of free
 # device memory (at 32K it would need ~400 GiB).
 MATH_MEMORY_SHARE = 0.5
@@ -129,12 +129,6 @@ def mixed_lengths(total: int, seed: int, low: int = 300, high: int = 16384) -> l
         lengths.append(int(round(math.exp(rng.uniform(math.log(low), math.log(high))))))
     lengths[-1] -= sum(lengths) - total  # stays >= 1: the lengths before it summed to less than total
     return lengths
-
-
-def useful_flops(lengths: list[int], causal: bool, qk_dims: list[int], v_dims: list[int]) -> float:
-    """2 * (d_qk + d_v) * visible keys, summed over query heads and sequences (s_q = s_k)."""
-    keys = sum(visible_keys(0, s, s, s, causal) for s in lengths)
-    return float(2 * GROUP * sum(dq + dv for dq, dv in zip(qk_dims, v_dims)) * keys)
 
 
 # ------------------------------------------------------------------------------------------------------------- SDPA
@@ -437,8 +431,9 @@ def bench_case(case: Case, qk_dims, v_dims, device, timer: Timer, peak: float, g
     return rows
 
 
-def targets_for(rows: list[Row]) -> list[dict]:
-    """PASS/MISS of every target, per case and fdc method."""
+def targets_for(rows: list[Row], device: torch.device) -> list[dict]:
+    """PASS/MISS of every target (bench_common.TARGETS' prefill row for the device), per case and fdc method."""
+    goal = phase_targets("prefill", device)
     out = []
     dense: dict[tuple, dict[str, Row]] = {}
     for r in rows:
@@ -449,10 +444,10 @@ def targets_for(rows: list[Row]) -> list[dict]:
             continue
         base = dense[(r.case, r.causal, r.dtype)]
         where = f"{r.case} {'causal' if r.causal else 'full'} {r.dtype} {r.method}"
-        limit = FULL_RATIO_SLACK * r.extra["flops_ratio"]
-        out.append(target(where, f"time <= {FULL_RATIO_SLACK} x (useful FLOPs fdc/full) x full-width SDPA",
+        limit = goal.full_ratio_slack * r.extra["flops_ratio"]
+        out.append(target(where, f"time <= {goal.full_ratio_slack} x (useful FLOPs fdc/full) x full-width SDPA",
                           r.vs_full, limit, r.vs_full <= limit))
-        out += faster_than(where, r.micros, base, ("sdpa_padded", "sdpa_bucketed"))
+        out += faster_than(where, r.micros, base, goal.faster_than)
     return out
 
 
@@ -513,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     for case in all_cases:
         rows += bench_case(case, qk_dims, v_dims, device, timer, peak, gqa)
-    targets = targets_for(rows)
+    targets = targets_for(rows, device)
     ablation_shapes = ([("1 x 256", [256], True), ("varlen 3 seqs", [200, 37, 96], False)] if args.quick else
                        [("1 x 16K", [16384], True), ("1 x 4K", [4096], False), ("1 x 4K", [4096], True),
                         ("varlen 32K", mixed_lengths(32768, 5), True)])
