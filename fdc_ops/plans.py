@@ -212,7 +212,7 @@ class DecodePlan:
         _require(0 <= num_tasks <= capacity, where, "plan[5] (num_tasks)", f"in [0, capacity = {capacity}]", num_tasks)
         _require(group >= 1, where, "plan[6] (group)", "at least 1", group)
         _require(status in {code.value for code in Status}, where, "plan[7] (status)",
-                 f"a Status code in {[int(s) for s in Status]}", status)
+                 f"a Status code in {[int(code) for code in Status]}", status)
         size = decode_plan_size(batch, hkv, workers)
         _require(len(p) == size, where, "the plan's length", f"decode_plan_size(B={batch}, H_kv={hkv}, N={workers}) "
                  f"= {size}", len(p))
@@ -261,6 +261,8 @@ class DecodePlan:
         _require(self.num_kv_heads >= 1, where, "num_kv_heads", "at least 1", self.num_kv_heads)
         _require(self.num_workers >= 1, where, "num_workers", "at least 1", self.num_workers)
         _require(self.group >= 1, where, "group", "at least 1", self.group)
+        _require(self.status in {code.value for code in Status}, where, "status",
+                 f"a Status code in {[int(code) for code in Status]}", self.status)
         _require(self.num_tasks <= self.capacity, where, "the number of records",
                  f"at most capacity = {self.capacity}", self.num_tasks)
         _require(self.status == Status.OK or self.num_tasks == 0, where, "records",

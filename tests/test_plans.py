@@ -369,6 +369,9 @@ def test_to_tensor_checks_hand_built_plans():
     """A hand-built plan that breaks the format is refused before it reaches an op, naming the field."""
     with pytest.raises(ValueError, match=r"^DecodePlan\.to_tensor: the length of worker_offsets must be 3 but got 2"):
         DecodePlan(1, 1, 2, 1, [0, 1], [0, 1], [(0, 0, 0, 5)]).to_tensor()
+    with pytest.raises(ValueError, match=r"^DecodePlan\.to_tensor: status must be a Status code in \[0, 1, 2, 3, 4\] "
+                                         r"but got 7"):
+        DecodePlan(1, 1, 1, 1, [0, 0], [0, 0], [], status=7).to_tensor()
     with pytest.raises(ValueError, match=r"^PrefillPlan\.to_tensor: records\[0\]\[1\] \(h\) must be in \[0, H = 2\)"):
         PrefillPlan(1, 2, 1, False, 64, 1, [0, 1], [(0, 2, 0, 16)]).to_tensor()
     with pytest.raises(ValueError, match=r"^DecodePlan\.costs_by_worker: qk_dims and v_dims must be one width per KV "
