@@ -13,7 +13,7 @@ import expecttest
 import pytest
 import torch
 
-from conftest import case_generator, offsets, random_layout
+from conftest import Layout, case_generator, offsets, random_layout
 from fdc_ops import ops, plans
 from fdc_ops.plans import DecodePlan, PrefillPlan, Status, prefill_plan_size
 
@@ -166,20 +166,22 @@ def test_codec_constants_mirror_the_headers():
     assert ops.DEFAULT_ROW_BLOCK == plans.DEFAULT_ROW_BLOCK and ops.decode_plan_size is plans.decode_plan_size
 
 
-def _op_decode_plan(rng, workers=None) -> tuple[torch.Tensor, list[int], object]:
+def _op_decode_plan(rng) -> tuple[torch.Tensor, list[int], Layout]:
+    """The CPU op's decode plan of a random layout, lengths and worker count: (plan, lengths, layout)."""
     layout = random_layout(rng)
     lengths = [rng.choice([0, 1, 17, 256, 257, 1000, 8192, 40000]) for _ in range(rng.randint(0, 8))]
     plan = ops.decode_plan(torch.tensor(lengths, dtype=torch.int32), layout.qk_offsets, layout.v_offsets,
-                           layout.group, num_workers=workers or rng.choice([1, 2, 7, 16, 132]))
+                           layout.group, num_workers=rng.choice([1, 2, 7, 16, 132]))
     return plan, lengths, layout
 
 
-def _op_prefill_plan(rng, workers=None) -> tuple[torch.Tensor, list[int], list[int], object]:
+def _op_prefill_plan(rng) -> tuple[torch.Tensor, list[int], list[int], Layout]:
+    """The CPU op's prefill plan of a random layout, lengths, mask and worker count: (plan, s_q, s_k, layout)."""
     layout = random_layout(rng)
     lengths_q = [rng.choice([0, 1, 15, 16, 17, 100, 640, 2000]) for _ in range(rng.randint(0, 5))]
     lengths_k = [s if rng.random() < 0.6 else rng.choice([0, 1, 50, 3000]) for s in lengths_q]
     plan = ops.prefill_plan(offsets(lengths_q), offsets(lengths_k), layout.qk_offsets, layout.v_offsets,
-                            layout.group, rng.random() < 0.5, num_workers=workers or rng.choice([1, 2, 5, 16, 132]),
+                            layout.group, rng.random() < 0.5, num_workers=rng.choice([1, 2, 5, 16, 132]),
                             row_block=rng.choice([16, 64, 128]))
     return plan, lengths_q, lengths_k, layout
 
@@ -268,6 +270,7 @@ def test_visible_keys_counts_what_the_mask_lets_each_row_see():
 
 
 def _set(index: int, value: int):
+    """A mutation of a plan's integers: entry `index` set to `value`."""
     def mutate(p: list[int]) -> list[int]:
         p[index] = value
         return p
@@ -279,8 +282,8 @@ def _decode_field(name: str) -> int:
     return {"split": 8, "worker": 8 + 5, "records": 8 + 5 + 4}[name]
 
 
-# A decode plan of the op for B=2 (lengths 600, 40), H_kv=2 (d_sum 49 and 113), N=3: 8 chunks.
 def _reference_decode_plan() -> torch.Tensor:
+    """The op's decode plan for B=2 (lengths 600, 40), H_kv=2 (d_sum 49 and 113), N=3: 8 chunks."""
     return ops.decode_plan(torch.tensor([600, 40], dtype=torch.int32), offsets([16, 64]), offsets([32, 48]), 2,
                            num_workers=3)
 
@@ -319,13 +322,13 @@ def test_decode_codec_rejects_malformed_plans(name):
         DecodePlan.from_tensor(torch.tensor(mutate(tensor.tolist()), dtype=torch.int32))
 
 
-# A prefill plan of the op for B=2 (lengths 100, 37), H=4 (G=2), N=3, causal, row block 32.
 def _reference_prefill_plan() -> torch.Tensor:
+    """The op's prefill plan for B=2 (lengths 100, 37), H=4 (G=2), N=3, causal, row block 32: 18 records."""
     cu = offsets([100, 37])
     return ops.prefill_plan(cu, cu, offsets([16, 64]), offsets([32, 48]), 2, True, num_workers=3, row_block=32)
 
 
-PREFILL_RECORDS = 8 + 4
+PREFILL_RECORDS = 8 + 4  # index of the first record in the reference prefill plan (N=3)
 PREFILL_REJECTIONS = {
     "tag": (_set(0, plans.DECODE_PLAN_TAG), r"plan\[0\] \(tag\) must be kPrefillPlanTag .* \(a decode plan\)"),
     "batch": (_set(1, -2), r"batch must be non-negative but got -2"),
