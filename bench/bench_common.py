@@ -1,6 +1,6 @@
-"""What bench_decode.py and bench_prefill.py (and, where it is the same logic, bench_ops.py) share: the attention shape
-and adaptive layout, the timer, the SDPA backend sweep, PASS/MISS records, table cells, command line and the JSON
-report with its provenance.
+"""What bench_decode.py, bench_prefill.py and bench_ops.py share: the attention shape and adaptive layout, the timer,
+the copy-bandwidth probe, useful FLOPs, the SDPA backend sweep, the one table of targets (TARGETS), PASS/MISS records,
+table cells, command line and the JSON report with its provenance.
 
 Each script imports this module first: `python bench/bench_X.py` puts bench/ on sys.path, and importing this module
 puts the repository root there for fdc_ops, so the scripts run from any directory with only torch, numpy, the
@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,6 +29,8 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # for the scripts' `import fdc_ops` when they run from a checkout
     sys.path.insert(0, ROOT)
+
+from fdc_ops.plans import visible_keys  # noqa: E402  (needs ROOT on sys.path)
 
 # Llama-3-8B-like attention: 32 query heads, 8 KV heads of 128.
 NUM_KV_HEADS, GROUP, HEAD_DIM = 8, 4, 128
@@ -94,6 +97,16 @@ class Timer:
         return [s.elapsed_time(e) / 1e3 for s, e in events]
 
 
+def copy_bandwidth(device: torch.device, megabytes: int, timer: Timer) -> float:
+    """GB/s of one large copy_ on the device, counting bytes read and written: the memory bandwidth a streaming kernel
+    can reach (1 GiB by default, far larger than any cache)."""
+    src = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    seconds = median(timer(lambda: dst.copy_(src), flush=False))
+    del src, dst
+    return 2 * megabytes * 2**20 / seconds / 1e9
+
+
 def median(times: list[float]) -> float:
     return statistics.median(times)
 
@@ -134,6 +147,13 @@ def adaptive_dims(mean: int, seed: int = LAYOUT_SEED) -> tuple[list[int], list[i
 def width_ratio(qk_dims: list[int], v_dims: list[int]) -> float:
     """Compressed K + V width over the full width (2 * H_kv * D)."""
     return (sum(qk_dims) + sum(v_dims)) / (2 * NUM_KV_HEADS * HEAD_DIM)
+
+
+def useful_flops(lengths: list[int], causal: bool, qk_dims: list[int], v_dims: list[int]) -> float:
+    """Prefill FLOPs that attention must do: 2 * (d_qk + d_v) per visible key and query head, summed over the
+    sequences (s_q = s_k each), visible keys counted exactly (fdc_ops.plans.visible_keys: causal rows see s(s+1)/2)."""
+    keys = sum(visible_keys(0, s, s, s, causal) for s in lengths)
+    return float(2 * GROUP * sum(dq + dv for dq, dv in zip(qk_dims, v_dims)) * keys)
 
 
 def ablation_dims() -> tuple[list[int], list[int]]:
@@ -226,6 +246,57 @@ class SdpaSweep:
         if self.best is None:
             raise RuntimeError(f"no SDPA backend ran: {self.tried}")
         return self.best, self.best_name, self.tried
+
+
+# --------------------------------------------------------------------------------------------------------- targets
+
+
+@dataclass(frozen=True)
+class Targets:
+    """What fdc must reach in one phase on one kind of device (a row of TARGETS)."""
+
+    full_ratio_slack: float  # time <= slack x (compressed/full bytes, or useful-FLOP ratio) x full-width SDPA time
+    copy_share: float | None  # decode: compressed K/V read at >= this share of the measured copy bandwidth
+    scheduler_share: float | None  # decode: decode_plan at most this share of a decode step (plan + attention)
+    faster_than: tuple[str, ...]  # baselines (bench_decode / bench_prefill method names) every fdc row must beat
+
+
+# The one table of targets: every benchmark reads its PASS/MISS thresholds here, by phase and device type. Why each
+# number:
+# - decode, time slack: a decode step streams the cache once, so reading a w/W share of the bytes should take that
+#   share of the time. On a GPU 15% covers what does not shrink with width (launch, query load, split-KV merge). On a
+#   CPU 25%: the kernel walks each head's rows separately, and narrow rows (16-64 values, a few vector registers) pay
+#   per-row loop and softmax overhead that SDPA's 128-wide rows spread over more bytes.
+# - decode, share of copy bandwidth: the measured copy is the ceiling of any streaming kernel. A GPU decode kernel
+#   keeps enough loads in flight to get within 20% of it (the rest: the last wave's tail and the merge). A 2-core CPU
+#   decode converts bf16 to fp32 and computes a softmax exp per key on the same cores that issue the loads, so 60%.
+# - decode, scheduler share: the paper's fused LPT scheduler costs at most 4.13% of a step; 4% is that claim.
+# - prefill, time slack (GPU and CPU alike): prefill is compute-bound, and narrow heads fill a tensor-core or SIMD
+#   tile less well than 128-wide ones (a 16-wide product uses one k-step of a 64-deep tile) while causal row blocks
+#   of uneven heads waste part of their last tile; 25% over the useful-FLOP ratio allows for that.
+# - faster than: the alternatives a user has for uneven head widths (pad every head to the widest, one SDPA call per
+#   bucket of equal widths, Palu-style decompression for decode) must all lose, on every device.
+DECODE_BASELINES = ("sdpa_padded", "sdpa_bucketed", "palu_sdpa")
+PREFILL_BASELINES = ("sdpa_padded", "sdpa_bucketed")
+TARGETS = {
+    ("decode", "cuda"): Targets(full_ratio_slack=1.15, copy_share=0.80, scheduler_share=0.04,
+                                faster_than=DECODE_BASELINES),
+    ("decode", "cpu"): Targets(full_ratio_slack=1.25, copy_share=0.60, scheduler_share=0.04,
+                               faster_than=DECODE_BASELINES),
+    ("prefill", "cuda"): Targets(full_ratio_slack=1.25, copy_share=None, scheduler_share=None,
+                                 faster_than=PREFILL_BASELINES),
+    ("prefill", "cpu"): Targets(full_ratio_slack=1.25, copy_share=None, scheduler_share=None,
+                                faster_than=PREFILL_BASELINES),
+}
+
+
+def phase_targets(phase: str, device: torch.device) -> Targets:
+    """TARGETS' row for `phase` ("decode" or "prefill") on `device`'s type."""
+    key = (phase, device.type)
+    if key not in TARGETS:
+        raise ValueError(f"phase_targets: no targets for phase {phase!r} on device type {device.type!r}; TARGETS has "
+                         f"{sorted(TARGETS)}")
+    return TARGETS[key]
 
 
 # ------------------------------------------------------------------------------------------------------- reporting

@@ -19,7 +19,8 @@ What is measured (DESIGN.md section 6):
 - fdc rows: fdc_attention (prefill_attention with a plan made beforehand) and fdc_step (prefill_plan inside the
   call, as a model layer calls it). Packed q (T, G * sum d_qk), k (T, sum d_qk), v (T, sum d_v), int32 cu_seqlens.
 
-Targets, each printed PASS or MISS:
+Targets, each printed PASS or MISS, from the prefill rows of bench_common.TARGETS (the one table of every benchmark's
+targets, with the reason for each number):
 - fdc time <= 1.25 * (useful FLOPs of fdc / useful FLOPs of full width) * full-width SDPA time;
 - fdc is faster than sdpa_padded and sdpa_bucketed.
 
@@ -65,21 +66,20 @@ import torch.nn.functional as F
 from bench_common import (GROUP, HEAD_DIM, NUM_KV_HEADS, SCALE, SDPA_REFUSALS, SdpaSweep, Timer, ablation_dims,
                           adaptive_dims, bench_parser, cell, detail, device_line, dtype_name, faster_than, finite,
                           first_line, has_enable_gqa, head_buckets, layout_line, layout_record, median, num_workers_for,
-                          prefix, print_header, provenance, randn, release, sdpa_backends, setup, target, write_json)
+                          phase_targets, prefix, print_header, provenance, randn, release, sdpa_backends, setup,
+                          target, useful_flops, write_json)
 from fdc_ops import ops
 from fdc_ops.apps.provenance import device_name, git_commit
+from fdc_ops.plans import ROW_STEP, PrefillPlan, concat_workers, visible_keys
 
 # Mean of the adaptive widths (bench_common.adaptive_dims): 64, 50% of D, the middle of the paper's 40-60%.
 DIM_MEAN = 64
-# Targets of the issue.
-FULL_RATIO_SLACK = 1.25
 # The math backend materialises (heads, s_q, s_k) scores and softmax in float32: skip it beyond this share of free
 # device memory (at 32K it would need ~400 GiB).
 MATH_MEMORY_SHARE = 0.5
 # Workers of the ablation's plans on the CPU, where intra-op threads are few: 7 does not divide the 32 heads, so the
 # policies differ (as 132 SMs do not divide them on an H100).
 CPU_ABLATION_WORKERS = 7
-ROW_STEP, PLAN_TAG, PLAN_HEADER = 16, 0x46444350, 8  # include/fdc/prefill_plan.h: kRowStep, kPrefillPlanTag, header
 
 
 @dataclass
@@ -129,25 +129,6 @@ def mixed_lengths(total: int, seed: int, low: int = 300, high: int = 16384) -> l
         lengths.append(int(round(math.exp(rng.uniform(math.log(low), math.log(high))))))
     lengths[-1] -= sum(lengths) - total  # stays >= 1: the lengths before it summed to less than total
     return lengths
-
-
-def visible_keys(r0: int, r1: int, s_q: int, s_k: int, causal: bool) -> int:
-    """Sum over query rows [r0, r1) of the keys each sees (include/fdc/prefill_plan.h, visible_keys)."""
-    if r1 <= r0 or s_k <= 0:
-        return 0
-    if not causal:
-        return (r1 - r0) * s_k
-    shift = s_k - s_q + 1
-    lin_lo, lin_hi = max(r0, -shift + 1), min(r1, s_k - shift)
-    total = (lin_lo + lin_hi - 1 + 2 * shift) * (lin_hi - lin_lo) // 2 if lin_hi > lin_lo else 0
-    full_lo = max(r0, s_k - shift)
-    return total + ((r1 - full_lo) * s_k if r1 > full_lo else 0)
-
-
-def useful_flops(lengths: list[int], causal: bool, qk_dims: list[int], v_dims: list[int]) -> float:
-    """2 * (d_qk + d_v) * visible keys, summed over query heads and sequences (s_q = s_k)."""
-    keys = sum(visible_keys(0, s, s, s, causal) for s in lengths)
-    return float(2 * GROUP * sum(dq + dv for dq, dv in zip(qk_dims, v_dims)) * keys)
 
 
 # ------------------------------------------------------------------------------------------------------------- SDPA
@@ -249,8 +230,8 @@ class FdcInputs:
 
 
 def python_plan(lengths: list[int], qk_dims: list[int], v_dims: list[int], causal: bool, num_workers: int,
-                row_block: int, rescale: bool, assign: str) -> np.ndarray:
-    """A prefill plan in the format of include/fdc/prefill_plan.h, built in Python (s_q = s_k per sequence).
+                row_block: int, rescale: bool, assign: str) -> PrefillPlan:
+    """A prefill plan built in Python (s_q = s_k per sequence).
 
     rescale: rows per task max(16, round_down(row_block * d_sum_max / d_sum, 16)) as the planner does, else
     row_block for every head. assign: "planner" (tasks sorted by cost, descending and stable; full rounds to the
@@ -303,23 +284,13 @@ def python_plan(lengths: list[int], qk_dims: list[int], v_dims: list[int], causa
                 p0 = p1
     else:
         raise ValueError(f"python_plan: unknown assignment {assign!r}")
-    offsets = np.cumsum([0] + [len(p) for p in per_worker])
-    records = [field for p in per_worker for record in p for field in record]
-    header = [PLAN_TAG, len(lengths), heads, num_workers, int(offsets[-1]), int(causal), row_block, GROUP]
-    return np.array(header + offsets.tolist() + records, dtype=np.int64)
+    return PrefillPlan(len(lengths), heads, num_workers, causal, row_block, GROUP, *concat_workers(per_worker))
 
 
-def makespan(plan: np.ndarray | torch.Tensor, lengths: list[int], qk_dims, v_dims, causal: bool) -> tuple[int, float]:
+def makespan(plan: PrefillPlan, lengths: list[int], qk_dims, v_dims) -> tuple[int, float]:
     """(largest per-worker cost, that over the ideal total / N); cost of a record = d_sum * visible keys."""
-    p = plan.cpu().numpy().astype(np.int64) if isinstance(plan, torch.Tensor) else plan
-    workers, count = int(p[3]), int(p[4])
-    offsets = p[PLAN_HEADER:PLAN_HEADER + workers + 1]
-    records = p[PLAN_HEADER + workers + 1:].reshape(-1, 4)[:count]
-    cost = np.array([(qk_dims[h // GROUP] + v_dims[h // GROUP] + 1) * visible_keys(r0, r1, lengths[b], lengths[b],
-                                                                                    causal)
-                     for b, h, r0, r1 in records.tolist()], dtype=np.int64)
-    loads = np.array([cost[offsets[w]:offsets[w + 1]].sum() for w in range(workers)])
-    return int(loads.max()), float(loads.max() / max(cost.sum() / workers, 1))
+    loads = plan.worker_loads(qk_dims, v_dims, lengths, lengths)
+    return max(loads), max(loads) / max(sum(loads) / plan.num_workers, 1)
 
 
 ABLATION_POLICIES = {  # name: (rescale, assignment)
@@ -346,10 +317,10 @@ def balance_ablation(shapes: list[tuple[str, list[int], bool]], dtype, device, t
         for policy, (rescale, assign) in ABLATION_POLICIES.items():
             plan = python_plan(lengths, qk_dims, v_dims, causal, workers, ops.DEFAULT_ROW_BLOCK, rescale, assign)
             if policy == "lpt":
-                entry["python_planner_matches_op"] = bool(np.array_equal(plan, op_plan.numpy()))
-            span, over_ideal = makespan(plan, lengths, qk_dims, v_dims, causal)
-            result = dict(makespan=span, makespan_over_ideal=over_ideal, records=int(plan[4]))
-            plan_t = torch.from_numpy(plan.astype(np.int32)).to(device)
+                entry["python_planner_matches_op"] = plan == PrefillPlan.from_tensor(op_plan)
+            span, over_ideal = makespan(plan, lengths, qk_dims, v_dims)
+            result = dict(makespan=span, makespan_over_ideal=over_ideal, records=plan.num_records)
+            plan_t = plan.to_tensor(device)
             try:
                 out_t = inputs.attention(plan_t)
                 if reference is None:
@@ -384,7 +355,8 @@ def plan_cost(shapes: list[tuple[str, list[int], bool]], qk_dims, v_dims, dtype,
             sync(device)
             entry["first_us"] = (time.perf_counter() - begin) * 1e6
             cached = timer(inputs.plan, repeats=max(timer.repeats, 20), flush=False)
-            entry.update(records=int(plan[4]), cached_us=median(cached) * 1e6, cached_max_us=max(cached) * 1e6)
+            entry.update(records=PrefillPlan.from_tensor(plan).num_records, cached_us=median(cached) * 1e6,
+                         cached_max_us=max(cached) * 1e6)
             entry["attention_us"] = median(timer(lambda: inputs.attention(plan))) * 1e6
             entry["step_us"] = median(timer(lambda: inputs.attention(None))) * 1e6
             entry["first_share"] = entry["first_us"] / entry["attention_us"]
@@ -459,8 +431,9 @@ def bench_case(case: Case, qk_dims, v_dims, device, timer: Timer, peak: float, g
     return rows
 
 
-def targets_for(rows: list[Row]) -> list[dict]:
-    """PASS/MISS of every target, per case and fdc method."""
+def targets_for(rows: list[Row], device: torch.device) -> list[dict]:
+    """PASS/MISS of every target (bench_common.TARGETS' prefill row for the device), per case and fdc method."""
+    goal = phase_targets("prefill", device)
     out = []
     dense: dict[tuple, dict[str, Row]] = {}
     for r in rows:
@@ -471,10 +444,10 @@ def targets_for(rows: list[Row]) -> list[dict]:
             continue
         base = dense[(r.case, r.causal, r.dtype)]
         where = f"{r.case} {'causal' if r.causal else 'full'} {r.dtype} {r.method}"
-        limit = FULL_RATIO_SLACK * r.extra["flops_ratio"]
-        out.append(target(where, f"time <= {FULL_RATIO_SLACK} x (useful FLOPs fdc/full) x full-width SDPA",
+        limit = goal.full_ratio_slack * r.extra["flops_ratio"]
+        out.append(target(where, f"time <= {goal.full_ratio_slack} x (useful FLOPs fdc/full) x full-width SDPA",
                           r.vs_full, limit, r.vs_full <= limit))
-        out += faster_than(where, r.micros, base, ("sdpa_padded", "sdpa_bucketed"))
+        out += faster_than(where, r.micros, base, goal.faster_than)
     return out
 
 
@@ -535,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     for case in all_cases:
         rows += bench_case(case, qk_dims, v_dims, device, timer, peak, gqa)
-    targets = targets_for(rows)
+    targets = targets_for(rows, device)
     ablation_shapes = ([("1 x 256", [256], True), ("varlen 3 seqs", [200, 37, 96], False)] if args.quick else
                        [("1 x 16K", [16384], True), ("1 x 4K", [4096], False), ("1 x 4K", [4096], True),
                         ("varlen 32K", mixed_lengths(32768, 5), True)])

@@ -4,7 +4,8 @@ compressed Hugging Face models.
 The package is layered. ``import fdc_ops`` registers the operators and loads nothing else: operator users never pay
 for importing transformers (tests/test_package.py checks it). The rest is imported on first use:
 
-- the library: :mod:`fdc_ops.ops` (typed wrappers of the ops), :mod:`fdc_ops.reference` (float64 references),
+- the library: :mod:`fdc_ops.ops` (typed wrappers of the ops), :mod:`fdc_ops.plans` (the plan formats, decoded and
+  built; loaded with the ops), :mod:`fdc_ops.reference` (float64 references),
   :mod:`fdc_ops.calibration` (the FDC artifact: rotations, V factors, width allocation), :mod:`fdc_ops.datasets`
   (the bundled calibration and evaluation text), :mod:`fdc_ops.progress`;
 - :mod:`fdc_ops.hf`: the Hugging Face integration (compressed attention modules, model families, model loading);

@@ -22,7 +22,8 @@ page_size)`` with ``block_table`` int32 ``(B, max_pages)``; token ``t`` of reque
 ``offsets[j] .. offsets[j+1]``): a decode task reading one head streams contiguous memory, and a score or value loop
 runs along contiguous tokens.
 
-Schedules are int32 tensors whose format is documented in include/fdc/prefill_plan.h and decode_plan.h.
+Schedules are int32 tensors whose format is documented in include/fdc/prefill_plan.h and decode_plan.h;
+:mod:`fdc_ops.plans` decodes and builds them (``DecodePlan`` / ``PrefillPlan``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from . import _C  # noqa: F401  (loads the op registrations)
+from .plans import DEFAULT_ROW_BLOCK, PREFILL_HEADER, decode_plan_size
 
 __all__ = [
     "rotate_compress",
@@ -42,21 +44,6 @@ __all__ = [
     "DEFAULT_ROW_BLOCK",
     "decode_plan_size",
 ]
-
-#: Base row block B_r of the widest head in the prefill plan (include/fdc/prefill_plan.h, kDefaultRowBlock).
-DEFAULT_ROW_BLOCK = 64
-# Mirrors of include/fdc/decode_plan.h, used to size the decode plan without running it.
-_DECODE_HEADER = 8
-_DECODE_RECORD_FIELDS = 4
-_DECODE_CHUNKS_PER_WORKER = 3
-_PREFILL_HEADER = 8
-
-
-def decode_plan_size(batch: int, num_kv_heads: int, num_workers: int) -> int:
-    """Length of the int32 decode plan for ``batch`` requests, ``num_kv_heads`` KV heads and ``num_workers``."""
-    capacity = batch * num_kv_heads + _DECODE_CHUNKS_PER_WORKER * num_workers
-    return _DECODE_HEADER + (batch * num_kv_heads + 1) + (num_workers + 1) + _DECODE_RECORD_FIELDS * capacity
-
 
 def rotate_compress(x: torch.Tensor, rot: torch.Tensor, qk_offsets: torch.Tensor, group: int) -> torch.Tensor:
     """Rotates post-RoPE queries or keys per head and keeps each head's leading ``qk_dim`` columns, packed.
@@ -386,7 +373,7 @@ def _prefill_plan_fake(cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group,
                        row_block=DEFAULT_ROW_BLOCK):
     # The record count depends on the sequence lengths (data), so the whole length is one dynamic size.
     workers = num_workers if num_workers is not None else torch.get_num_threads()
-    size = torch.library.get_ctx().new_dynamic_size(min=_PREFILL_HEADER + workers + 1)
+    size = torch.library.get_ctx().new_dynamic_size(min=PREFILL_HEADER + workers + 1)
     return cu_seqlens_q.new_empty((size,), dtype=torch.int32)
 
 

@@ -11,12 +11,12 @@ import torch
 
 from conftest import capture_graph, case_generator, random_layout, random_lengths, skip_without_cuda_kernels
 from fdc_ops import ops
+from fdc_ops.plans import DECODE_HEADER, Status
 
 skip_without_cuda_kernels("decode_plan")
 
 CASES = int(os.environ.get("FDC_CUDA_CASES", 200))
 WORKER_COUNTS = (1, 7, 132, 264)
-STATUS_BAD_SEQLENS = 2  # fdc::Status::kBadSeqlens, include/fdc/common.h
 
 
 def plans(lengths: list[int], layout, workers: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,10 +120,10 @@ def test_cuda_plan_negative_length_sets_status(position):
     plan = ops.decode_plan(torch.tensor(lengths, dtype=torch.int32, device="cuda"), layout.qk_offsets,
                            layout.v_offsets, layout.group, num_workers=workers).cpu()
     assert plan.numel() == ops.decode_plan_size(100, layout.num_kv_heads, workers)
-    assert int(plan[7]) == STATUS_BAD_SEQLENS
+    assert int(plan[7]) == Status.BAD_SEQLENS
     assert int(plan[5]) == 0, "a failed plan has no tasks"
-    offsets_end = 8 + 100 * layout.num_kv_heads + 1 + workers + 1
-    assert (plan[8:offsets_end] == 0).all()
+    offsets_end = DECODE_HEADER + 100 * layout.num_kv_heads + 1 + workers + 1
+    assert (plan[DECODE_HEADER:offsets_end] == 0).all()
     assert (plan[offsets_end:] == -1).all()
     with pytest.raises(RuntimeError, match="cache_seqlens must be non-negative"):
         ops.decode_plan(torch.tensor(lengths, dtype=torch.int32), layout.qk_offsets, layout.v_offsets, layout.group,

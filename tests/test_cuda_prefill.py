@@ -25,15 +25,13 @@ import torch
 from conftest import DTYPES, Layout, assert_close_to_cpu, assert_close_to_reference, case_generator, offsets, \
     randn, random_layout, random_lengths, skip_without_cuda_kernels, strided_rows
 from fdc_ops import ops, reference
+from fdc_ops.plans import PrefillPlan, concat_workers, visible_keys
 
 skip_without_cuda_kernels("prefill_plan", "prefill_attention")
 
 DEVICE = torch.device("cuda")
 NUM_SMS = torch.cuda.get_device_properties(DEVICE).multi_processor_count
 CASES = int(os.environ.get("FDC_CUDA_CASES", 40))  # per run; fewer under compute-sanitizer
-ROW_STEP = 16  # include/fdc/prefill_plan.h: kRowStep, rows of a record start on these boundaries
-PLAN_TAG = 0x46444350  # kPrefillPlanTag
-HEADER = 8  # kPrefillHeader
 # Lengths of the random cases: empty, length 1, odd, one 16-row tile and a bit, several row blocks of every width.
 LENGTHS = (0, 1, 2, 7, 16, 33, 64, 100, 257, 511, 1000)
 # Score entries (heads x sum of s_q * s_k) a random case may have: keeps the CPU float64 reference, the bfloat16 one
@@ -305,7 +303,9 @@ def test_explicit_plans(workers, row_block):
                                [1100, 0, 7, 313, rng.randint(1, 500)], causal)
         what = f"cuda prefill workers={workers} row_block={row_block} {inputs.describe()} {replay}"
         plan = inputs.plan_cuda(workers, row_block)
-        assert int(plan[3]) == workers and int(plan[6]) == row_block, f"{what}: plan header {plan[:HEADER].tolist()}"
+        decoded = PrefillPlan.from_tensor(plan)
+        assert decoded.num_workers == workers and decoded.row_block == row_block, \
+            f"{what}: plan for {decoded.num_workers} workers, row block {decoded.row_block}"
         assert_same_plan(inputs.plan_cpu(workers, row_block), plan, what)
         with_plan = inputs.run_cuda(plan)
         inputs.check(with_plan, what)
@@ -346,13 +346,6 @@ def test_plans_follow_the_lengths():
                              fresh, f"fresh tensors step {step} {replay}")
 
 
-def _visible(r0: int, r1: int, s_q: int, s_k: int, causal: bool) -> int:
-    """Sum over rows [r0, r1) of the keys each sees (include/fdc/prefill_plan.h, visible_keys)."""
-    if not causal:
-        return (r1 - r0) * s_k
-    return sum(min(max(r + s_k - s_q + 1, 0), s_k) for r in range(r0, r1))
-
-
 def _hand_plan(inputs: PrefillInputs, num_workers: int, rows: int, policy: str, rng) -> torch.Tensor:
     """A plan in the documented format (include/fdc/prefill_plan.h), built here without the planner: every head's
     rows cut into records of `rows` rows (no row-block rescaling; "whole" makes one record per (sequence, head)),
@@ -383,22 +376,16 @@ def _hand_plan(inputs: PrefillInputs, num_workers: int, rows: int, policy: str, 
         owner = [rng.randrange(num_workers) for _ in records]
     elif policy == "causal_heavy":
         d_sum = [lo.qk_dims[h // lo.group] + lo.v_dims[h // lo.group] + 1 for h in range(heads)]
-        records.sort(key=lambda r: -d_sum[r[1]] * _visible(r[2], r[3], lengths_q[r[0]], lengths_k[r[0]],
-                                                            inputs.causal))
+        records.sort(key=lambda r: -d_sum[r[1]] * visible_keys(r[2], r[3], lengths_q[r[0]], lengths_k[r[0]],
+                                                                inputs.causal))
         owner = [min(num_workers - 1, i * num_workers // max(len(records), 1)) for i in range(len(records))]
     else:
         raise ValueError(f"_hand_plan: unknown policy {policy!r}")
     per_worker: list[list[tuple]] = [[] for _ in range(num_workers)]
     for record, w in zip(records, owner):
         per_worker[w].append(record)
-    worker_offsets = [0]
-    body = []
-    for w in range(num_workers):
-        worker_offsets.append(worker_offsets[-1] + len(per_worker[w]))
-        for record in per_worker[w]:
-            body.extend(record)
-    header = [PLAN_TAG, len(lengths_q), heads, num_workers, len(records), int(inputs.causal), rows, lo.group]
-    return torch.tensor(header + worker_offsets + body, dtype=torch.int32, device=DEVICE)
+    return PrefillPlan(len(lengths_q), heads, num_workers, inputs.causal, rows, lo.group,
+                       *concat_workers(per_worker)).to_tensor(DEVICE)
 
 
 @pytest.mark.parametrize("policy", ["round_robin", "whole", "one_worker", "last_worker", "random", "causal_heavy"])
@@ -416,14 +403,6 @@ def test_hand_built_unbalanced_plans(policy):
                 inputs.check(out, f"{what} workers={workers} rows={rows}", against_cpu=False)
                 if dtype == torch.float32:
                     torch.testing.assert_close(out, inputs.run_cuda(), rtol=1e-4, atol=1e-5, msg=what)
-
-
-def test_visible_keys_helper():
-    """_visible (the causal_heavy policy's cost) counts what the mask lets each row see."""
-    for s_q, s_k in ((100, 100), (100, 130), (100, 40), (1, 1), (33, 0)):
-        assert _visible(0, s_q, s_q, s_k, False) == s_q * s_k
-        brute = sum(sum(1 for c in range(s_k) if c <= r + s_k - s_q) for r in range(s_q))
-        assert _visible(0, s_q, s_q, s_k, True) == brute
 
 
 # ------------------------------------------------------------------------------------------------------- bad input

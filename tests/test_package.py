@@ -15,7 +15,8 @@ def _modules_after(statement: str) -> set[str]:
     return set(result.stdout.split())
 
 
-@pytest.mark.parametrize("statement", ["import fdc_ops", "import fdc_ops.ops", "import fdc_ops.reference"])
+@pytest.mark.parametrize("statement", ["import fdc_ops", "import fdc_ops.ops", "import fdc_ops.reference",
+                                       "import fdc_ops.plans"])
 def test_operator_library_imports_no_model_side(statement):
     loaded = _modules_after(statement)
     assert not loaded & set(HEAVY_MODULES), f"{statement!r} imported {sorted(loaded & set(HEAVY_MODULES))}"

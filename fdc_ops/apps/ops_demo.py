@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops, reference
+from ..plans import DecodePlan
 
 HEAD_DIM = 64
 NUM_KV_HEADS = 3
@@ -160,22 +161,6 @@ def run(removal_rate: float = 0.1, prompt_lengths: tuple[int, ...] = (301, 77, 1
     print()
     workers = 4
     plan = ops.decode_plan(seqlens, qk_offsets, v_offsets, GROUP, num_workers=workers)
-    loads = _decode_worker_loads(plan, qk_dims, v_dims)
+    loads = DecodePlan.from_tensor(plan).worker_loads(qk_dims, v_dims)
     print(f"decode plan over {workers} workers: loads {loads}, makespan {max(loads)} vs ideal "
           f"{sum(loads) / workers:.0f} ({max(loads) / (sum(loads) / workers):.3f}x)")
-
-
-def _decode_worker_loads(plan: torch.Tensor, qk_dims: list[int], v_dims: list[int]) -> list[int]:
-    """Per worker, the summed cost (keys x d_sum) of its tasks, read from the plan format of decode_plan.h."""
-    batch, num_kv_heads, workers = int(plan[1]), int(plan[2]), int(plan[3])
-    header = ops._DECODE_HEADER
-    worker_offsets = plan[header + batch * num_kv_heads + 1:][: workers + 1].tolist()
-    records = plan[header + batch * num_kv_heads + 1 + workers + 1:].view(-1, 4)
-    loads = []
-    for w in range(workers):
-        load = 0
-        for pair, _, start, end in records[worker_offsets[w]:worker_offsets[w + 1]].tolist():
-            j = pair % num_kv_heads
-            load += (end - start) * (qk_dims[j] + v_dims[j] + 1)
-        loads.append(load)
-    return loads
