@@ -2,7 +2,7 @@
 and Palu-style SDPA decode on the same shapes, in one process; plus the LPT balance ablation, the scheduler's share
 of a decode step, and the decode step captured in a CUDA graph.
 
-What is measured (DESIGN.md section 6):
+What is measured (docs/design.md section 6):
 - copy bandwidth: one large device-to-device copy_, (bytes read + bytes written) / median time;
 - achieved bandwidth of each method: the bytes of cached K/V it must read (fdc: sum over requests and KV heads of
   seqlen * (d_qk + d_v) * element size; q and the output are left out, which understates fdc) / median time, and
@@ -15,9 +15,9 @@ What is measured (DESIGN.md section 6):
     sdpa_bucketed  one SDPA call per bucket of KV heads with equal (d_qk, d_v), each bucket's cache on its own;
     palu_sdpa      Palu-style: keys cached as a per-KV-head pre-RoPE latent of rank d_qk[j]; every step rebuilds
                    K_j = latent_j @ B_j (B_j: (d_qk[j], D)), applies RoPE at each cached position (cos/sin tables),
-                   then full-width SDPA. Values stay compressed, B_V folded into the output projection as in Palu and
-                   fdc_ops.hf.modules.PaluAttention (no V reconstruction); one SDPA call needs one V width, so V rows are
-                   stored at the layout's largest v width.
+                   then full-width SDPA. Values stay compressed, B_V folded into the output projection as in Palu
+                   and fdc_ops.hf.modules.PaluAttention (no V reconstruction); one SDPA call needs one V width, so V
+                   rows are stored at the layout's largest v width.
   Requests of different lengths (the mixed case) are grouped by length, one call per group, for every baseline.
 - fdc rows: fdc_attention (decode_attention with a precomputed plan), fdc_step (decode_plan + decode_attention,
   eager: what one layer pays per token), fdc_step_graph (the same two ops captured once in a CUDA graph, replayed);
@@ -338,7 +338,7 @@ def bench_case(case: Case, qk_dims, v_dims, device, timer: Timer, copy_gbps: flo
                 rows.append(Row(case.name, cache, dtype_name(dtype), "fdc_step_graph",
                                 "fdc plan + attention, CUDA graph replay", float("nan"), float("nan"), compressed,
                                 float("nan"), None, None, "", {"error": first_line(error)}))
-        del inputs, plan
+        inputs = plan = None  # released: the timed closures above hold them
         release(device)
     for r in rows:
         r.extra.setdefault("width_ratio", compressed / full_bytes)
@@ -396,7 +396,7 @@ def balance_ablation(lengths_list, dtype, device, timer: Timer) -> list[dict]:
                             workers=workers, baseline=policy, lpt=results["lpt"], static=results[policy],
                             time_gain=results[policy]["micros"] / results["lpt"]["micros"],
                             makespan_gain=results[policy]["makespan"] / max(results["lpt"]["makespan"], 1)))
-        del inputs
+        inputs = None  # released: the timed closures above hold them
         release(device)
     return out
 
@@ -412,7 +412,7 @@ def scheduler_cost(case: Case, qk_dims, v_dims, device, timer: Timer, repeats: i
     out["p99_share"] = out["plan_p99_us"] / out["step_p99_us"]
     out["threshold"] = phase_targets("decode", device).scheduler_share
     out["verdict"] = verdict(out["share"] <= out["threshold"])
-    del inputs
+    inputs = None  # released: the timed closures above hold them
     release(device)
     return out
 

@@ -2,7 +2,7 @@
 pad-to-max-width SDPA on the same shapes, in one process: the CPU benchmark (bench_decode.py and bench_prefill.py are
 the GPU ones, with more baselines), and a quick look on a GPU.
 
-What is measured (DESIGN.md section 6):
+What is measured (docs/design.md section 6):
 - copy bandwidth of the machine: one large tensor copy, (bytes read + bytes written) / time;
 - decode: one query token per request against a long cache; achieved bandwidth = bytes of compressed K/V the step
   needs (sum over requests of length x (qk width + v width) x element size) / time, as a share of copy bandwidth;
@@ -73,7 +73,7 @@ def bench_decode(batch: int, context: int, qk_dims: list[int], v_dims: list[int]
     full = median(timer(lambda: F.scaled_dot_product_attention(q_full, k_full, v_full, enable_gqa=True)))
     full_bytes = batch * context * full_width * dtype.itemsize
     rows.append(Row("decode", config, str(dtype), "SDPA full width", full * 1e3, full_bytes / full / 1e9, "GB/s", 1.0))
-    del k_full, v_full
+    k_full = v_full = None  # released: the timed closures above hold them
 
     pad = max(max(qk_dims), max(v_dims))
     q_pad = torch.randn(batch, heads, 1, pad, dtype=dtype, device=device)
@@ -83,7 +83,7 @@ def bench_decode(batch: int, context: int, qk_dims: list[int], v_dims: list[int]
     padded_bytes = batch * context * 2 * NUM_KV_HEADS * pad * dtype.itemsize
     rows.append(Row("decode", config, str(dtype), f"SDPA padded to {pad}", padded * 1e3,
                     padded_bytes / padded / 1e9, "GB/s", padded / full))
-    del k_pad, v_pad
+    k_pad = v_pad = None  # released: the timed closures above hold them
 
     seqlens = torch.full((batch,), context, dtype=torch.int32, device=device)
     q = torch.randn(batch, GROUP * sum(qk_dims), dtype=dtype, device=device)

@@ -2,7 +2,7 @@
 SDPA on the same shapes, in one process; plus the balance ablation of the prefill plan (row-block rescaling and the
 last-round redistribution, the paper's /KE) and the cost of planning.
 
-What is measured (DESIGN.md section 6):
+What is measured (docs/design.md section 6):
 - matmul peak: torch.matmul of two 8192 x 8192 bfloat16 matrices, 2 * 8192^3 / median time;
 - useful TFLOP/s of each method: per query head of KV head j, 2 * (d_qk[j] + d_v[j]) * (visible keys summed over
   its query rows), visible keys counted exactly (causal: bottom-right aligned, s(s+1)/2 for s_q = s_k = s), / median
@@ -114,7 +114,7 @@ def matmul_peak(device: torch.device, n: int, timer: Timer) -> float:
     a = torch.randn(n, n, device=device).to(torch.bfloat16)
     b = torch.randn(n, n, device=device).to(torch.bfloat16)
     seconds = median(timer(lambda: torch.matmul(a, b), flush=False))
-    del a, b
+    a = b = None  # released: the timed closures above hold them
     return 2 * n ** 3 / seconds / 1e12
 
 
@@ -336,7 +336,7 @@ def balance_ablation(shapes: list[tuple[str, list[int], bool]], dtype, device, t
             result["time_vs_lpt"] = result["micros"] / base["micros"] if base["micros"] else float("nan")
             result["makespan_vs_lpt"] = result["makespan"] / max(base["makespan"], 1)
         out.append(entry)
-        del inputs, op_plan
+        inputs = op_plan = None  # released: the timed closures above hold them
         release(device)
     return out
 
@@ -364,7 +364,7 @@ def plan_cost(shapes: list[tuple[str, list[int], bool]], qk_dims, v_dims, dtype,
         except (RuntimeError, NotImplementedError) as error:
             entry["error"] = first_line(error)
         out.append(entry)
-        del inputs
+        inputs = None  # released: the timed closures above hold them
         release(device)
     return out
 
@@ -375,11 +375,11 @@ def plan_cost(shapes: list[tuple[str, list[int], bool]], qk_dims, v_dims, dtype,
 def cases(quick: bool) -> list[Case]:
     if quick:
         shapes = [("1 x 256", [256]), ("varlen 3 seqs", [200, 37, 96])]
-        out = [Case(n, l, c, torch.bfloat16) for n, l in shapes for c in (True, False)]
+        out = [Case(name, lengths, c, torch.bfloat16) for name, lengths in shapes for c in (True, False)]
         return out + [Case("1 x 256 fp16", [256], True, torch.float16)]
     shapes = [("1 x 1K", [1024]), ("1 x 4K", [4096]), ("1 x 16K", [16384]), ("1 x 32K", [32768]),
               ("varlen 16K", mixed_lengths(16384, 1, high=8192)), ("varlen 64K", mixed_lengths(65536, 2))]
-    out = [Case(n, l, c, torch.bfloat16) for n, l in shapes for c in (True, False)]
+    out = [Case(name, lengths, c, torch.bfloat16) for name, lengths in shapes for c in (True, False)]
     return out + [Case("1 x 4K fp16", [4096], True, torch.float16)]
 
 
@@ -424,7 +424,7 @@ def bench_case(case: Case, qk_dims, v_dims, device, timer: Timer, peak: float, g
         except (RuntimeError, NotImplementedError) as error:  # e.g. a build without the CUDA prefill kernels
             rows.append(Row(case.name, case.causal, dtype_name(dtype), method, label, float("nan"),
                             fdc_flops, float("nan"), None, None, "", {"error": first_line(error)}))
-    del inputs
+    inputs = None  # released: the timed closures above hold them
     release(device)
     for r in rows:
         r.extra.setdefault("flops_ratio", fdc_flops / full_flops)

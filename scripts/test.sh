@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Runs every test: sets up (or refreshes) the checkout, then the C++ tests of the torch-free headers (CMake +
-# ctest) and the Python test suite (pytest). CUDA tests skip, saying why, where no GPU is visible.
+# Runs every test: sets up (or refreshes) the checkout, checks the house style (scripts/lint.sh), then the C++ tests
+# of the torch-free headers (CMake + ctest) and the Python test suite (pytest). CUDA tests skip, saying why, where no
+# GPU is visible.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+scripts/lint.sh
 
 cmake_bin=.venv/bin/cmake
 ctest_bin=.venv/bin/ctest
