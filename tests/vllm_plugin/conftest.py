@@ -13,8 +13,15 @@ SKIP_REASON = ("vLLM is not installed in this environment: the plugin tests run 
                "(scripts/setup_vllm.sh makes it; scripts/test.sh runs them there)")
 
 
+def vllm_installed() -> bool:
+    """Whether the real vLLM is importable (its spec has a file: a namespace package, such as a folder named vllm on
+    sys.path, has none)."""
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
+
+
 def pytest_collection_modifyitems(config, items):
-    if importlib.util.find_spec("vllm") is not None:
+    if vllm_installed():
         import fdc_ops
 
         location = Path(fdc_ops.__file__).resolve()
