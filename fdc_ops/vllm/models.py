@@ -83,6 +83,12 @@ class FDCLlamaAttention(LlamaAttention):
         if get_tensor_model_parallel_world_size() != 1:
             raise NotImplementedError("fdc_ops.vllm: FDC models run with tensor_parallel_size=1 (heads of different "
                                       "widths would first need a balanced split over ranks: README, 'vLLM plugin')")
+        if kwargs.get("quant_config") is not None:
+            raise NotImplementedError("fdc_ops.vllm: FDC folds A_V and W_O' into unquantized projections; quantized "
+                                      "checkpoints are not supported")
+        if self.attn.sliding_window is not None:
+            raise NotImplementedError(f"fdc_ops.vllm: layer {prefix} uses sliding-window attention "
+                                      f"({self.attn.sliding_window} tokens), which the FDC backend does not support")
         config = kwargs.get("config", args[0] if args else None)
         fdc = settings(config)
         _check_shape(config, fdc.artifact)
