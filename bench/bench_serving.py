@@ -10,10 +10,11 @@ rate, per model, whose p90 TTFT and p90 TBT stay within --ttft-slo and --tbt-slo
 logs is recorded too. Results are printed and written as JSON (device, torch, vLLM and commit) under --out; the
 servers' logs go to a temporary folder, which errors name.
 
-Run it in the plugin's environment (scripts/setup_vllm.sh), with -P so the installed fdc_ops is imported:
+Run it in the plugin's environment (scripts/setup_vllm.sh), with PYTHONSAFEPATH=1 so that it and the servers import
+the installed fdc_ops, not the checkout's:
 
-    .venv-vllm/bin/python -P bench/bench_serving.py            # CPU: the bundled SmolLM2-135M
-    .venv-vllm/bin/python -P bench/bench_serving.py --quick    # 2 rates x 8 requests, eager mode (a smoke run)
+    PYTHONSAFEPATH=1 .venv-vllm/bin/python bench/bench_serving.py            # CPU: the bundled SmolLM2-135M
+    PYTHONSAFEPATH=1 .venv-vllm/bin/python bench/bench_serving.py --quick    # 2 rates x 8 requests, eager mode (a smoke run)
 
 The same script runs unchanged where vLLM has a GPU (it passes no device options); the default compression, 0.056,
 is what `python -m fdc_ops eval` finds keeps 99% of SmolLM2's perplexity score (bench/results/eval/README.md).
@@ -78,14 +79,14 @@ class Server:
 
     def __init__(self, model: str, name: str, overrides: dict | None, args, log_path: Path):
         self.port, self.name, self.log_path = free_port(), name, log_path
-        command = [sys.executable, "-P", "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model,
+        command = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model,
                    "--host", "127.0.0.1", "--port", str(self.port), "--dtype", args.dtype, "--seed", str(args.seed),
                    "--served-model-name", name, "--max-model-len", str(args.prompt_tokens + args.output_tokens + 16)]
         if overrides is not None:
             command += ["--hf-overrides", json.dumps(overrides)]
         if args.eager:
             command.append("--enforce-eager")
-        env = dict(os.environ)
+        env = dict(os.environ, PYTHONSAFEPATH="1")  # vLLM's subprocesses must not import the checkout's fdc_ops
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
         with open(log_path, "w") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,

@@ -8,8 +8,9 @@
 # main environment's torch). The sources are mirrored into build/vllm-src and installed from there as a regular
 # package into .venv-vllm's site-packages, with its extension built against .venv-vllm's torch; the checkout's build
 # and its in-place _C are left alone. Python files edited in the checkout reach .venv-vllm on the next run of this
-# script. Run the plugin's tests with `python -P` (no current directory on sys.path), as scripts/test.sh does, so the
-# installed copy is the one imported.
+# script. From the checkout, run with PYTHONSAFEPATH=1 (no current directory on sys.path, in Python and in every
+# process vLLM starts, such as its model-inspection subprocess), as scripts/test.sh does, so the installed copy is the
+# one imported.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -15,7 +15,8 @@ ctest_bin=.venv/bin/ctest
 .venv/bin/python -m pytest tests "$@"
 
 # The vLLM plugin's tests, in vLLM's own environment (scripts/setup_vllm.sh: vLLM's CPU build pins another torch);
-# above, in .venv, they skip. -P keeps the checkout off sys.path, so the copy of fdc_ops installed there is tested.
+# above, in .venv, they skip. PYTHONSAFEPATH=1 keeps the checkout off sys.path in pytest and in every process vLLM
+# starts from it, so the copy of fdc_ops installed there is what runs.
 # setup_vllm.sh exits with 3 only when vLLM itself cannot be installed (say, the package registry is unreachable):
 # then these tests are skipped, saying so; any other failure fails the run.
 vllm_status=0
@@ -25,5 +26,5 @@ if [ "$vllm_status" -eq 3 ]; then
 elif [ "$vllm_status" -ne 0 ]; then
   exit "$vllm_status"
 else
-  .venv-vllm/bin/python -P -m pytest tests/vllm_plugin "$@"
+  PYTHONSAFEPATH=1 .venv-vllm/bin/python -m pytest tests/vllm_plugin "$@"
 fi

@@ -28,8 +28,9 @@ def pytest_collection_modifyitems(config, items):
         if location.parent == REPOSITORY / "fdc_ops":
             raise pytest.UsageError(
                 f"fdc_ops was imported from the checkout ({location}), whose extension is built for the main "
-                "environment's torch; run the plugin tests with `python -P -m pytest` (no current directory on "
-                "sys.path) so that .venv-vllm's installed copy is used, as scripts/test.sh does")
+                "environment's torch; run the plugin tests with `PYTHONSAFEPATH=1 python -m pytest` (no current "
+                "directory on sys.path, in pytest and in the processes vLLM starts) so that .venv-vllm's installed "
+                "copy is used, as scripts/test.sh does")
         return
     here = Path(__file__).parent
     for item in items:

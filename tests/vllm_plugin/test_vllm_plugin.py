@@ -43,10 +43,13 @@ FDC_BLOCK = 32
 @pytest.fixture(scope="module", autouse=True)
 def engine_environment():
     """vLLM reads these when an engine starts: the KV cache size on CPU, and the engine core in this process (one
-    process instead of three per engine)."""
-    saved = {name: os.environ.get(name) for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")}
+    process instead of three per engine). PYTHONSAFEPATH: vLLM inspects model classes in a subprocess started in the
+    current directory, which must not put the checkout's fdc_ops (its _C built for another torch) on sys.path."""
+    names = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING", "PYTHONSAFEPATH")
+    saved = {name: os.environ.get(name) for name in names}
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(KV_CACHE_GIB)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["PYTHONSAFEPATH"] = "1"
     yield
     for name, value in saved.items():
         if value is None:
@@ -214,7 +217,7 @@ def test_vllm_serve_answers_a_completion_request(model_dir, artifact_dir, hf_mod
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     # vllm-cpu 0.32.0's `vllm` command fails before parsing its arguments (it asks importlib.metadata for the
     # version of a distribution named "vllm"); this module runs the same OpenAI-compatible server as `vllm serve`.
-    command = [sys.executable, "-P", "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model_dir),
+    command = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model_dir),
                "--host", "127.0.0.1", "--port", str(port), "--dtype",
                "float32", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0", "--served-model-name", "smollm2-fdc",
                "--hf-overrides", json.dumps(overrides)]
