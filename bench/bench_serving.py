@@ -56,7 +56,7 @@ def parse_args():
     parser.add_argument("--ttft-slo", type=float, default=5.0, help="p90 TTFT bound (s) for equal latency")
     parser.add_argument("--tbt-slo", type=float, default=0.5, help="p90 TBT bound (s) for equal latency")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="VLLM_CPU_KVCACHE_SPACE on the CPU")
+    parser.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE (whole GiB) on the CPU")
     parser.add_argument("--eager", action="store_true", help="vLLM's eager mode (no torch.compile warm-up)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="2 rates x 8 requests, 32 output tokens, eager")
@@ -114,6 +114,8 @@ class Server:
         return int(match.group(1).replace(",", "")) if match else None
 
     def stop(self) -> None:
+        if self.process.poll() is not None:  # exited by itself (a failed start): nothing to stop
+            return
         os.killpg(self.process.pid, 15)
         try:
             self.process.wait(timeout=60)
