@@ -111,6 +111,7 @@ def extension():
 
 setup(
     name="fdc_ops",
+    license="BSD-3-Clause",
     version="0.1.0",
     description="FDC: post-RoPE KV dimensionality compression operators for PyTorch",
     packages=find_packages(include=["fdc_ops", "fdc_ops.*"]),

@@ -16,7 +16,7 @@ What is measured (DESIGN.md section 6):
     palu_sdpa      Palu-style: keys cached as a per-KV-head pre-RoPE latent of rank d_qk[j]; every step rebuilds
                    K_j = latent_j @ B_j (B_j: (d_qk[j], D)), applies RoPE at each cached position (cos/sin tables),
                    then full-width SDPA. Values stay compressed, B_V folded into the output projection as in Palu and
-                   fdc_ops.nn.PaluAttention (no V reconstruction); one SDPA call needs one V width, so V rows are
+                   fdc_ops.hf.modules.PaluAttention (no V reconstruction); one SDPA call needs one V width, so V rows are
                    stored at the layout's largest v width.
   Requests of different lengths (the mixed case) are grouped by length, one call per group, for every baseline.
 - fdc rows: fdc_attention (decode_attention with a precomputed plan), fdc_step (decode_plan + decode_attention,
@@ -58,7 +58,7 @@ from bench_common import (GROUP, HEAD_DIM, NUM_KV_HEADS, SCALE, SdpaSweep, Timer
                           prefix, print_header, provenance, randn, release, sdpa_backends, setup, target, verdict,
                           write_json)
 from fdc_ops import ops
-from fdc_ops.provenance import device_name, git_commit
+from fdc_ops.apps.provenance import device_name, git_commit
 
 # Mean of the adaptive widths (bench_common.adaptive_dims): 51, ~40% of D.
 DIM_MEAN = 51

@@ -28,8 +28,8 @@ import torch
 # bench_common first: it puts the repository root on sys.path for fdc_ops.
 from bench_common import Timer, bench_parser, setup, verdict, write_json
 from fdc_ops import calibration, hf
-from fdc_ops.models import load_model
-from fdc_ops.provenance import device_name, git_commit
+from fdc_ops.hf.loading import load_model
+from fdc_ops.apps.provenance import device_name, git_commit
 
 
 def ints(text: str) -> list[int]:
@@ -233,7 +233,8 @@ def main() -> None:
     print(f"{'model':<22} {'P':>5} {'B':>2} {'TTFT ms':>9} {'x':>6} {'TBT ms':>8} {'x':>6} {'attn':>5}")
     for r in rows:
         print(f"{r['model']:<22} {r['prompt']:>5} {r['batch']:>2} {r['ttft_ms']:>9.1f} "
-              f"{r.get('ttft_vs_uncompressed', 1.0):>6.3f} {r['tbt_ms']:>8.2f} {r.get('tbt_vs_uncompressed', 1.0):>6.3f} "
+              f"{r.get('ttft_vs_uncompressed', 1.0):>6.3f} {r['tbt_ms']:>8.2f} "
+              f"{r.get('tbt_vs_uncompressed', 1.0):>6.3f} "
               f"{r['attention_share']:>5.0%}")
     for t in targets:
         print(f"target {t['where']}: {t['what']}: {t['value']:.3f} {t['verdict']}")

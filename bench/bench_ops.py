@@ -27,7 +27,7 @@ import torch.nn.functional as F
 # bench_common first: it puts the repository root on sys.path for fdc_ops.
 from bench_common import ROOT, prefix, verdict, write_json
 from fdc_ops import ops
-from fdc_ops.provenance import device_name, git_commit
+from fdc_ops.apps.provenance import device_name, git_commit
 
 # Llama-3-8B-like attention: 32 query / 8 KV heads of 128 (the reference shape).
 NUM_KV_HEADS, GROUP, HEAD_DIM = 8, 4, 128

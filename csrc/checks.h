@@ -39,8 +39,8 @@ struct HostLayout {
     return m;
   }
   HeadLayoutView view() const {
-    return HeadLayoutView{qk_offsets.data(), v_offsets.empty() ? qk_offsets.data() : v_offsets.data(),
-                          num_kv_heads(), group};
+    return HeadLayoutView{qk_offsets.data(), v_offsets.empty() ? qk_offsets.data() : v_offsets.data(), num_kv_heads(),
+                          group};
   }
 };
 
@@ -91,8 +91,8 @@ inline at::Tensor unit_last_stride(const at::Tensor& t) {
 
 inline std::vector<int32_t> read_offsets(const char* op, const char* name, const at::Tensor& offsets) {
   check_int32_vector(op, name, offsets, -1);
-  FDC_CHECK(offsets.device().is_cpu(), op, name,
-            " must be a CPU tensor (head layouts are host metadata) but is on ", offsets.device());
+  FDC_CHECK(offsets.device().is_cpu(), op, name, " must be a CPU tensor (head layouts are host metadata) but is on ",
+            offsets.device());
   FDC_CHECK(offsets.size(0) >= 2, op, name, " must have at least 2 entries (H_kv + 1) but got ", offsets.size(0));
   const at::Tensor c = offsets.contiguous();
   std::vector<int32_t> v(c.data_ptr<int32_t>(), c.data_ptr<int32_t>() + c.size(0));
@@ -101,10 +101,10 @@ inline std::vector<int32_t> read_offsets(const char* op, const char* name, const
     const int32_t width = v[j + 1] - v[j];
     FDC_CHECK(width > 0, op, name, " must be strictly increasing but entry ", j + 1, " (", v[j + 1],
               ") is not above entry ", j, " (", v[j], ")");
-    FDC_CHECK(width % kDimMultiple == 0, op, name, " widths must be multiples of ", kDimMultiple,
-              " but head ", j, " has width ", width);
-    FDC_CHECK(width <= kMaxHeadDim, op, name, " widths must be at most ", kMaxHeadDim, " but head ", j,
+    FDC_CHECK(width % kDimMultiple == 0, op, name, " widths must be multiples of ", kDimMultiple, " but head ", j,
               " has width ", width);
+    FDC_CHECK(width <= kMaxHeadDim, op, name, " widths must be at most ", kMaxHeadDim, " but head ", j, " has width ",
+              width);
   }
   return v;
 }
@@ -132,8 +132,7 @@ inline HostLayout read_layout(const char* op, const at::Tensor& qk_offsets, cons
 // A packed tensor's last dimension must equal the layout width; a mismatch also catches a group that does not
 // divide the head count of the caller's projection.
 inline void check_width(const char* op, const char* name, const at::Tensor& t, int64_t width, const char* formula) {
-  FDC_CHECK(t.size(-1) == width, op, name, " must have ", width, " columns (", formula, ") but got shape ",
-            t.sizes());
+  FDC_CHECK(t.size(-1) == width, op, name, " must have ", width, " columns (", formula, ") but got shape ", t.sizes());
 }
 
 // cu_seqlens: int32 (B + 1), non-decreasing, cu[0] >= 0, cu[B] <= total rows. Values are read on the host: callers
@@ -162,8 +161,8 @@ inline std::vector<int32_t> read_cache_seqlens(const char* op, const at::Tensor&
   std::vector<int32_t> v(c.data_ptr<int32_t>(), c.data_ptr<int32_t>() + c.size(0));
   for (size_t b = 0; b < v.size(); ++b) {
     FDC_CHECK(v[b] >= 0, op, "cache_seqlens must be non-negative but entry ", b, " is ", v[b]);
-    FDC_CHECK(v[b] <= capacity, op, "cache_seqlens must be at most the cache capacity ", capacity,
-              " but entry ", b, " is ", v[b]);
+    FDC_CHECK(v[b] <= capacity, op, "cache_seqlens must be at most the cache capacity ", capacity, " but entry ", b,
+              " is ", v[b]);
   }
   return v;
 }
@@ -186,9 +185,9 @@ inline void check_device_decode_plan(const char* op, int64_t batch, int64_t num_
   FDC_CHECK(num_workers <= kMaxDeviceWorkers, op, "num_workers must be at most ", kMaxDeviceWorkers,
             " on CUDA but got ", num_workers);
   const int64_t capacity = decode_plan_capacity(batch, num_kv_heads, num_workers);
-  FDC_CHECK(capacity <= kMaxDevicePlanCapacity, op, "cache_seqlens is too long on CUDA: B * H_kv + ",
-            kChunksPerWorker, " * num_workers must be at most ", kMaxDevicePlanCapacity, " but is ", capacity,
-            " (B=", batch, ", H_kv=", num_kv_heads, ", num_workers=", num_workers, ")");
+  FDC_CHECK(capacity <= kMaxDevicePlanCapacity, op, "cache_seqlens is too long on CUDA: B * H_kv + ", kChunksPerWorker,
+            " * num_workers must be at most ", kMaxDevicePlanCapacity, " but is ", capacity, " (B=", batch,
+            ", H_kv=", num_kv_heads, ", num_workers=", num_workers, ")");
 }
 
 inline int32_t read_num_workers(const char* op, std::optional<int64_t> num_workers, int64_t backend_default) {
@@ -208,12 +207,11 @@ inline PagedCache check_paged(const char* op, const at::Tensor& block_table, con
                               const at::Tensor& v_cache, int64_t batch, const HostLayout& layout) {
   FDC_CHECK(block_table.scalar_type() == at::kInt, op, "block_table must be int32 but got ",
             dtype_name(block_table.scalar_type()));
-  FDC_CHECK(block_table.dim() == 2 && block_table.size(0) == batch, op,
-            "block_table must have shape (B=", batch, ", max_pages) but got ", block_table.sizes());
+  FDC_CHECK(block_table.dim() == 2 && block_table.size(0) == batch, op, "block_table must have shape (B=", batch,
+            ", max_pages) but got ", block_table.sizes());
   check_same_device(op, "block_table", block_table, "k_cache", k_cache);
-  FDC_CHECK(k_cache.dim() == 3 && k_cache.size(1) == layout.qk_width(), op,
-            "k_cache must have shape (num_pages, ", layout.qk_width(), ", page_size) with a block_table but got ",
-            k_cache.sizes());
+  FDC_CHECK(k_cache.dim() == 3 && k_cache.size(1) == layout.qk_width(), op, "k_cache must have shape (num_pages, ",
+            layout.qk_width(), ", page_size) with a block_table but got ", k_cache.sizes());
   FDC_CHECK(v_cache.dim() == 3 && v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == layout.v_width() &&
                 v_cache.size(2) == k_cache.size(2),
             op, "v_cache must have shape (", k_cache.size(0), ", ", layout.v_width(), ", ", k_cache.size(2),
@@ -221,8 +219,8 @@ inline PagedCache check_paged(const char* op, const at::Tensor& block_table, con
   FDC_CHECK(k_cache.size(2) >= 1, op, "page_size (k_cache.size(2)) must be at least 1 but got ", k_cache.size(2));
   FDC_CHECK(k_cache.stride(2) == 1 && k_cache.stride(1) == k_cache.size(2) && v_cache.stride(2) == 1 &&
                 v_cache.stride(1) == v_cache.size(2),
-            op, "paged k_cache and v_cache must have contiguous pages but got strides ", k_cache.strides(),
-            " and ", v_cache.strides());
+            op, "paged k_cache and v_cache must have contiguous pages but got strides ", k_cache.strides(), " and ",
+            v_cache.strides());
   PagedCache paged;
   paged.page_size = k_cache.size(2);
   paged.max_pages = block_table.size(1);
@@ -250,10 +248,10 @@ inline CacheShape check_cache(const char* op, const at::Tensor& k_cache, const a
     shape.capacity = shape.paged.max_pages * shape.paged.page_size;
     return shape;
   }
-  FDC_CHECK(k_cache.size(0) == batch && k_cache.size(2) == layout.qk_width(), op, "k_cache must have shape (B=",
-            batch, ", S_max, ", layout.qk_width(), ") but got ", k_cache.sizes());
-  FDC_CHECK(v_cache.size(0) == batch && v_cache.size(1) == k_cache.size(1) && v_cache.size(2) == layout.v_width(),
-            op, "v_cache must have shape (", batch, ", ", k_cache.size(1), ", ", layout.v_width(), ") but got ",
+  FDC_CHECK(k_cache.size(0) == batch && k_cache.size(2) == layout.qk_width(), op, "k_cache must have shape (B=", batch,
+            ", S_max, ", layout.qk_width(), ") but got ", k_cache.sizes());
+  FDC_CHECK(v_cache.size(0) == batch && v_cache.size(1) == k_cache.size(1) && v_cache.size(2) == layout.v_width(), op,
+            "v_cache must have shape (", batch, ", ", k_cache.size(1), ", ", layout.v_width(), ") but got ",
             v_cache.sizes());
   check_unit_last_stride(op, "k_cache", k_cache);
   check_unit_last_stride(op, "v_cache", v_cache);
@@ -312,8 +310,8 @@ inline void check_vector_aligned(const char* op, const char* name, const at::Ten
   const int64_t packet = 16 / static_cast<int64_t>(cache.element_size());
   // Pages that do not hold whole packets are read element by element: no alignment needed.
   if (paged && cache.size(2) % packet != 0) return;
-  const bool strides_ok = paged ? cache.stride(0) % packet == 0
-                                : (cache.stride(0) % packet == 0 && cache.stride(1) % packet == 0);
+  const bool strides_ok =
+      paged ? cache.stride(0) % packet == 0 : (cache.stride(0) % packet == 0 && cache.stride(1) % packet == 0);
   FDC_CHECK(reinterpret_cast<uintptr_t>(cache.data_ptr()) % 16 == 0 && strides_ok, op, name,
             " must start at a 16-byte aligned address with strides that are multiples of 16 bytes (", packet,
             " elements) but got strides ", cache.strides(), " at offset ", cache.storage_offset());
@@ -356,9 +354,9 @@ inline AppendShape check_append_kv(const char* op, const at::Tensor& k_cache, co
 // float dtype and device.
 struct RotateShape {
   HostLayout layout;
-  int64_t tokens = 0;     // T
-  int64_t head_dim = 0;   // D
-  int32_t max_dim = 0;    // widest head of the layout
+  int64_t tokens = 0;    // T
+  int64_t head_dim = 0;  // D
+  int32_t max_dim = 0;   // widest head of the layout
 };
 
 inline RotateShape check_rotate_compress(const char* op, const at::Tensor& x, const at::Tensor& rot,
@@ -393,8 +391,7 @@ inline int64_t check_rope_tables(const char* op, const at::Tensor& cos, const at
   check_same_device(op, "cos", cos, "x", x);
   check_same_device(op, "sin", sin, "x", x);
   const int64_t rotary_dim = cos.size(1);
-  FDC_CHECK(cos.size(0) == x.size(0), op, "cos must have the T=", x.size(0), " rows of x but got shape ",
-            cos.sizes());
+  FDC_CHECK(cos.size(0) == x.size(0), op, "cos must have the T=", x.size(0), " rows of x but got shape ", cos.sizes());
   FDC_CHECK(rotary_dim >= 2 && rotary_dim % 2 == 0 && rotary_dim <= x.size(2), op,
             "cos must have an even number of columns (rotary_dim) in [2, D=", x.size(2), "] but got shape ",
             cos.sizes());
@@ -428,12 +425,11 @@ inline void check_decode_plan_header(const char* op, const int32_t* header, int6
                                      const HostLayout& layout) {
   FDC_CHECK(header[0] == kDecodePlanTag, op, "plan is not a decode plan (made by fdc::decode_plan)");
   FDC_CHECK(header[1] == batch && header[2] == layout.num_kv_heads() && header[6] == layout.group, op,
-            "plan was made for B=", header[1], ", H_kv=", header[2], ", group=", header[6], " but the inputs have B=",
-            batch, ", H_kv=", layout.num_kv_heads(), ", group=", layout.group);
-  FDC_CHECK(header[7] == 0, op, "plan records a planner failure: ",
-            status_message(static_cast<Status>(header[7])));
-  FDC_CHECK(header[3] >= 1 && plan_size == decode_plan_size(batch, layout.num_kv_heads(), header[3]), op,
-            "plan has ", plan_size, " entries, which does not match its own header (", header[3], " workers)");
+            "plan was made for B=", header[1], ", H_kv=", header[2], ", group=", header[6],
+            " but the inputs have B=", batch, ", H_kv=", layout.num_kv_heads(), ", group=", layout.group);
+  FDC_CHECK(header[7] == 0, op, "plan records a planner failure: ", status_message(static_cast<Status>(header[7])));
+  FDC_CHECK(header[3] >= 1 && plan_size == decode_plan_size(batch, layout.num_kv_heads(), header[3]), op, "plan has ",
+            plan_size, " entries, which does not match its own header (", header[3], " workers)");
 }
 
 // A prefill plan must come from fdc::prefill_plan for the same batch, heads, group and causal flag.
@@ -441,13 +437,13 @@ inline void check_prefill_plan_header(const char* op, const int32_t* header, int
                                       const HostLayout& layout, bool causal) {
   FDC_CHECK(header[0] == kPrefillPlanTag, op, "plan is not a prefill plan (made by fdc::prefill_plan)");
   FDC_CHECK(header[1] == batch && header[2] == layout.num_heads() && header[7] == layout.group, op,
-            "plan was made for B=", header[1], ", H=", header[2], ", group=", header[7], " but the inputs have B=",
-            batch, ", H=", layout.num_heads(), ", group=", layout.group);
+            "plan was made for B=", header[1], ", H=", header[2], ", group=", header[7],
+            " but the inputs have B=", batch, ", H=", layout.num_heads(), ", group=", layout.group);
   FDC_CHECK((header[5] != 0) == causal, op, "plan was made with causal=", header[5] != 0 ? "True" : "False",
             " but causal=", causal ? "True" : "False");
-  FDC_CHECK(header[3] >= 1 && header[4] >= 0 && plan_size == prefill_plan_size(header[3], header[4]), op,
-            "plan has ", plan_size, " entries, which does not match its own header (", header[3], " workers, ",
-            header[4], " records)");
+  FDC_CHECK(header[3] >= 1 && header[4] >= 0 && plan_size == prefill_plan_size(header[3], header[4]), op, "plan has ",
+            plan_size, " entries, which does not match its own header (", header[3], " workers, ", header[4],
+            " records)");
 }
 
 // A plan from the caller must describe exactly these sequences: every record in range and the rows of each
@@ -460,11 +456,12 @@ inline void check_prefill_plan_records(const char* op, const PrefillPlanView& pl
   std::vector<int64_t> covered(batch * heads, 0);
   for (int64_t i = 0; i < plan.num_records(); ++i) {
     const int32_t* rec = plan.records() + i * kPrefillRecordFields;
-    FDC_CHECK(rec[0] >= 0 && rec[0] < batch && rec[1] >= 0 && rec[1] < heads, op, "plan record ", i,
-              " names sequence ", rec[0], ", head ", rec[1], " outside the batch");
+    FDC_CHECK(rec[0] >= 0 && rec[0] < batch && rec[1] >= 0 && rec[1] < heads, op, "plan record ", i, " names sequence ",
+              rec[0], ", head ", rec[1], " outside the batch");
     const int64_t s_q = cu_q[rec[0] + 1] - cu_q[rec[0]];
-    FDC_CHECK(rec[2] >= 0 && rec[2] < rec[3] && rec[3] <= s_q, op, "plan record ", i, " (rows ", rec[2], "..",
-              rec[3], " of sequence ", rec[0], " with ", s_q, " queries) does not fit cu_seqlens_q: make the plan "
+    FDC_CHECK(rec[2] >= 0 && rec[2] < rec[3] && rec[3] <= s_q, op, "plan record ", i, " (rows ", rec[2], "..", rec[3],
+              " of sequence ", rec[0], " with ", s_q,
+              " queries) does not fit cu_seqlens_q: make the plan "
               "from the same cu_seqlens");
     covered[rec[0] * heads + rec[1]] += rec[3] - rec[2];
   }

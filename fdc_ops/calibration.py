@@ -1,5 +1,5 @@
-"""Offline calibration (paper sections 3-5.2, DESIGN.md section 1): from a Hugging Face causal LM, the per-KV-head
-post-RoPE Q/K rotations, the V factors (activation, output-aware or weight), their singular values, every head's measured
+"""Offline calibration (docs/design.md sections 1 and 5): from a Hugging Face causal LM, the per-KV-head post-RoPE
+Q/K rotations, the V factors (activation, output-aware or weight), their singular values, every head's measured
 sensitivity, and the rank allocations: the paper's removal rate, or a KV byte budget spent where it hurts least.
 
 Statistics are accumulated as float64 Gram matrices (``X^T X``) rather than stacked rows: for rows ``X = U S R^T`` the
@@ -18,8 +18,9 @@ from typing import Iterable, Sequence
 
 import torch
 
-from . import models
-from .models import AttentionShape
+from .hf import families
+from .hf.families import AttentionShape
+from .hf.loading import cache_dir
 from .progress import bar as progress_bar
 
 
@@ -77,11 +78,11 @@ def principal_axes(gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def weight_value_axes(model) -> tuple[torch.Tensor, torch.Tensor]:
     """The paper's V factorization: per layer and KV head, the SVD of W_V(j) (hidden x D). Returns singular values
     (L, H_kv, D) and the right singular vectors (L, H_kv, D, D) as columns."""
-    shape = models.attention_shape(model)
+    shape = families.attention_shape(model)
     D, Hkv = shape.head_dim, shape.num_kv_heads
     grams = []
-    for module in models.attention_modules(model):
-        weight = models.attention_weights(module, shape).v_weight.detach().to("cpu", torch.float64)
+    for module in families.attention_modules(model):
+        weight = families.attention_weights(module, shape).v_weight.detach().to("cpu", torch.float64)
         per_head = weight.view(Hkv, D, -1)  # (H_kv, D, hidden): row block j is W_V(j)^T
         grams.append(per_head @ per_head.transpose(1, 2))
     return principal_axes(torch.stack(grams))
@@ -96,7 +97,7 @@ NULL_SPACE = 1e-10  # eigenvalues below this share of the largest are the values
 
 
 def output_aware_factors(model, v_gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The output-aware V factorization (DESIGN.md section 1, "Beyond the paper"). What the model consumes is
+    """The output-aware V factorization (docs/design.md section 1, "V compression"). What the model consumes is
     ``sum_h W_O(h) o_h``, not v: per layer and KV head j, with ``C = L L^T`` the value covariance (v_gram) and
     ``W = [W_O(h) for h in j's group]`` stacked (G * hidden, D), the SVD ``W L = P S Q^T`` orders the whitened value
     directions by the output energy they carry. Caching ``c = Q_r^T L^-1 v`` and folding ``L Q_r`` into W_O is the
@@ -106,13 +107,13 @@ def output_aware_factors(model, v_gram: torch.Tensor) -> tuple[torch.Tensor, tor
 
     v_gram: (L, H_kv, D, D). Returns singular values S (L, H_kv, D) descending, encoder ``L^-T Q`` and decoder ``L Q``
     (L, H_kv, D, D) float64, column i of each belonging to S_i: c_i = encoder[:, i] . v, v = sum_i decoder[:, i] c_i."""
-    shape = models.attention_shape(model)
+    shape = families.attention_shape(model)
     D, Hkv, G = shape.head_dim, shape.num_kv_heads, shape.group
     eigenvalues, eigenvectors = torch.linalg.eigh(v_gram.to(torch.float64))  # ascending: (L, H_kv, D), (.., D, D)
     values = torch.zeros(v_gram.shape[:-1], dtype=torch.float64)
     encoders, decoders = torch.zeros_like(eigenvectors), torch.zeros_like(eigenvectors)
-    for layer, module in enumerate(models.attention_modules(model)):
-        o_weight = models.attention_weights(module, shape).o_weight.detach().to("cpu", torch.float64)
+    for layer, module in enumerate(families.attention_modules(model)):
+        o_weight = families.attention_weights(module, shape).o_weight.detach().to("cpu", torch.float64)
         per_head = o_weight.view(o_weight.shape[0], Hkv, G, D).permute(1, 2, 0, 3).reshape(Hkv, -1, D)
         for j in range(Hkv):
             e, U = eigenvalues[layer, j], eigenvectors[layer, j]
@@ -164,7 +165,7 @@ def capture_statistics(model, batches: Iterable[torch.Tensor], *, progress: bool
     """Runs ``model``'s decoder over each (batch, seq_len) batch of token ids and sums the Gram matrices of the
     post-RoPE queries and keys and of the values of every head, as the model's own attention receives them, and of
     the pre-RoPE keys as the K projection outputs them. The model's outputs are not changed."""
-    shape = models.attention_shape(model)
+    shape = families.attention_shape(model)
     stats = CalibrationStatistics.zeros(shape)
 
     def accumulate(gram: torch.Tensor, rows: torch.Tensor) -> None:  # rows (B, heads, S, D)
@@ -187,11 +188,11 @@ def capture_statistics(model, batches: Iterable[torch.Tensor], *, progress: bool
         return record
 
     batches = list(batches)
-    hooks = [getattr(module, "k_proj", None) or module.qkv_proj for module in models.attention_modules(model)]
+    hooks = [getattr(module, "k_proj", None) or module.qkv_proj for module in families.attention_modules(model)]
     hooks = [projection.register_forward_hook(key_hook(layer)) for layer, projection in enumerate(hooks)]
     device = next(model.parameters()).device
     try:
-        with models.override_attention(model, capture), torch.inference_mode():
+        with families.override_attention(model, capture), torch.inference_mode():
             for batch in progress_bar(batches, description, "seq", enabled=progress):
                 if batch.dim() != 2:
                     raise ValueError(f"fdc_ops: calibration batches must be (batch, seq_len) token ids, got shape "
@@ -236,13 +237,13 @@ def measure_sensitivity(model, qk_rotation: torch.Tensor, v_encoder: torch.Tenso
     compressed model. The same backward pass gives Palu's Fisher information of the K and V projections.
 
     qk_rotation: (L, H_kv, D, D); v_encoder, v_decoder: (L, H_kv, D, D). The model is not changed."""
-    shape = models.attention_shape(model)
+    shape = families.attention_shape(model)
     L, Hkv, D, G = shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.group
     qk_damage = torch.zeros(L, Hkv, D + 1, dtype=torch.float64)
     v_damage = torch.zeros_like(qk_damage)
     rotation, encoder, decoder = (t.to(torch.float64) for t in (qk_rotation, v_encoder, v_decoder))
-    modules = models.attention_modules(model)
-    v_biases = [models.attention_weights(m, shape).v_bias for m in modules]
+    modules = families.attention_modules(model)
+    v_biases = [families.attention_weights(m, shape).v_bias for m in modules]
 
     def projected_terms(rows: torch.Tensor, grad: torch.Tensor, first: torch.Tensor, second: torch.Tensor):
         """rows, grad (B, heads, S, D); first, second (heads, D, D) -> (heads, B * S, D): (rows first) * (grad
@@ -297,7 +298,7 @@ def measure_sensitivity(model, qk_rotation: torch.Tensor, v_encoder: torch.Tenso
     embed = model.get_input_embeddings()
     num_tokens, sequences = 0, 0
     try:
-        with models.override_attention(model, record), torch.enable_grad():
+        with families.override_attention(model, record), torch.enable_grad():
             for batch in progress_bar(list(batches), "measuring sensitivity", "seq", enabled=progress):
                 batch = batch.to(device)
                 embeddings = embed(batch).detach().requires_grad_(True)  # gradients reach layer 0's queries too
@@ -329,9 +330,10 @@ def measure_sensitivity(model, qk_rotation: torch.Tensor, v_encoder: torch.Tenso
 def kept_dims(singular_values: torch.Tensor, removal_rate: float, multiple: int = 8,
               power: float = 1.0) -> torch.Tensor:
     """Per head (last axis = the head's D singular values, descending), the dims kept at singular-value removal rate
-    ``r`` (paper section 5.2): drop the largest number of trailing dims whose values sum to at most ``r`` of the
-    head's total, keep the rest (``j + 1`` dims where ``sum_{i>j} s_i <= r * sum_i s_i < sum_{i>=j} s_i``), then round
-    up to a multiple of ``multiple`` (at most D, at least ``multiple``). ``power=2`` ranks by explained variance
+    ``r`` (the paper's rule, docs/design.md section 1): drop the largest number of trailing dims whose values sum to
+    at most ``r`` of the head's total, keep the rest (``j + 1`` dims where
+    ``sum_{i>j} s_i <= r * sum_i s_i < sum_{i>=j} s_i``), then round up to a multiple of ``multiple`` (at most D, at
+    least ``multiple``). ``power=2`` ranks by explained variance
     (``s^2``) instead. Returns int64 of the leading shape."""
     if not 0.0 <= removal_rate < 1.0:
         raise ValueError(f"fdc_ops: removal_rate must be in [0, 1), got {removal_rate}")
@@ -565,8 +567,8 @@ class FDCArtifact:
 
         ``method="palu"`` sizes the qk dims from the pre-RoPE key spectrum and the v dims from the values' (the
         widths of the Palu baseline's latents). ``multiple``: the width quantum; the kernels take widths that are
-        multiples of 8 (16-byte rows in fp16/bf16, DESIGN.md section 3), so it must be a positive multiple of 8 that
-        divides head_dim for the result to be served."""
+        multiples of 8 (16-byte rows in fp16/bf16, docs/design.md section 3), so it must be a positive multiple of 8
+        that divides head_dim for the result to be served."""
         if (removal_rate is None) == (compression is None):
             raise ValueError("fdc_ops.calibration.allocate: give exactly one of removal_rate and compression, got "
                              f"removal_rate={removal_rate}, compression={compression}")
@@ -643,10 +645,10 @@ class FDCArtifact:
 
     def check_model(self, model) -> None:
         """Raises ArtifactError unless the artifact was calibrated on this model (same config and weights)."""
-        shape = models.attention_shape(model)
+        shape = families.attention_shape(model)
         if shape != self.shape:
             raise ArtifactError(f"fdc_ops: the artifact is for attention shape {self.shape}, the model has {shape}")
-        actual = models.fingerprint(model)
+        actual = families.fingerprint(model)
         if actual != self.metadata["fingerprint"]:
             raise ArtifactError(f"fdc_ops: the artifact was calibrated on model {self.metadata['model_id']!r} "
                                 f"(fingerprint {self.metadata['fingerprint'][:12]}), this model's fingerprint is "
@@ -780,8 +782,8 @@ def artifact_from_statistics(model, stats: CalibrationStatistics, *, v_method: s
     import transformers
 
     metadata = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "model_id": models.model_id(model),
-        "fingerprint": models.fingerprint(model), "shape": dataclasses.asdict(stats.shape),
+        "format": FORMAT, "format_version": FORMAT_VERSION, "model_id": families.model_id(model),
+        "fingerprint": families.fingerprint(model), "shape": dataclasses.asdict(stats.shape),
         "calibration": {**(source or {}), "num_tokens": stats.num_tokens, "seq_len": stats.positions,
                         "v_method": v_method, "qk_mode": "kv_head",
                         "sensitivity_tokens": sensitivity.num_tokens if sensitivity is not None else 0},
@@ -879,7 +881,7 @@ def calibrate(model, tokenizer=None, *, text: str = "wikipedia", num_tokens: int
     held_out: list[torch.Tensor] = []  # sequences after the calibration tokens: what the V/QK balance is fitted on
     balance = BALANCE_SEQUENCES if sensitivity_tokens else 0
     if input_ids is None and text == "random":
-        vocab_size = models._text_config(model).vocab_size
+        vocab_size = families.text_config(model).vocab_size
         batches = random_token_batches(vocab_size, num_tokens, seq_len, seed, batch_size)
         if balance:
             extra = random_token_batches(vocab_size, num_tokens + balance * seq_len, seq_len, seed, 1)
@@ -926,9 +928,9 @@ def load_or_calibrate(model, tokenizer=None, *, text: str = "wikipedia", num_tok
     model's fingerprint and the settings), else from the artifacts shipped with the package (BUNDLED_ARTIFACTS,
     same keys), calibrating and saving it on first use. ``text``: a bundled text (needs the tokenizer) or
     ``random``. An artifact that fails validation is recalibrated."""
-    fingerprint = models.fingerprint(model)
+    fingerprint = families.fingerprint(model)
     key = f"v{FORMAT_VERSION}-{fingerprint[:16]}-{text}-{num_tokens}-{seq_len}-{seed}-{v_method}-{sensitivity_tokens}"
-    path = Path(directory or models.cache_dir() / "artifacts") / key
+    path = Path(directory or cache_dir() / "artifacts") / key
     for candidate in (path, BUNDLED_ARTIFACTS / key):
         if candidate.is_dir():
             try:

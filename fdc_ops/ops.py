@@ -1,6 +1,6 @@
 """Typed Python entry points of the ``torch.ops.fdc`` operators, with their shapes, and their fake implementations.
 
-Packed head layout (DESIGN.md section 3). A layer has ``H_kv`` KV heads; KV head ``j`` has a query/key width
+Packed head layout (docs/design.md section 3). A layer has ``H_kv`` KV heads; KV head ``j`` has a query/key width
 ``qk_dim[j]`` and a value width ``v_dim[j]`` (positive multiples of 8, at most 256), given as int32 prefix sums
 ``qk_offsets`` and ``v_offsets`` of length ``H_kv + 1`` that live on the CPU (they are static metadata of the layer).
 ``group`` (G) query heads share each KV head; query head ``h`` uses KV head ``h // G``. Tensors put heads side by
@@ -12,7 +12,8 @@ side along their last dimension:
 
 Floating-point tensors are float32, float16 or bfloat16 (accumulation is float32); rows may be strided, anything else
 non-contiguous is copied, except KV caches, which are read and written in place and so must have unit-stride rows
-(contiguous pages when paged). Sequence boundaries (``cu_seqlens``) and cache lengths are int32 on the device of the data.
+(contiguous pages when paged). Sequence boundaries (``cu_seqlens``) and cache lengths are int32 on the device of the
+data.
 
 KV caches are either contiguous, ``(B, S_max, width)`` with ``cache_seqlens`` (B), or paged: ``(num_pages, width,
 page_size)`` with ``block_table`` int32 ``(B, max_pages)``; token ``t`` of request ``b`` lives in page
@@ -68,6 +69,18 @@ def rotate_compress(x: torch.Tensor, rot: torch.Tensor, qk_offsets: torch.Tensor
 
     Returns:
         ``(T, group * qk_offsets[-1])``: head ``h``'s segment is ``x[:, h, :] @ rot[h // group, :, :qk_dim]``.
+
+    Example (two KV heads kept 8 and 16 wide out of D = 32, two query heads each)::
+
+        >>> import torch, fdc_ops
+        >>> qk_offsets = torch.tensor([0, 8, 24], dtype=torch.int32)
+        >>> rot = torch.linalg.qr(torch.randn(2, 32, 32)).Q[:, :, :16]  # (H_kv, D, R_max) orthonormal columns
+        >>> q = torch.randn(5, 4, 32)                                     # (T, G * H_kv, D) post-RoPE queries
+        >>> packed = fdc_ops.rotate_compress(q, rot, qk_offsets, group=2)
+        >>> packed.shape                                                  # (T, G * qk_offsets[-1])
+        torch.Size([5, 48])
+        >>> torch.allclose(packed[:, 8:16], q[:, 1] @ rot[0, :, :8], atol=1e-5)  # query head 1, of KV head 0
+        True
     """
     return torch.ops.fdc.rotate_compress(x, rot, qk_offsets, group)
 
@@ -92,6 +105,17 @@ def rope_rotate_compress(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
 
     Returns:
         ``(T, group * qk_offsets[-1])``, dtype of ``x``, packed as :func:`rotate_compress`'s output.
+
+    Example (at position 0, RoPE is the identity)::
+
+        >>> import torch, fdc_ops
+        >>> qk_offsets = torch.tensor([0, 8, 24], dtype=torch.int32)
+        >>> rot = torch.linalg.qr(torch.randn(2, 32, 32)).Q[:, :, :16]
+        >>> k = torch.randn(3, 2, 32)                     # (T, H_kv, D) pre-RoPE keys: group 1
+        >>> cos, sin = torch.ones(3, 32), torch.zeros(3, 32)
+        >>> fused = fdc_ops.ops.rope_rotate_compress(k, cos, sin, rot, qk_offsets, group=1)
+        >>> torch.allclose(fused, fdc_ops.rotate_compress(k, rot, qk_offsets, group=1), atol=1e-5)
+        True
     """
     return torch.ops.fdc.rope_rotate_compress(x, cos, sin, rot, qk_offsets, group)
 
@@ -119,6 +143,16 @@ def prefill_plan(
 
     Returns:
         int32 ``(8 + num_workers + 1 + 4 * records,)``: see include/fdc/prefill_plan.h.
+
+    Example::
+
+        >>> import torch, fdc_ops
+        >>> cu = torch.tensor([0, 3, 40], dtype=torch.int32)    # two prompts of 3 and 37 tokens
+        >>> qk_offsets = torch.tensor([0, 8, 24], dtype=torch.int32)
+        >>> v_offsets = torch.tensor([0, 16, 24], dtype=torch.int32)
+        >>> plan = fdc_ops.prefill_plan(cu, cu, qk_offsets, v_offsets, group=2, causal=True, num_workers=3)
+        >>> plan.dtype, plan[1:4].tolist()                      # header: B, H (query heads), workers
+        (torch.int32, [2, 4, 3])
     """
     return torch.ops.fdc.prefill_plan(
         cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group, causal, num_workers, row_block
@@ -154,6 +188,21 @@ def prefill_attention(
 
     Returns:
         ``(T_q, G * v_offsets[-1])``, dtype of ``q``. Rows of ``q`` outside every sequence are zero.
+
+    Example (two causal prompts; the float64 reference in fdc_ops.reference computes the same)::
+
+        >>> import torch, fdc_ops
+        >>> from fdc_ops import reference
+        >>> cu = torch.tensor([0, 3, 40], dtype=torch.int32)
+        >>> qk_offsets = torch.tensor([0, 8, 24], dtype=torch.int32)
+        >>> v_offsets = torch.tensor([0, 16, 24], dtype=torch.int32)
+        >>> q, k, v = torch.randn(40, 2 * 24), torch.randn(40, 24), torch.randn(40, 24)
+        >>> args = (q, k, v, cu, cu, qk_offsets, v_offsets, 2, 32 ** -0.5, True)
+        >>> out = fdc_ops.prefill_attention(*args)
+        >>> out.shape                                       # (T_q, G * v_offsets[-1])
+        torch.Size([40, 48])
+        >>> torch.allclose(out.double(), reference.prefill_attention_ref(*args), atol=1e-5)
+        True
     """
     return torch.ops.fdc.prefill_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group, scale, causal, plan
@@ -187,6 +236,17 @@ def decode_plan(
         int32 ``(decode_plan_size(B, H_kv, num_workers),)`` on ``cache_seqlens``' device: see
         include/fdc/decode_plan.h. Its size depends on shapes only, so a decode step with its plan can be captured
         in a CUDA graph.
+
+    Example (one long request is split into chunks so that four workers share it)::
+
+        >>> import torch, fdc_ops
+        >>> qk_offsets = torch.tensor([0, 8, 24], dtype=torch.int32)
+        >>> v_offsets = torch.tensor([0, 16, 24], dtype=torch.int32)
+        >>> plan = fdc_ops.decode_plan(torch.tensor([8192, 5], dtype=torch.int32), qk_offsets, v_offsets, group=2,
+        ...                            num_workers=4)
+        >>> num_tasks, status = int(plan[5]), int(plan[7])
+        >>> num_tasks > 2 * 2, status                       # more tasks than (request, KV head) pairs; status ok
+        (True, 0)
     """
     return torch.ops.fdc.decode_plan(cache_seqlens, qk_offsets, v_offsets, group, num_workers)
 
@@ -228,6 +288,20 @@ def decode_attention(
     the (request, KV head) concerned when a plan record runs past its request's length or the cache capacity, its
     chunks do not start at key 0 and end at the request's length (a plan made for other lengths), or a block-table
     entry lies outside ``[0, num_pages)``. The CPU op raises for all of these instead.
+
+    Example (a cache holding 3 and 0 tokens; slots past each length hold NaN and are never read)::
+
+        >>> import torch, fdc_ops
+        >>> qk_offsets = torch.tensor([0, 8, 24], dtype=torch.int32)
+        >>> v_offsets = torch.tensor([0, 16, 24], dtype=torch.int32)
+        >>> k_cache = torch.full((2, 16, 24), float("nan"))   # (B, S_max, qk_offsets[-1])
+        >>> v_cache = torch.full((2, 16, 24), float("nan"))
+        >>> k_cache[0, :3], v_cache[0, :3] = torch.randn(3, 24), torch.randn(3, 24)
+        >>> lengths = torch.tensor([3, 0], dtype=torch.int32)
+        >>> out = fdc_ops.decode_attention(torch.randn(2, 2 * 24), k_cache, v_cache, lengths, qk_offsets, v_offsets,
+        ...                                group=2, scale=32 ** -0.5)
+        >>> out.shape, bool(out.isnan().any()), bool((out[1] == 0).all())   # an empty request gives zeros
+        (torch.Size([2, 48]), False, True)
     """
     return torch.ops.fdc.decode_attention(
         q, k_cache, v_cache, cache_seqlens, qk_offsets, v_offsets, group, scale, plan, block_table
@@ -276,6 +350,20 @@ def append_kv(
         cache_seqlens: ``(B,)`` int32 current cache lengths (on CUDA: on the cache's device).
         qk_offsets, v_offsets: ``(H_kv + 1,)`` int32 CPU prefix sums of the head widths.
         block_table: ``(B, max_pages)`` int32 for a paged cache, None for a contiguous one.
+
+    Example (a prompt of 3 tokens for request 0 and of 1 token for request 1, into empty caches)::
+
+        >>> import torch, fdc_ops
+        >>> qk_offsets = torch.tensor([0, 8, 24], dtype=torch.int32)
+        >>> v_offsets = torch.tensor([0, 16, 24], dtype=torch.int32)
+        >>> k_cache, v_cache = torch.zeros(2, 16, 24), torch.zeros(2, 16, 24)
+        >>> k, v = torch.randn(4, 24), torch.randn(4, 24)
+        >>> cu_seqlens = torch.tensor([0, 3, 4], dtype=torch.int32)
+        >>> lengths = torch.tensor([0, 0], dtype=torch.int32)
+        >>> fdc_ops.append_kv(k_cache, v_cache, k, v, cu_seqlens, lengths, qk_offsets, v_offsets)
+        >>> torch.equal(k_cache[0, :3], k[:3]), torch.equal(v_cache[1, 0], v[3])
+        (True, True)
+        >>> lengths += torch.tensor([3, 1], dtype=torch.int32)   # the caller advances the lengths
     """
     torch.ops.fdc.append_kv(k_cache, v_cache, k, v, cu_seqlens, cache_seqlens, qk_offsets, v_offsets, block_table)
 

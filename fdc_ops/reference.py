@@ -21,7 +21,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, vis
 
     q (s_q, d_qk), k (s_k, d_qk), v (s_k, d_v), visible (s_q, s_k) bool or None (all visible).
     """
-    scores = scale * (q @ k.T)
+    # A fresh copy of q: torch 2.14.1's bfloat16 matmul returned NaN rows on an AMX Xeon for a row slice of a wider
+    # tensor whose data did not start on a 64-byte boundary (a float64 reference never takes that path).
+    scores = scale * (q.contiguous() @ k.T)
     if visible is not None:
         scores = scores.masked_fill(~visible, float("-inf"))
     if scores.shape[1] == 0:

@@ -90,20 +90,22 @@ def random_lengths(rng: random.Random, batch: int, choices=(0, 1, 2, 7, 16, 33, 
     return [rng.choice(choices) for _ in range(batch)]
 
 
-def strided_rows(t: torch.Tensor, rng: random.Random) -> torch.Tensor:
-    """The same values as t (2-D) in a non-contiguous tensor: rows padded inside a wider buffer (as slices of a
-    fused projection are), or, now and then, column-major storage."""
-    if rng.random() < 0.25:
-        return t.T.contiguous().T
-    pad = rng.randint(1, 24)
-    wide = torch.full((t.shape[0], t.shape[1] + pad), float("nan"), dtype=t.dtype)
-    start = rng.randint(0, pad)
-    wide[:, start:start + t.shape[1]] = t
-    return wide[:, start:start + t.shape[1]]
-
-
-def _randn_as(shape, dtype, generator):
+def randn(shape, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """Standard normal values drawn in float32 from generator (the same values whatever the dtype), then cast."""
     return torch.randn(shape, generator=generator).to(dtype)
+
+
+def strided_rows(t: torch.Tensor, rng: random.Random, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The same values as t (2-D, CPU) on device in a non-contiguous tensor: rows padded inside a wider NaN buffer
+    (as slices of a fused projection are), or, now and then, column-major storage. The layout is made on the device
+    itself, since moving a view to another device would make it contiguous."""
+    if rng.random() < 0.25:
+        return t.T.contiguous().to(device).T
+    pad = rng.randint(1, 24)
+    wide = torch.full((t.shape[0], t.shape[1] + pad), float("nan"), dtype=t.dtype, device=device)
+    start = rng.randint(0, pad)
+    wide[:, start:start + t.shape[1]] = t.to(device)
+    return wide[:, start:start + t.shape[1]]
 
 
 def rope_tables(positions: torch.Tensor, rotary_dim: int, dtype: torch.dtype, base: float = 10000.0):
@@ -126,16 +128,16 @@ def random_rope_inputs(rng, gen, layout, dtype, group, device="cpu"):
     heads = layout.num_kv_heads * group
     kind = rng.choice(["transposed", "padded", "strided", "misaligned"])
     if kind == "transposed":  # (heads, T, D) storage, as after q.transpose(1, 2) of a (B, H, S, D) projection
-        x = _randn_as((heads, tokens, head_dim), dtype, gen).to(device).transpose(0, 1)
+        x = randn((heads, tokens, head_dim), dtype, gen).to(device).transpose(0, 1)
     elif kind == "padded":  # rows of a wider buffer: unit-stride rows, padded heads
-        x = _randn_as((tokens, heads, head_dim + 8 * rng.randint(1, 3)), dtype, gen).to(device)[:, :, :head_dim]
+        x = randn((tokens, heads, head_dim + 8 * rng.randint(1, 3)), dtype, gen).to(device)[:, :, :head_dim]
     elif kind == "strided":  # non-unit stride in the last dimension: the op must copy
-        x = _randn_as((tokens, heads, 2 * head_dim), dtype, gen).to(device)[:, :, ::2]
+        x = randn((tokens, heads, 2 * head_dim), dtype, gen).to(device)[:, :, ::2]
     else:  # contiguous, but one element past a 16-byte boundary
-        x = _randn_as((tokens * heads * head_dim + 1,), dtype, gen).to(device)[1:].view(tokens, heads, head_dim)
+        x = randn((tokens * heads * head_dim + 1,), dtype, gen).to(device)[1:].view(tokens, heads, head_dim)
     positions = torch.randint(0, 4096, (tokens,), generator=gen)
     cos, sin = rope_tables(positions, rotary_dim, dtype)
-    rot = _randn_as((layout.num_kv_heads, head_dim, max(layout.qk_dims) + 8 * rng.randint(0, 2)), dtype, gen)
+    rot = randn((layout.num_kv_heads, head_dim, max(layout.qk_dims) + 8 * rng.randint(0, 2)), dtype, gen)
     return x, cos.to(device), sin.to(device), rot.to(device)
 
 
@@ -186,7 +188,8 @@ def assert_close_to_reference(actual: torch.Tensor, expected64: torch.Tensor, to
     assert not torch.isnan(actual).any(), f"{what}: NaN in output"
     tolerance, torch_error = _tolerance(expected64, torch_lowp, actual.dtype)
     error = float((actual.double() - expected64).abs().max())
-    assert error <= tolerance, f"{what}: max error {error:.3g} > tolerance {tolerance:.3g} (torch's own {torch_error:.3g})"
+    assert error <= tolerance, \
+        f"{what}: max error {error:.3g} > tolerance {tolerance:.3g} (torch's own {torch_error:.3g})"
 
 
 def assert_close_to_cpu(actual: torch.Tensor, cpu: torch.Tensor, expected64: torch.Tensor, torch_lowp: torch.Tensor,
@@ -200,18 +203,25 @@ def assert_close_to_cpu(actual: torch.Tensor, cpu: torch.Tensor, expected64: tor
     assert error <= tolerance, f"{what}: cuda vs cpu op max difference {error:.3g} > {tolerance:.3g}"
 
 
-def skip_without_cuda_kernels(*op_names: str) -> None:
-    """Skips the calling test module, saying why, unless a GPU is visible and fdc_ops._C has CUDA kernels for the
-    named ops (it has none when built on a machine without a visible GPU unless FDC_CUDA=1, without a CUDA toolkit,
-    with FDC_CUDA=0, or for a CPU build of torch)."""
+def cuda_skip_reason(*op_names: str) -> str | None:
+    """Why the named ops cannot run on a GPU here, or None when they can: no GPU visible, or fdc_ops._C without CUDA
+    kernels for them (built on a machine without a visible GPU unless FDC_CUDA=1, without a CUDA toolkit, with
+    FDC_CUDA=0, or for a CPU build of torch)."""
     if not torch.cuda.is_available():
-        pytest.skip(f"no CUDA GPU visible: these tests run {', '.join(op_names)} on a GPU", allow_module_level=True)
+        return f"no CUDA GPU visible: these tests run {', '.join(op_names)} on a GPU"
     missing = [n for n in op_names if not torch._C._dispatch_has_kernel_for_dispatch_key(f"fdc::{n}", "CUDA")]
     if missing:
-        pytest.skip(f"this build of fdc_ops._C has no CUDA kernels for {', '.join(missing)} (built without a visible "
-                    "GPU, a CUDA toolkit or a CUDA torch, or with FDC_CUDA=0): rebuild with scripts/setup.sh on "
-                    "this machine, or FDC_CUDA=1, to run these tests",
-                    allow_module_level=True)
+        return (f"this build of fdc_ops._C has no CUDA kernels for {', '.join(missing)} (built without a visible "
+                "GPU, a CUDA toolkit or a CUDA torch, or with FDC_CUDA=0): rebuild with scripts/setup.sh on this "
+                "machine, or FDC_CUDA=1, to run these tests")
+    return None
+
+
+def skip_without_cuda_kernels(*op_names: str) -> None:
+    """Skips the calling test module, saying why (cuda_skip_reason), unless the named ops can run on a GPU here."""
+    reason = cuda_skip_reason(*op_names)
+    if reason is not None:
+        pytest.skip(reason, allow_module_level=True)
 
 
 def capture_graph(step):
@@ -226,3 +236,67 @@ def capture_graph(step):
     with torch.cuda.graph(graph):
         output = step()
     return graph, output
+
+
+def sample_inputs(device: torch.device | str) -> dict[str, tuple[str, tuple]]:
+    """Small inputs for torch.library.opcheck on device: {case name: (op name, args)}, every op in float32 and one
+    or two low-precision dtypes, contiguous and paged caches, with and without an explicit plan, and the default
+    worker count (the fakes must size a plan as the device's kernel does). Layouts stay int32 CPU tensors on every
+    device (they travel in the kernels' launch parameters)."""
+    qk_offsets, v_offsets, group = offsets([8, 16]), offsets([16, 8]), 2
+    gen = torch.Generator().manual_seed(0)
+
+    def sample(*shape, dtype=torch.float32):
+        return torch.randn(shape, generator=gen).to(device, dtype)
+
+    def ints(values):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    cu_q, cu_k = ints([0, 3, 5]), ints([0, 4, 9])
+    seqlens, one_row_each = ints([3, 2]), ints([0, 1, 2])
+    block_table = ints([[1, 0], [2, -1]])
+    x, rot = sample(5, 4, 32), sample(2, 32, 16)
+    cos, sin = (t.to(device) for t in rope_tables(torch.arange(5), 24, torch.float32))
+    k_cache, v_cache = sample(2, 6, 24), sample(2, 6, 24)
+    k_pages, v_pages = sample(3, 24, 4), sample(3, 24, 4)
+    q_step, k_rows, v_rows = sample(2, group * 24), sample(2, 24), sample(2, 24)
+    cases = {
+        "rotate_compress": ("rotate_compress", (x, rot, qk_offsets, group)),
+        "rotate_compress_float16": ("rotate_compress", (x.half(), rot.half(), qk_offsets, group)),
+        "rope_rotate_compress": ("rope_rotate_compress", (x, cos, sin, rot, qk_offsets, group)),
+        "rope_rotate_compress_bfloat16": ("rope_rotate_compress", (x.bfloat16(), cos.bfloat16(), sin.bfloat16(),
+                                                                   rot.bfloat16(), qk_offsets, group)),
+        "prefill_plan": ("prefill_plan", (cu_q, cu_k, qk_offsets, v_offsets, group, True, 3, 64)),
+        "prefill_plan_default_workers": ("prefill_plan", (cu_q, cu_k, qk_offsets, v_offsets, group, False, None, 32)),
+        "decode_plan": ("decode_plan", (seqlens, qk_offsets, v_offsets, group, 3)),
+        "decode_plan_default_workers": ("decode_plan", (seqlens, qk_offsets, v_offsets, group, None)),
+        "decode_attention": ("decode_attention", (q_step, k_cache, v_cache, seqlens, qk_offsets, v_offsets, group,
+                                                  0.25, None, None)),
+        "decode_attention_paged": ("decode_attention", (q_step, k_pages, v_pages, seqlens, qk_offsets, v_offsets,
+                                                        group, 0.25, None, block_table)),
+        "decode_attention_plan": ("decode_attention", (q_step, k_cache, v_cache, seqlens, qk_offsets, v_offsets,
+                                                       group, 0.25,
+                                                       torch.ops.fdc.decode_plan(seqlens, qk_offsets, v_offsets,
+                                                                                 group, 5), None)),
+        "append_kv": ("append_kv", (k_cache, v_cache, k_rows, v_rows, one_row_each, seqlens, qk_offsets, v_offsets,
+                                    None)),
+        "append_kv_paged": ("append_kv", (k_pages, v_pages, k_rows, v_rows, one_row_each, seqlens, qk_offsets,
+                                          v_offsets, block_table)),
+    }
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = sample(6, group * 24, dtype=dtype), sample(9, 24, dtype=dtype), sample(9, 24, dtype=dtype)
+        name = str(dtype).removeprefix("torch.")
+        plan = torch.ops.fdc.prefill_plan(cu_q, cu_k, qk_offsets, v_offsets, group, False, 5, 16)
+        cases[f"prefill_attention_{name}"] = ("prefill_attention", (q, k, v, cu_q, cu_k, qk_offsets, v_offsets,
+                                                                    group, 0.25, True, None))
+        cases[f"prefill_attention_plan_{name}"] = ("prefill_attention", (q, k, v, cu_q, cu_k, qk_offsets, v_offsets,
+                                                                         group, 0.25, False, plan))
+    return cases
+
+
+SAMPLE_CASES = ("rotate_compress", "rotate_compress_float16", "rope_rotate_compress", "rope_rotate_compress_bfloat16",
+                "prefill_plan", "prefill_plan_default_workers", "decode_plan", "decode_plan_default_workers",
+                "decode_attention", "decode_attention_paged", "decode_attention_plan", "append_kv",
+                "append_kv_paged", "prefill_attention_float32", "prefill_attention_plan_float32",
+                "prefill_attention_bfloat16", "prefill_attention_plan_bfloat16")  # sample_inputs' keys, named
+# before any device exists so that tests can be parametrised over them

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from conftest import case_generator
-from fdc_ops import calibration, models, ops
+from fdc_ops import calibration, ops
+from fdc_ops.hf import families, loading
 from fdc_ops.calibration import ArtifactError, FDCArtifact
 from tiny_models import FAMILIES, HEAD_DIM, hand_key_projection, hand_qkv, layer_inputs, tiny_model
 
@@ -54,7 +55,7 @@ def test_rotations_are_the_svd_of_the_stacked_rows(family):
     model = tiny_model(family, seed=rng.randrange(1000))
     ids = random_ids(model, generator, 3, rng.randrange(20, 50))
     artifact = calibration.calibrate(model, input_ids=ids, v_method="activation", progress=False)
-    G = models.attention_shape(model).group
+    G = families.attention_shape(model).group
     eye = torch.eye(HEAD_DIM, dtype=torch.float64)
     for layer, hidden in enumerate(layer_inputs(model, ids)):
         q, k, v = hand_qkv(model, layer, hidden)
@@ -69,8 +70,9 @@ def test_rotations_are_the_svd_of_the_stacked_rows(family):
             rotated = rows @ R
             off_diagonal = rotated.T @ rotated - torch.diag(values**2)
             assert off_diagonal.abs().max() <= 1e-4 * values[0] ** 2, replay
-            torch.testing.assert_close(artifact.v_singular_values[layer, j], torch.linalg.svdvals(v[:, j].flatten(0, 1)),
-                                       rtol=1e-5, atol=1e-6 * values[0].item())
+            torch.testing.assert_close(artifact.v_singular_values[layer, j],
+                                       torch.linalg.svdvals(v[:, j].flatten(0, 1)), rtol=1e-5,
+                                       atol=1e-6 * values[0].item())
 
 
 def test_query_head_mode_pairs_each_query_head_with_its_key_head():
@@ -88,9 +90,9 @@ def test_query_head_mode_pairs_each_query_head_with_its_key_head():
 def test_weight_value_axes_are_the_svd_of_w_v():
     model = tiny_model("qwen2", seed=3)
     values, basis = calibration.weight_value_axes(model)
-    shape = models.attention_shape(model)
-    for layer, module in enumerate(models.attention_modules(model)):
-        weight = models.attention_weights(module, shape).v_weight.detach().to(torch.float64)
+    shape = families.attention_shape(model)
+    for layer, module in enumerate(families.attention_modules(model)):
+        weight = families.attention_weights(module, shape).v_weight.detach().to(torch.float64)
         for j in range(shape.num_kv_heads):
             block = weight[j * HEAD_DIM:(j + 1) * HEAD_DIM].T  # W_V(j): (hidden, D)
             torch.testing.assert_close(values[layer, j], torch.linalg.svdvals(block), rtol=1e-9, atol=1e-9)
@@ -110,11 +112,11 @@ def test_folded_projections_reproduce_attention_at_full_rank(family, v_method):
     artifact = calibration.calibrate(model, input_ids=ids, v_method=v_method, progress=False)
     allocation = artifact.allocate(0.0)
     assert allocation.compression_rate == 0.0
-    shape = models.attention_shape(model)
+    shape = families.attention_shape(model)
     G, D = shape.group, shape.head_dim
     layer = rng.randrange(shape.num_layers)
-    module = models.attention_modules(model)[layer]
-    weights = models.attention_weights(module, shape)
+    module = families.attention_modules(model)[layer]
+    weights = families.attention_weights(module, shape)
     hidden = layer_inputs(model, ids)[layer]
     rotary = model.get_decoder().rotary_emb
     positions = torch.arange(ids.shape[1])[None].expand(2, -1)
@@ -153,11 +155,11 @@ def test_output_aware_v_factors_are_exact_at_full_rank_in_float64(family):
     ids = random_ids(model, generator, 2, 40)
     stats = calibration.capture_statistics(model, [ids], progress=False)
     values, encoder, decoder = calibration.output_aware_factors(model, stats.v_gram)
-    shape = models.attention_shape(model)
+    shape = families.attention_shape(model)
     G, D, Hkv = shape.group, shape.head_dim, shape.num_kv_heads
     eye = torch.eye(D, dtype=torch.float64)
-    for layer, module in enumerate(models.attention_modules(model)):
-        weights = models.attention_weights(module, shape)
+    for layer, module in enumerate(families.attention_modules(model)):
+        weights = families.attention_weights(module, shape)
         full = [D] * Hkv
         A_V = calibration.fold_value_projection(weights.v_weight.detach(), encoder[layer], full)
         W_O = calibration.fold_output_projection(weights.o_weight.detach(), decoder[layer], full, G)
@@ -308,7 +310,7 @@ def test_artifact_round_trip(tmp_path):
     for name in calibration._tensor_specs(artifact.shape):
         assert torch.equal(getattr(loaded, name), getattr(artifact, name)), name
     assert loaded.metadata["calibration"] == artifact.metadata["calibration"]
-    assert loaded.metadata["fingerprint"] == models.fingerprint(model)
+    assert loaded.metadata["fingerprint"] == families.fingerprint(model)
     for rate in (0.0, 0.1, 0.4):
         assert torch.equal(loaded.allocate(rate).qk_dims, artifact.allocate(rate).qk_dims)
         assert torch.equal(loaded.allocate(rate).v_dims, artifact.allocate(rate).v_dims)
@@ -446,7 +448,8 @@ def test_bundled_artifact_is_current_and_valid():
         fingerprint = artifact.metadata["fingerprint"]
         settings = artifact.metadata["calibration"]
         assert path.name.startswith(f"v{calibration.FORMAT_VERSION}-{fingerprint[:16]}-{settings['source']}-"
-                                    f"{settings['num_tokens']}-{settings['seq_len']}-0-{settings['v_method']}-"), path.name
-        if (models.cache_dir() / "smollm2-135m-instruct" / "model.safetensors").is_file():
-            model, _ = models.load_model()
-            assert models.fingerprint(model) == fingerprint, "recalibrate the bundled artifact for this model"
+                                    f"{settings['num_tokens']}-{settings['seq_len']}-0-{settings['v_method']}-"), \
+            path.name
+        if (loading.cache_dir() / "smollm2-135m-instruct" / "model.safetensors").is_file():
+            model, _ = loading.load_model()
+            assert families.fingerprint(model) == fingerprint, "recalibrate the bundled artifact for this model"

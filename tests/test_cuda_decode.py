@@ -3,7 +3,7 @@ CPU ops, over fresh random configurations each run: float32/float16/bfloat16, co
 every slot and page that must not be read, non-contiguous queries, sequences of 32K keys and more, one very long
 request among many short ones, G from 1 to 8 and 16, explicit plans for 1, 3 and 132 workers, a decode step captured
 in a CUDA graph and replayed over changed lengths and cache contents, a negative length (NaN output, status in the
-plan), and torch.library.opcheck on CUDA inputs.
+plan) (opcheck on CUDA inputs: tests/test_opcheck.py).
 
 CUDA conventions of the ops: qk_offsets/v_offsets stay int32 CPU tensors; cache_seqlens, block_table, cu_seqlens and
 plans live on the GPU; the default worker count is the number of SMs; plan entry [7] is the planner's status (0: ok).
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import DTYPES, Layout, assert_close_to_cpu, assert_close_to_reference, capture_graph, case_generator, \
-    offsets, random_block_table, random_layout, random_lengths, skip_without_cuda_kernels, to_pages
+    offsets, randn, random_block_table, random_layout, random_lengths, skip_without_cuda_kernels, strided_rows, to_pages
 from fdc_ops import ops, reference
 
 skip_without_cuda_kernels("decode_plan", "decode_attention")
@@ -27,21 +27,6 @@ NUM_SMS = torch.cuda.get_device_properties(DEVICE).multi_processor_count
 CASES = int(os.environ.get("FDC_CUDA_CASES", 40))  # per cache kind and run; fewer under compute-sanitizer
 HAS_APPEND_KV = torch._C._dispatch_has_kernel_for_dispatch_key("fdc::append_kv", "CUDA")
 needs_append_kv = pytest.mark.skipif(not HAS_APPEND_KV, reason="this build has no CUDA kernel for fdc::append_kv")
-
-
-def _randn(shape, dtype, generator):
-    return torch.randn(shape, generator=generator).to(dtype)
-
-
-def _strided_on_device(t: torch.Tensor, rng) -> torch.Tensor:
-    """t (2-D, CPU) on the GPU as a non-contiguous tensor: rows inside a wider NaN buffer, or column-major."""
-    if rng.random() < 0.25:
-        return t.T.contiguous().to(DEVICE).T
-    pad = rng.randint(1, 24)
-    start = rng.randint(0, pad)
-    wide = torch.full((t.shape[0], t.shape[1] + pad), float("nan"), dtype=t.dtype, device=DEVICE)
-    wide[:, start:start + t.shape[1]] = t.to(DEVICE)
-    return wide[:, start:start + t.shape[1]]
 
 
 class DecodeInputs:
@@ -56,17 +41,17 @@ class DecodeInputs:
         k_cache = torch.full((batch, capacity, layout.qk_width), float("nan"), dtype=dtype)
         v_cache = torch.full((batch, capacity, layout.v_width), float("nan"), dtype=dtype)
         for b, length in enumerate(lengths):
-            k_cache[b, :length] = _randn((length, layout.qk_width), dtype, gen)
-            v_cache[b, :length] = _randn((length, layout.v_width), dtype, gen)
+            k_cache[b, :length] = randn((length, layout.qk_width), dtype, gen)
+            v_cache[b, :length] = randn((length, layout.v_width), dtype, gen)
         self.block_table = None
         if paged:
             self.block_table, num_pages = random_block_table(lengths, capacity, page_size, rng)
             k_cache = to_pages(k_cache, lengths, self.block_table, num_pages, page_size)
             v_cache = to_pages(v_cache, lengths, self.block_table, num_pages, page_size)
         self.k_cache, self.v_cache = k_cache, v_cache
-        self.q = _randn((batch, layout.group * layout.qk_width), dtype, gen)
+        self.q = randn((batch, layout.group * layout.qk_width), dtype, gen)
         self.scale = rng.uniform(0.05, 0.5)
-        self.q_dev = _strided_on_device(self.q, rng)
+        self.q_dev = strided_rows(self.q, rng, DEVICE)
         self.k_dev, self.v_dev = k_cache.to(DEVICE), v_cache.to(DEVICE)
         self.seqlens_dev = self.seqlens.to(DEVICE)
         self.block_table_dev = None if self.block_table is None else self.block_table.to(DEVICE)
@@ -225,8 +210,8 @@ def test_cuda_graph_replay(paged):
         contiguous_k = torch.full((batch, capacity, layout.qk_width), float("nan"), dtype=dtype)
         contiguous_v = torch.full((batch, capacity, layout.v_width), float("nan"), dtype=dtype)
         for b, length in enumerate(lengths):
-            contiguous_k[b, :length] = _randn((length, layout.qk_width), dtype, gen)
-            contiguous_v[b, :length] = _randn((length, layout.v_width), dtype, gen)
+            contiguous_k[b, :length] = randn((length, layout.qk_width), dtype, gen)
+            contiguous_v[b, :length] = randn((length, layout.v_width), dtype, gen)
         if paged:
             contiguous_k = to_pages(contiguous_k, lengths, inputs.block_table, inputs.k_cache.shape[0], page_size)
             contiguous_v = to_pages(contiguous_v, lengths, inputs.block_table, inputs.v_cache.shape[0], page_size)
@@ -235,7 +220,7 @@ def test_cuda_graph_replay(paged):
         inputs.v_dev.copy_(contiguous_v)
         inputs.seqlens = torch.tensor(lengths, dtype=torch.int32)
         inputs.seqlens_dev.copy_(inputs.seqlens)
-        inputs.q = _randn((batch, layout.group * layout.qk_width), dtype, gen)
+        inputs.q = randn((batch, layout.group * layout.qk_width), dtype, gen)
         q_static.copy_(inputs.q)
 
     refill(first)
@@ -262,30 +247,30 @@ def test_append_kv_then_decode_cuda(case, paged):
     new = random_lengths(rng, batch, choices=(0, 1, 1, 3, 17, 70))
     capacity = max(s + n for s, n in zip(start, new)) + rng.randint(1, 4)
     page_size = rng.choice([1, 4, 16, 64])
-    k_cache = _randn((batch, capacity, layout.qk_width), dtype, gen)
-    v_cache = _randn((batch, capacity, layout.v_width), dtype, gen)
+    k_cache = randn((batch, capacity, layout.qk_width), dtype, gen)
+    v_cache = randn((batch, capacity, layout.v_width), dtype, gen)
     block_table = None
     if paged:
         block_table, num_pages = random_block_table([capacity] * batch, capacity, page_size, rng)
         k_cache = to_pages(k_cache, [capacity] * batch, block_table, num_pages, page_size)
         v_cache = to_pages(v_cache, [capacity] * batch, block_table, num_pages, page_size)
     cu = offsets(new)
-    k_new = _randn((int(cu[-1]), layout.qk_width), dtype, gen)
-    v_new = _randn((int(cu[-1]), layout.v_width), dtype, gen)
+    k_new = randn((int(cu[-1]), layout.qk_width), dtype, gen)
+    v_new = randn((int(cu[-1]), layout.v_width), dtype, gen)
     seqlens = torch.tensor(start, dtype=torch.int32)
     expected_k, expected_v = reference.append_kv_ref(k_cache, v_cache, k_new, v_new, cu, seqlens, block_table)
 
     k_dev, v_dev = k_cache.to(DEVICE), v_cache.to(DEVICE)
     table_dev = None if block_table is None else block_table.to(DEVICE)
     seqlens_dev = seqlens.to(DEVICE)
-    ops.append_kv(k_dev, v_dev, _strided_on_device(k_new, rng), v_new.to(DEVICE), cu.to(DEVICE), seqlens_dev,
+    ops.append_kv(k_dev, v_dev, strided_rows(k_new, rng, DEVICE), v_new.to(DEVICE), cu.to(DEVICE), seqlens_dev,
                   layout.qk_offsets, layout.v_offsets, table_dev)
     assert torch.equal(k_dev.cpu().nan_to_num(7.0), expected_k.nan_to_num(7.0)), f"cuda append_kv k {replay}"
     assert torch.equal(v_dev.cpu().nan_to_num(7.0), expected_v.nan_to_num(7.0)), f"cuda append_kv v {replay}"
     assert seqlens_dev.cpu().tolist() == start, "append_kv must not advance cache_seqlens"
 
     grown = seqlens + torch.tensor(new, dtype=torch.int32)
-    q = _randn((batch, layout.group * layout.qk_width), dtype, gen)
+    q = randn((batch, layout.group * layout.qk_width), dtype, gen)
     out = ops.decode_attention(q.to(DEVICE), k_dev, v_dev, grown.to(DEVICE), layout.qk_offsets, layout.v_offsets,
                                layout.group, 0.2, None, table_dev).cpu()
     args = (q, expected_k, expected_v, grown, layout.qk_offsets, layout.v_offsets, layout.group, 0.2)
@@ -335,47 +320,3 @@ def test_strided_cache_seqlens():
     wide[::2] = inputs.seqlens_dev
     inputs.seqlens_dev = wide[::2]
     inputs.check(inputs.run_cuda(), f"cuda decode strided cache_seqlens {replay}")
-
-
-def _opcheck_inputs():
-    qk_dims, v_dims, group = [8, 16], [16, 8], 2
-    qk_offsets, v_offsets = offsets(qk_dims), offsets(v_dims)
-    gen = torch.Generator().manual_seed(0)
-
-    def dev(t):
-        return t.to(DEVICE)
-
-    seqlens = dev(torch.tensor([3, 2], dtype=torch.int32))
-    q = dev(torch.randn(2, group * 24, generator=gen))
-    k, v = dev(torch.randn(2, 24, generator=gen)), dev(torch.randn(2, 24, generator=gen))
-    k_cache, v_cache = dev(torch.randn(2, 6, 24, generator=gen)), dev(torch.randn(2, 6, 24, generator=gen))
-    block_table = dev(torch.tensor([[1, 0], [2, -1]], dtype=torch.int32))
-    k_pages, v_pages = dev(torch.randn(3, 24, 4, generator=gen)), dev(torch.randn(3, 24, 4, generator=gen))
-    cu = dev(torch.tensor([0, 1, 2], dtype=torch.int32))
-    cases = {
-        "decode_plan": (seqlens, qk_offsets, v_offsets, group, 3),
-        # The fake must size the default plan as the CUDA kernel does (SM count workers), not by CPU threads.
-        "decode_plan_default_workers": (seqlens, qk_offsets, v_offsets, group, None),
-        "decode_attention": (q, k_cache, v_cache, seqlens, qk_offsets, v_offsets, group, 0.25, None, None),
-        "decode_attention_paged": (q, k_pages, v_pages, seqlens, qk_offsets, v_offsets, group, 0.25, None,
-                                   block_table),
-        "decode_attention_plan": (q, k_cache, v_cache, seqlens, qk_offsets, v_offsets, group, 0.25,
-                                  ops.decode_plan(seqlens, qk_offsets, v_offsets, group, 5), None),
-    }
-    if HAS_APPEND_KV:
-        cases["append_kv"] = (k_cache, v_cache, k, v, cu, seqlens, qk_offsets, v_offsets, None)
-        cases["append_kv_paged"] = (k_pages, v_pages, k, v, cu, seqlens, qk_offsets, v_offsets, block_table)
-    return cases
-
-
-OPCHECK_OPS = {"decode_plan": "decode_plan", "decode_plan_default_workers": "decode_plan",
-               "decode_attention": "decode_attention", "decode_attention_paged": "decode_attention",
-               "decode_attention_plan": "decode_attention", "append_kv": "append_kv", "append_kv_paged": "append_kv"}
-
-
-@pytest.mark.parametrize("name", list(OPCHECK_OPS))
-def test_opcheck_cuda(name):
-    inputs = _opcheck_inputs()
-    if name not in inputs:
-        pytest.skip("this build has no CUDA kernel for fdc::append_kv")
-    torch.library.opcheck(getattr(torch.ops.fdc, OPCHECK_OPS[name]).default, inputs[name])

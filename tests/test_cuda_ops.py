@@ -1,7 +1,7 @@
 """The CUDA kernels of rotate_compress, rope_rotate_compress and append_kv against the float64 reference and
 against the CPU kernels, on freshly drawn random configurations each run (conftest's seeds and tolerance rule);
 append_kv into NaN-poisoned caches, where every slot not written must stay bit-identical; device-side handling of
-bad lengths and page indices; CUDA-graph capture; torch.library.opcheck on CUDA inputs.
+bad lengths and page indices; CUDA-graph capture (opcheck on CUDA inputs: tests/test_opcheck.py).
 
 The whole module is skipped without a GPU, or when fdc_ops was built without its CUDA kernels."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import DTYPES, assert_close_to_reference, capture_graph, case_generator, offsets, random_block_table, \
-    random_layout, random_lengths, random_rope_inputs, rope_tables, skip_without_cuda_kernels, to_pages
+    randn, random_layout, random_lengths, random_rope_inputs, rope_tables, skip_without_cuda_kernels, to_pages
 from fdc_ops import ops, reference
 
 
@@ -77,8 +77,8 @@ def test_rotate_compress_cuda_many_heads_and_tokens(dtype):
     gen = torch.Generator().manual_seed(1)
     qk_dims = [8 * (1 + j % 32) for j in range(133)]
     qk_offsets, group, tokens = offsets(qk_dims), 2, 67
-    x = torch.randn(tokens, len(qk_dims) * group, 256, generator=gen).to(dtype)
-    rot = torch.randn(len(qk_dims), 256, 256, generator=gen).to(dtype) / 16
+    x = randn((tokens, len(qk_dims) * group, 256), dtype, gen)
+    rot = randn((len(qk_dims), 256, 256), dtype, gen) / 16
     cos, sin = rope_tables(torch.arange(tokens) * 5, 192, dtype)
     out = ops.rotate_compress(x.to(CUDA), rot.to(CUDA), qk_offsets, group)
     assert_close_to_reference(out.cpu(), reference.rotate_compress_ref(x, rot, qk_offsets, group),
@@ -107,8 +107,8 @@ def _append_inputs(rng, gen, layout, dtype, paged):
         v_cache = to_pages(v_cache, [capacity] * batch, block_table, num_pages, page_size)
     cu = offsets(new)
     extra = rng.choice([0, 0, 2])  # rows after the last request are not written
-    k = torch.randn(int(cu[-1]) + extra, layout.qk_width, generator=gen).to(dtype)
-    v = torch.randn(int(cu[-1]) + extra, layout.v_width, generator=gen).to(dtype)
+    k = randn((int(cu[-1]) + extra, layout.qk_width), dtype, gen)
+    v = randn((int(cu[-1]) + extra, layout.v_width), dtype, gen)
     return k_cache, v_cache, k, v, cu, torch.tensor(start, dtype=torch.int32), block_table
 
 
@@ -223,38 +223,3 @@ def test_decode_step_captures_in_a_cuda_graph():
             torch.testing.assert_close(k_cache[b, position].cpu(), keys[b].cpu(), rtol=0, atol=0)
             torch.testing.assert_close(v_cache[b, position].cpu(), v[b].cpu(), rtol=0, atol=0)
     assert int(torch.isnan(k_cache).any(dim=2).logical_not().sum()) == 2 * batch
-
-
-def _opcheck_inputs():
-    qk_offsets, v_offsets, group = offsets([8, 16]), offsets([16, 8]), 2
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(5, 4, 32, generator=gen).to(CUDA)
-    rot = torch.randn(2, 32, 16, generator=gen).to(CUDA)
-    cos, sin = (t.to(CUDA) for t in rope_tables(torch.arange(5), 24, torch.float32))
-    k_cache = torch.randn(2, 6, 24, generator=gen).to(CUDA)
-    v_cache = torch.randn(2, 6, 24, generator=gen).to(CUDA)
-    k_pages = torch.randn(3, 24, 4, generator=gen).to(CUDA)
-    v_pages = torch.randn(3, 24, 4, generator=gen).to(CUDA)
-    rows = torch.randn(2, 24, generator=gen).to(CUDA)
-    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=CUDA)
-    seqlens = torch.tensor([3, 2], dtype=torch.int32, device=CUDA)
-    block_table = torch.tensor([[1, 0], [2, -1]], dtype=torch.int32, device=CUDA)
-    return {
-        "rotate_compress": (x, rot, qk_offsets, group),
-        "rotate_compress_half": (x.half(), rot.half(), qk_offsets, group),
-        "rope_rotate_compress": (x, cos, sin, rot, qk_offsets, group),
-        "rope_rotate_compress_bfloat16": (x.bfloat16(), cos.bfloat16(), sin.bfloat16(), rot.bfloat16(), qk_offsets,
-                                          group),
-        "append_kv": (k_cache, v_cache, rows, rows, cu, seqlens, qk_offsets, v_offsets, None),
-        "append_kv_paged": (k_pages, v_pages, rows, rows, cu, seqlens, qk_offsets, v_offsets, block_table),
-    }
-
-
-OPCHECK_CASES = ["rotate_compress", "rotate_compress_half", "rope_rotate_compress", "rope_rotate_compress_bfloat16",
-                 "append_kv", "append_kv_paged"]  # the keys of _opcheck_inputs, which needs a GPU to build
-
-
-@pytest.mark.parametrize("name", OPCHECK_CASES)
-def test_opcheck_cuda(name):
-    op = getattr(torch.ops.fdc, name.split("_paged")[0].removesuffix("_half").removesuffix("_bfloat16"))
-    torch.library.opcheck(op.default, _opcheck_inputs()[name])

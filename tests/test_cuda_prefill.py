@@ -5,7 +5,8 @@ sequences (and rows of q outside them must come back zero), non-contiguous q/k/v
 8 up to 256 (layouts mixing 8- and 256-wide heads), one 16K causal sequence per dtype, explicit plans for 1, 5 and 132
 workers and row blocks of 16, 64 and 128 (equal integer for integer to the CPU planner's), hand-built unbalanced
 plans (no row-block rescaling, no last-round split, everything on one worker, one record per head) giving the same
-result, torch.library.opcheck on CUDA inputs, and bad input on CUDA raising errors that name the op and argument.
+result (opcheck on CUDA inputs: tests/test_opcheck.py), and bad input on CUDA raising errors that name the op and
+argument.
 
 CUDA conventions of the ops: q/k/v, cu_seqlens_q/k and plans live on the GPU; qk_offsets/v_offsets stay int32 CPU
 tensors; the CUDA prefill_plan runs the host planner on the boundaries copied to the host, so its plan equals the CPU
@@ -22,7 +23,7 @@ import pytest
 import torch
 
 from conftest import DTYPES, Layout, assert_close_to_cpu, assert_close_to_reference, case_generator, offsets, \
-    random_layout, random_lengths, skip_without_cuda_kernels
+    randn, random_layout, random_lengths, skip_without_cuda_kernels, strided_rows
 from fdc_ops import ops, reference
 
 skip_without_cuda_kernels("prefill_plan", "prefill_attention")
@@ -40,29 +41,12 @@ LENGTHS = (0, 1, 2, 7, 16, 33, 64, 100, 257, 511, 1000)
 REFERENCE_BUDGET = 8_000_000
 
 
-def _randn(shape, dtype, generator):
-    return torch.randn(shape, generator=generator).to(dtype)
-
-
-def _on_device(t: torch.Tensor, rng, strided: bool) -> torch.Tensor:
-    """t (2-D, CPU) on the GPU; when strided, non-contiguous: rows inside a wider NaN buffer, or column-major."""
-    if not strided:
-        return t.to(DEVICE)
-    if rng.random() < 0.25:
-        return t.T.contiguous().to(DEVICE).T
-    pad = rng.randint(1, 24)
-    start = rng.randint(0, pad)
-    wide = torch.full((t.shape[0], t.shape[1] + pad), float("nan"), dtype=t.dtype, device=DEVICE)
-    wide[:, start:start + t.shape[1]] = t.to(DEVICE)
-    return wide[:, start:start + t.shape[1]]
-
-
 def _rows(lengths: list[int], lead: int, tail: int, width: int, dtype, gen) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, cu_seqlens): random rows for each sequence, preceded by `lead` and followed by `tail` NaN rows that
     belong to no sequence and must never be read."""
     cu = offsets(lengths) + lead
     rows = torch.full((lead + sum(lengths) + tail, width), float("nan"), dtype=dtype)
-    rows[lead:lead + sum(lengths)] = _randn((sum(lengths), width), dtype, gen)
+    rows[lead:lead + sum(lengths)] = randn((sum(lengths), width), dtype, gen)
     return rows, cu
 
 
@@ -81,9 +65,9 @@ class PrefillInputs:
         assert torch.equal(cu_v, self.cu_k)
         self.k, self.v = k, v
         self.scale = rng.uniform(0.05, 0.5)
-        self.q_dev = _on_device(self.q, rng, strided and rng.random() < 0.7)
-        self.k_dev = _on_device(self.k, rng, strided and rng.random() < 0.7)
-        self.v_dev = _on_device(self.v, rng, strided and rng.random() < 0.7)
+        self.q_dev = strided_rows(self.q, rng, DEVICE) if strided and rng.random() < 0.7 else self.q.to(DEVICE)
+        self.k_dev = strided_rows(self.k, rng, DEVICE) if strided and rng.random() < 0.7 else self.k.to(DEVICE)
+        self.v_dev = strided_rows(self.v, rng, DEVICE) if strided and rng.random() < 0.7 else self.v.to(DEVICE)
         self.cu_q_dev, self.cu_k_dev = self.cu_q.to(DEVICE), self.cu_k.to(DEVICE)
         self._references = None
 
@@ -442,36 +426,7 @@ def test_visible_keys_helper():
         assert _visible(0, s_q, s_q, s_k, True) == brute
 
 
-# ---------------------------------------------------------------------------------------------- opcheck, bad input
-
-
-def _opcheck_inputs():
-    qk_dims, v_dims, group = [8, 16], [16, 8], 2
-    qk_offsets, v_offsets = offsets(qk_dims), offsets(v_dims)
-    gen = torch.Generator().manual_seed(0)
-    cu_q = torch.tensor([0, 3, 5], dtype=torch.int32, device=DEVICE)
-    cu_k = torch.tensor([0, 4, 9], dtype=torch.int32, device=DEVICE)
-    cases = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        q = torch.randn(6, group * 24, generator=gen).to(DEVICE, dtype)
-        k = torch.randn(9, 24, generator=gen).to(DEVICE, dtype)
-        v = torch.randn(9, 24, generator=gen).to(DEVICE, dtype)
-        name = str(dtype).removeprefix("torch.")
-        cases[f"prefill_attention_{name}"] = (q, k, v, cu_q, cu_k, qk_offsets, v_offsets, group, 0.25, True, None)
-        cases[f"prefill_attention_plan_{name}"] = (
-            q, k, v, cu_q, cu_k, qk_offsets, v_offsets, group, 0.25, False,
-            ops.prefill_plan(cu_q, cu_k, qk_offsets, v_offsets, group, False, 5, 16))
-    cases["prefill_plan"] = (cu_q, cu_k, qk_offsets, v_offsets, group, True, 3, 64)
-    cases["prefill_plan_default_workers"] = (cu_q, cu_k, qk_offsets, v_offsets, group, False, None, 32)
-    return cases
-
-
-@pytest.mark.parametrize("name", ["prefill_attention_float32", "prefill_attention_bfloat16",
-                                  "prefill_attention_plan_float32", "prefill_attention_plan_bfloat16",
-                                  "prefill_plan", "prefill_plan_default_workers"])
-def test_opcheck_cuda(name):
-    op = torch.ops.fdc.prefill_plan if name.startswith("prefill_plan") else torch.ops.fdc.prefill_attention
-    torch.library.opcheck(op.default, _opcheck_inputs()[name])
+# ------------------------------------------------------------------------------------------------------- bad input
 
 
 def _raises(op: str, argument: str):

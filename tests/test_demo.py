@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from fdc_ops import demo, progress
+from fdc_ops import progress
+from fdc_ops.apps import demo
 
 
 def test_curve_counts_a_compression_only_when_every_smaller_one_keeps_the_target():

@@ -8,7 +8,7 @@ import torch
 
 from conftest import case_generator
 from fdc_ops import calibration, hf
-from fdc_ops.nn import CompressedKVLayer, FDCAttention, PaluAttention
+from fdc_ops.hf.modules import CompressedKVLayer, FDCAttention, PaluAttention
 from tiny_models import FAMILIES, tiny_model
 
 transformers = pytest.importorskip("transformers", reason="the model side needs transformers")
@@ -113,7 +113,8 @@ def low_rank_model(seed: int, qk_dims: list[list[int]], v_dims: list[list[int]])
                 k[j, ~keep] = 0
                 q[j * group:(j + 1) * group, ~keep] = 0
                 rank = v_dims[layer][j]
-                v[j] = torch.randn(D, rank, generator=generator) @ torch.randn(rank, v.shape[2], generator=generator) / 8
+                left = torch.randn(D, rank, generator=generator)
+                v[j] = left @ torch.randn(rank, v.shape[2], generator=generator) / 8
     return model
 
 
@@ -190,10 +191,11 @@ def test_compress_rejects_bad_requests():
 
 def test_smollm2_at_full_rank_matches_the_original():
     """The bundled real model (scripts/setup.sh installs it; converted once to the cache, about 30 s)."""
-    from fdc_ops import models
+    from fdc_ops.hf import loading
 
-    model, tokenizer = models.load_model()
-    artifact = calibration.calibrate(model, tokenizer, num_tokens=1024, seq_len=256, sensitivity_tokens=0, progress=False)
+    model, tokenizer = loading.load_model()
+    artifact = calibration.calibrate(model, tokenizer, num_tokens=1024, seq_len=256, sensitivity_tokens=0,
+                                     progress=False)
     ids = tokenizer(["The history of the printing press", "def fibonacci(n):"], return_tensors="pt",
                     padding=True, padding_side="left")
     expected = logits_of(model, ids["input_ids"], ids["attention_mask"])

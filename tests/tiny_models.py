@@ -20,7 +20,8 @@ def tiny_model(family: str, seed: int = 0, **overrides):
         "qwen2": (transformers.Qwen2Config, {}),
         "qwen3": (transformers.Qwen3Config, {}),
         # Phi-3: fused qkv_proj, and rotary on the first half of each head only
-        "phi3": (transformers.Phi3Config, {"partial_rotary_factor": 0.5, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+        "phi3": (transformers.Phi3Config, {"partial_rotary_factor": 0.5, "pad_token_id": 0, "bos_token_id": 1,
+                                           "eos_token_id": 2}),
     }
     config_class, extra = specific[family]
     config = config_class(**{**common, **extra, **overrides})
@@ -61,11 +62,11 @@ def rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
 def hand_qkv(model, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Post-RoPE q (B, H, S, D), k and v (B, H_kv, S, D) of one layer from its input hidden states (B, S, hidden),
     computed from the weights, float64."""
-    from fdc_ops import models
+    from fdc_ops.hf import families
 
-    shape = models.attention_shape(model)
-    module = models.attention_modules(model)[layer]
-    weights = models.attention_weights(module, shape)
+    shape = families.attention_shape(model)
+    module = families.attention_modules(model)[layer]
+    weights = families.attention_weights(module, shape)
     x = hidden.to(torch.float64)
     B, S, _ = x.shape
 
@@ -87,10 +88,10 @@ def hand_qkv(model, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, tor
 
 def hand_key_projection(model, layer: int, hidden: torch.Tensor) -> torch.Tensor:
     """Pre-RoPE keys (B, H_kv, S, D) as the K projection outputs them (bias included, before any norm), float64."""
-    from fdc_ops import models
+    from fdc_ops.hf import families
 
-    shape = models.attention_shape(model)
-    weights = models.attention_weights(models.attention_modules(model)[layer], shape)
+    shape = families.attention_shape(model)
+    weights = families.attention_weights(families.attention_modules(model)[layer], shape)
     keys = hidden.to(torch.float64) @ weights.k_weight.detach().to(torch.float64).T
     if weights.k_bias is not None:
         keys = keys + weights.k_bias.detach().to(torch.float64)
@@ -99,13 +100,13 @@ def hand_key_projection(model, layer: int, hidden: torch.Tensor) -> torch.Tensor
 
 def layer_inputs(model, input_ids: torch.Tensor) -> list[torch.Tensor]:
     """The hidden states each attention layer receives (B, S, hidden), from a plain forward pass."""
-    from fdc_ops import models
+    from fdc_ops.hf import families
 
     captured = []
     hooks = [module.register_forward_pre_hook(
         lambda module, args, kwargs: captured.append(
             (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]).detach().clone()),
-        with_kwargs=True) for module in models.attention_modules(model)]
+        with_kwargs=True) for module in families.attention_modules(model)]
     try:
         with torch.no_grad():
             model(input_ids=input_ids, use_cache=False)

@@ -11,8 +11,8 @@
 #include "checks.h"
 #include "dispatch.h"
 
-// Hot float loops are compiled twice, for x86-64-v3 (AVX2+FMA) and for the baseline x86-64, and picked when the library loads
-// (GCC function multi-versioning): the wheel stays runnable on any x86-64 while current CPUs get 8-wide FMA.
+// Hot float loops are compiled twice, for x86-64-v3 (AVX2+FMA) and for the baseline x86-64, and picked when the library
+// loads (GCC function multi-versioning): the wheel stays runnable on any x86-64 while current CPUs get 8-wide FMA.
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define FDC_CPU_SIMD __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else

@@ -201,8 +201,8 @@ void run_task(const int32_t* record, const Problem& pb, const T* q, int64_t q_ld
 // query rows as they lie in q.
 template <typename T>
 FDC_AVX512 void run_task_avx512(const int32_t* record, const Problem& pb, const T* q, int64_t q_ld,
-                                const CacheView<T>& kc, const CacheView<T>& vc, T* out, int64_t out_ld,
-                                TaskScratch& ws, bool bf16_dot) {
+                                const CacheView<T>& kc, const CacheView<T>& vc, T* out, int64_t out_ld, TaskScratch& ws,
+                                bool bf16_dot) {
   const checks::HostLayout& layout = *pb.layout;
   const int64_t hkv = layout.num_kv_heads(), group = layout.group;
   const int64_t b = record[0] / hkv, j = record[0] % hkv;
@@ -230,8 +230,8 @@ FDC_AVX512 void run_task_avx512(const int32_t* record, const Problem& pb, const 
       avx512::axpy_rows(ws.q.data(), dq, group, keys, kc.col_stride(), dq, n, scores, kKeyBlock);
     } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
       if (bf16_dot) {
-        avx512::dot_rows_bf16(reinterpret_cast<const uint16_t*>(qj), dq, group, keys, kc.row_stride(), n, dq,
-                              scores, kKeyBlock);
+        avx512::dot_rows_bf16(reinterpret_cast<const uint16_t*>(qj), dq, group, keys, kc.row_stride(), n, dq, scores,
+                              kKeyBlock);
       } else {
         avx512::dot_rows(ws.q.data(), dq, group, keys, kc.row_stride(), n, dq, scores, kKeyBlock, false);
       }
@@ -283,7 +283,8 @@ std::vector<RowPiece> cut_rows(const std::vector<int32_t>& seqlens, int64_t hkv,
   split_offsets.assign(seqlens.size() * hkv + 1, 0);
   for (int64_t b = 0; b < int64_t(seqlens.size()); ++b) {
     const int64_t count = ceil_div(int64_t(seqlens[b]), piece);
-    for (int64_t c = 0; c < count; ++c) pieces.push_back({b, c * piece, std::min<int64_t>(seqlens[b], (c + 1) * piece), c});
+    for (int64_t c = 0; c < count; ++c)
+      pieces.push_back({b, c * piece, std::min<int64_t>(seqlens[b], (c + 1) * piece), c});
     for (int64_t j = 0; j < hkv; ++j) split_offsets[b * hkv + j + 1] = split_offsets[b * hkv + j] + count;
   }
   return pieces;
@@ -315,8 +316,8 @@ inline void touch_range(const void* first, int64_t bytes) {
 // (touch_range), so the reads ahead are spread over the block's work (a block is contiguous: n * W elements).
 template <typename T>
 FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const T* q, int64_t q_ld,
-                                 const CacheView<T>& kc, const CacheView<T>& vc, T* out, int64_t out_ld,
-                                 RowScratch& ws, bool bf16_dot) {
+                                 const CacheView<T>& kc, const CacheView<T>& vc, T* out, int64_t out_ld, RowScratch& ws,
+                                 bool bf16_dot) {
   const checks::HostLayout& layout = *pb.layout;
   const int64_t hkv = layout.num_kv_heads(), group = layout.group, b = piece.b;
   const int64_t qk_width = layout.qk_offsets[hkv], v_width = layout.v_offsets[hkv];
@@ -351,8 +352,8 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
                            kKeyBlock, false);
         }
       } else {
-        avx512::dot_rows(ws.q.data() + group * k_col, dq, group, k_block + k_col, kc.stride1, n, dq, scores,
-                         kKeyBlock, false);
+        avx512::dot_rows(ws.q.data() + group * k_col, dq, group, k_block + k_col, kc.stride1, n, dq, scores, kKeyBlock,
+                         false);
       }
       for (int64_t i = 0; i < group; ++i) {
         float* si = scores + i * kKeyBlock;
@@ -366,8 +367,7 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
   for (int64_t j = 0; j < hkv; ++j) {
     const int32_t record[kDecodeRecordFields] = {static_cast<int32_t>(b * hkv + j), static_cast<int32_t>(piece.index),
                                                  static_cast<int32_t>(piece.t0), static_cast<int32_t>(piece.t1)};
-    finish_task(record, pb, ws.acc.data() + group * layout.v_offsets[j], ws.softmax.data() + j * group, out,
-                out_ld);
+    finish_task(record, pb, ws.acc.data() + group * layout.v_offsets[j], ws.softmax.data() + j * group, out, out_ld);
   }
 }
 
@@ -392,7 +392,8 @@ void merge_splits(const Problem& pb, int64_t batch, T* out, int64_t out_ld) {
         T* oi = out + b * out_ld + view.o_column(static_cast<int32_t>(j * group + i));
         for (int64_t c = 0; c < dv; ++c) {
           float sum = 0.f;
-          for (int64_t s = 0; s < count; ++s) sum += weight[s] * pb.partial_out[((first + s) * group + i) * pb.max_v_dim + c];
+          for (int64_t s = 0; s < count; ++s)
+            sum += weight[s] * pb.partial_out[((first + s) * group + i) * pb.max_v_dim + c];
           oi[c] = static_cast<T>(sum);
         }
       }
@@ -475,15 +476,27 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
   const int64_t slots = by_rows ? piece_splits.back() : view.num_tasks();
   std::vector<float> partial_out(slots * group * max_v_dim);
   std::vector<float> partial_lse(slots * group);
-  const Problem pb{&layout, static_cast<float>(scale), by_rows ? piece_splits.data() : view.split_offsets(),
-                   partial_out.data(), partial_lse.data(), max_v_dim};
+  const Problem pb{&layout,
+                   static_cast<float>(scale),
+                   by_rows ? piece_splits.data() : view.split_offsets(),
+                   partial_out.data(),
+                   partial_lse.data(),
+                   max_v_dim};
 
   FDC_DISPATCH_FLOAT_TYPES(q.scalar_type(), "fdc::decode_attention", [&] {
     const int32_t* bt = block_table ? table.data_ptr<int32_t>() : nullptr;
-    const CacheView<scalar_t> kview{k_cache.data_ptr<scalar_t>(), k_cache.stride(0),
-                                    block_table ? 0 : k_cache.stride(1), bt, paged.max_pages, paged.page_size};
-    const CacheView<scalar_t> vview{v_cache.data_ptr<scalar_t>(), v_cache.stride(0),
-                                    block_table ? 0 : v_cache.stride(1), bt, paged.max_pages, paged.page_size};
+    const CacheView<scalar_t> kview{k_cache.data_ptr<scalar_t>(),
+                                    k_cache.stride(0),
+                                    block_table ? 0 : k_cache.stride(1),
+                                    bt,
+                                    paged.max_pages,
+                                    paged.page_size};
+    const CacheView<scalar_t> vview{v_cache.data_ptr<scalar_t>(),
+                                    v_cache.stride(0),
+                                    block_table ? 0 : v_cache.stride(1),
+                                    bt,
+                                    paged.max_pages,
+                                    paged.page_size};
     scalar_t* op_out = out.data_ptr<scalar_t>();
     const scalar_t* qp = qc.data_ptr<scalar_t>();
     if (by_rows) {

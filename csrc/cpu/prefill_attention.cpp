@@ -87,11 +87,10 @@ void run_row_tile(const Operands& x, const checks::HostLayout& layout, const Hea
 // q (T_q, G * W_qk), k (T_k, W_qk), v (T_k, W_v) -> (T_q, G * W_v).
 at::Tensor prefill_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
-                                 const at::Tensor& qk_offsets, const at::Tensor& v_offsets, int64_t group,
-                                 double scale, bool causal, const std::optional<at::Tensor>& plan) {
+                                 const at::Tensor& qk_offsets, const at::Tensor& v_offsets, int64_t group, double scale,
+                                 bool causal, const std::optional<at::Tensor>& plan) {
   const char* op = "prefill_attention";
-  const checks::HostLayout layout =
-      checks::check_prefill_inputs(op, q, k, v, qk_offsets, v_offsets, group, scale);
+  const checks::HostLayout layout = checks::check_prefill_inputs(op, q, k, v, qk_offsets, v_offsets, group, scale);
   checks::check_int32_vector(op, "cu_seqlens_q", cu_seqlens_q, -1);
   const int64_t batch = cu_seqlens_q.size(0) - 1;
   const std::vector<int32_t> cu_q = checks::read_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, batch, q.size(0), "q");

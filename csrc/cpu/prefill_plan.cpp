@@ -25,9 +25,9 @@ at::Tensor prefill_plan_cpu(const at::Tensor& cu_seqlens_q, const at::Tensor& cu
   const int64_t capacity = prefill_plan_capacity(cu_q[batch] - cu_q[0], batch, layout.num_heads());
   std::vector<int32_t> buffer(prefill_plan_size(workers, capacity));
   std::vector<int64_t> workspace(ceil_div(prefill_plan_workspace_bytes(capacity, workers), 8));
-  const Status status = build_prefill_plan(cu_q.data(), cu_k.data(), static_cast<int32_t>(batch), layout.view(),
-                                           causal, static_cast<int32_t>(row_block), workers, capacity,
-                                           buffer.data(), workspace.data());
+  const Status status =
+      build_prefill_plan(cu_q.data(), cu_k.data(), static_cast<int32_t>(batch), layout.view(), causal,
+                         static_cast<int32_t>(row_block), workers, capacity, buffer.data(), workspace.data());
   FDC_CHECK(status == Status::kOk, op, "planner failed: ", status_message(status));
   const int64_t size = prefill_plan_size(workers, PrefillPlanView{buffer.data()}.num_records());
   at::Tensor plan = at::empty({size}, cu_seqlens_q.options().device(at::kCPU));

@@ -57,10 +57,10 @@ FDC_AVX512 inline __m512 sum16x16(const __m512* v) {
     quads[m] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
   }
   // 0x88 picks 128-bit lanes (0, 2) of each operand, 0xDD lanes (1, 3): adding them folds lane pairs.
-  const __m512 halves0 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
-                                       _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
-  const __m512 halves1 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
-                                       _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+  const __m512 halves0 =
+      _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88), _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+  const __m512 halves1 =
+      _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88), _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(halves0, halves1, 0x88), _mm512_shuffle_f32x4(halves0, halves1, 0xDD));
 }
 
@@ -69,8 +69,8 @@ FDC_AVX512 inline __m512 sum16x16(const __m512* v) {
 // real ones) against one `a` row: 16 accumulators plus an operand fit the 32 registers, and the 16 rows, read once
 // from memory, are re-read from L1 for the other G - 1 query heads.
 template <typename T>
-FDC_AVX512 void dot_rows(const float* a, int64_t a_ld, int64_t group, const T* rows, int64_t row_stride, int64_t n, int64_t len,
-              float* out, int64_t out_ld, bool accumulate) {
+FDC_AVX512 void dot_rows(const float* a, int64_t a_ld, int64_t group, const T* rows, int64_t row_stride, int64_t n,
+                         int64_t len, float* out, int64_t out_ld, bool accumulate) {
   const int64_t full = len / kLanes * kLanes;
   const __mmask16 tail = lanes_mask(len - full);
   for (int64_t r0 = 0; r0 < n; r0 += kLanes) {
@@ -138,8 +138,8 @@ FDC_AVX512_BF16 inline void dot_rows_bf16(const uint16_t* a, int64_t a_ld, int64
 // columns (the last one masked by `last`): all kHeads x kVecs accumulators stay in registers over the n rows, and
 // each row's slice is loaded and widened once for all kHeads heads.
 template <typename T, int kHeads, int kVecs>
-FDC_AVX512 void axpy_tile(const float* w, int64_t w_ld, const T* rows, int64_t row_stride, int64_t n, __mmask16 last, float* acc,
-               int64_t acc_ld) {
+FDC_AVX512 void axpy_tile(const float* w, int64_t w_ld, const T* rows, int64_t row_stride, int64_t n, __mmask16 last,
+                          float* acc, int64_t acc_ld) {
   __m512 sums[kHeads][kVecs];
 #pragma GCC unroll 4
   for (int h = 0; h < kHeads; ++h)
@@ -171,7 +171,7 @@ constexpr int kTileHeads = 4, kTileVecs = 4;
 
 template <typename T, int kHeads>
 FDC_AVX512 void axpy_tile_vecs(int vecs, const float* w, int64_t w_ld, const T* rows, int64_t row_stride, int64_t n,
-                    __mmask16 last, float* acc, int64_t acc_ld) {
+                               __mmask16 last, float* acc, int64_t acc_ld) {
   switch (vecs) {
     case 1: return axpy_tile<T, kHeads, 1>(w, w_ld, rows, row_stride, n, last, acc, acc_ld);
     case 2: return axpy_tile<T, kHeads, 2>(w, w_ld, rows, row_stride, n, last, acc, acc_ld);
@@ -185,7 +185,7 @@ FDC_AVX512 void axpy_tile_vecs(int vecs, const float* w, int64_t w_ld, const T* 
 // x < len; in tiles of up to 4 heads x 64 columns.
 template <typename T>
 FDC_AVX512 void axpy_rows(const float* w, int64_t w_ld, int64_t group, const T* rows, int64_t row_stride, int64_t n,
-               int64_t len, float* acc, int64_t acc_ld) {
+                          int64_t len, float* acc, int64_t acc_ld) {
   for (int64_t x0 = 0; x0 < len; x0 += kTileVecs * kLanes) {
     const int64_t cols = std::min<int64_t>(kTileVecs * kLanes, len - x0);
     const int vecs = static_cast<int>((cols + kLanes - 1) / kLanes);

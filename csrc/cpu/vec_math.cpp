@@ -19,10 +19,10 @@ constexpr int64_t kLanes = 16;
 // over it vectorises. Always inlined: otherwise GCC calls one baseline copy from the AVX2 clones, unvectorised.
 [[gnu::always_inline]] inline float exp_approx(float x) {
   constexpr float kLog2e = 1.44269504088896341f;
-  constexpr float kLn2Hi = 0.693359375f;       // ln2 rounded to 10 bits: n * kLn2Hi is exact
-  constexpr float kLn2Lo = -2.12194440e-4f;    // ln2 - kLn2Hi
-  constexpr float kMinArg = -87.3365447f;      // log(FLT_MIN): below it the result is flushed to 0
-  constexpr float kMaxArg = 88.7228391f;       // log(FLT_MAX)
+  constexpr float kLn2Hi = 0.693359375f;     // ln2 rounded to 10 bits: n * kLn2Hi is exact
+  constexpr float kLn2Lo = -2.12194440e-4f;  // ln2 - kLn2Hi
+  constexpr float kMinArg = -87.3365447f;    // log(FLT_MIN): below it the result is flushed to 0
+  constexpr float kMaxArg = 88.7228391f;     // log(FLT_MAX)
   const bool underflow = x < kMinArg;
   // Comparisons, not fmin/fmax, so a NaN argument stays NaN and poisons the result as it should.
   x = x < kMinArg ? kMinArg : x;
@@ -265,15 +265,15 @@ FDC_CPU_SIMD void axpy_rows(const float* w, int64_t w_ld, int64_t group, const f
   }
 }
 
-#define FDC_DEFINE_ROWS_TO_FLOAT(T)                                                                             \
-  FDC_CPU_SIMD void rows_to_float(const T* src, int64_t src_stride, int64_t rows, int64_t cols, float* dst) {   \
-    const int64_t cols8 = cols / kVec * kVec;                                                                   \
-    for (int64_t r = 0; r < rows; ++r) {                                                                        \
-      const T* s = src + r * src_stride;                                                                        \
-      float* d = dst + r * cols;                                                                                \
-      for (int64_t c = 0; c < cols8; c += kVec) store8(d + c, load8(s + c));                                    \
-      for (int64_t c = cols8; c < cols; ++c) d[c] = load1(s + c);                                               \
-    }                                                                                                           \
+#define FDC_DEFINE_ROWS_TO_FLOAT(T)                                                                           \
+  FDC_CPU_SIMD void rows_to_float(const T* src, int64_t src_stride, int64_t rows, int64_t cols, float* dst) { \
+    const int64_t cols8 = cols / kVec * kVec;                                                                 \
+    for (int64_t r = 0; r < rows; ++r) {                                                                      \
+      const T* s = src + r * src_stride;                                                                      \
+      float* d = dst + r * cols;                                                                              \
+      for (int64_t c = 0; c < cols8; c += kVec) store8(d + c, load8(s + c));                                  \
+      for (int64_t c = cols8; c < cols; ++c) d[c] = load1(s + c);                                             \
+    }                                                                                                         \
   }
 
 FDC_DEFINE_ROWS_TO_FLOAT(c10::BFloat16)

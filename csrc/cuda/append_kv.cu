@@ -37,7 +37,7 @@ struct AppendRequests {
   int32_t batch;                 // B
   int64_t rows;                  // T, rows of k and v
   int64_t capacity;
-  int64_t page_size;             // 0 for a contiguous cache
+  int64_t page_size;  // 0 for a contiguous cache
   int64_t num_pages;
 };
 
@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(kAppendWarps * 32)
 // is read along rows of src and written along the token axis of the pages, where consecutive rows of a request
 // are consecutive slots.
 template <typename Bits>
-__global__ void __launch_bounds__(kPagedTile * kPagedThreadRows)
+__global__ void __launch_bounds__(kPagedTile* kPagedThreadRows)
     append_paged_kernel(const __grid_constant__ AppendRequests q, const __grid_constant__ AppendTarget<Bits> k,
                         const __grid_constant__ AppendTarget<Bits> v) {
   const AppendTarget<Bits>& t = blockIdx.z == 0 ? k : v;
@@ -227,8 +227,7 @@ void append_kv_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& 
       launch_append<uint32_t>(q, target<uint32_t>(k_rows, k_cache, shape.layout.qk_width()),
                               target<uint32_t>(v_rows, v_cache, shape.layout.v_width()), paged, stream);
       break;
-    default:
-      FDC_CHECK(false, op, "k_cache elements of ", k_cache.element_size(), " bytes have no copy kernel");
+    default: FDC_CHECK(false, op, "k_cache elements of ", k_cache.element_size(), " bytes have no copy kernel");
   }
 }
 

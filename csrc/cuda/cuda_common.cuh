@@ -56,14 +56,14 @@ struct PrefillPlans {
 };
 
 PrefillPlans cached_prefill_plan(const std::vector<int32_t>& cu_q, const std::vector<int32_t>& cu_k,
-                                 const at::Tensor& qk_offsets, const at::Tensor& v_offsets, int64_t group,
-                                 bool causal, int64_t workers, int64_t row_block, at::Device device);
+                                 const at::Tensor& qk_offsets, const at::Tensor& v_offsets, int64_t group, bool causal,
+                                 int64_t workers, int64_t row_block, at::Device device);
 
 at::Tensor prefill_plan_cuda(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                              const at::Tensor& qk_offsets, const at::Tensor& v_offsets, int64_t group, bool causal,
                              std::optional<int64_t> num_workers, int64_t row_block);
 
-at::Tensor decode_plan_cuda(const at::Tensor& cache_seqlens, const at::Tensor& qk_offsets,
-                            const at::Tensor& v_offsets, int64_t group, std::optional<int64_t> num_workers);
+at::Tensor decode_plan_cuda(const at::Tensor& cache_seqlens, const at::Tensor& qk_offsets, const at::Tensor& v_offsets,
+                            int64_t group, std::optional<int64_t> num_workers);
 
 }  // namespace fdc::cuda

@@ -97,8 +97,7 @@ int heads_per_pass(int64_t group) { return group <= 4 ? 4 : (group <= 8 ? 8 : 16
 at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                  const at::Tensor& cache_seqlens, const at::Tensor& qk_offsets,
                                  const at::Tensor& v_offsets, int64_t group, double scale,
-                                 const std::optional<at::Tensor>& plan,
-                                 const std::optional<at::Tensor>& block_table) {
+                                 const std::optional<at::Tensor>& plan, const std::optional<at::Tensor>& block_table) {
   const char* op = "decode_attention";
   const checks::DecodeInputs inputs =
       checks::check_decode_inputs(op, q, k_cache, v_cache, qk_offsets, v_offsets, group, scale, block_table);
@@ -172,14 +171,13 @@ at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
     const int64_t smem_limit = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
     // Fewer query heads per pass (more passes over the keys) when the widest paged heads leave too little room.
     int heads = heads_per_pass(group);
-    int64_t smem = shared_bytes<scalar_t>(max_qk_dim, max_v_dim, heads, paged, &args.stage_elems,
-                                          &args.compute_elems);
+    int64_t smem = shared_bytes<scalar_t>(max_qk_dim, max_v_dim, heads, paged, &args.stage_elems, &args.compute_elems);
     while (smem > smem_limit && heads > 4) {
       heads /= 2;
       smem = shared_bytes<scalar_t>(max_qk_dim, max_v_dim, heads, paged, &args.stage_elems, &args.compute_elems);
     }
-    FDC_CHECK(smem <= smem_limit, op, "heads of widths up to ", max_qk_dim, " (qk) and ", max_v_dim,
-              " (v) in ", c10::toString(q.scalar_type()), " need ", smem, " bytes of shared memory per CTA but the ",
+    FDC_CHECK(smem <= smem_limit, op, "heads of widths up to ", max_qk_dim, " (qk) and ", max_v_dim, " (v) in ",
+              c10::toString(q.scalar_type()), " need ", smem, " bytes of shared memory per CTA but the ",
               "device allows ", smem_limit);
     switch (heads) {
       case 4: launch_layout<scalar_t, 4>(args, paged, smem, stream); break;

@@ -12,7 +12,6 @@
 
 namespace fdc::cuda::decode {
 
-
 // Four warps: enough threads to keep a few 16-byte copies per thread in flight for a tile, few enough that a CTA's
 // per-thread accumulators (2 value columns x up to 16 query heads) stay in registers.
 constexpr int kThreads = 128;
@@ -62,10 +61,10 @@ struct DecodeArgs {
   int64_t q_stride, out_stride;
   int64_t k_stride0, k_stride1;  // contiguous: between requests, between rows; paged: between pages (stride1 unused)
   int64_t v_stride0, v_stride1;
-  int64_t capacity;              // rows a request can hold: S_max, or max_pages * page_size
+  int64_t capacity;  // rows a request can hold: S_max, or max_pages * page_size
   int64_t page_size, max_pages, num_pages;
   int32_t batch, num_kv_heads, group, num_workers, plan_capacity, max_v_dim;
-  int32_t max_qk_dim;            // the widest qk head: the row length of the scaled queries in shared memory
+  int32_t max_qk_dim;  // the widest qk head: the row length of the scaled queries in shared memory
   float scale;
   // Shared-memory carve-up, in elements of T: two staging tiles, then (paged) one token-major compute tile.
   int32_t stage_elems, compute_elems;
@@ -82,7 +81,6 @@ __device__ bool plan_is_usable(const DecodeArgs<T>& a) {
          plan.num_workers() == a.num_workers && plan.capacity() == a.plan_capacity && plan.group() == a.group &&
          a.plan[7] == 0 && plan.num_tasks() >= 0 && plan.num_tasks() <= plan.capacity();
 }
-
 
 // Physical location of token t of request b in a paged cache: (page, slot), or page -1 if the block table does not
 // name a valid page for it.
@@ -207,9 +205,7 @@ __device__ void run_pass(const DecodeArgs<T>& a, int64_t b, int j, int64_t kv_st
   for (int i = 0; i < kHeads; ++i) acc[i][0] = acc[i][1] = 0.f;
 
   auto stage_k = [&](int s) { return stages + s * a.stage_elems; };
-  auto stage_v = [&](int s) {
-    return stages + s * a.stage_elems + (kPaged ? dq * staged_row<T>() : kTile * ldk);
-  };
+  auto stage_v = [&](int s) { return stages + s * a.stage_elems + (kPaged ? dq * staged_row<T>() : kTile * ldk); };
   bool pages_ok = true;
   auto issue = [&](int s, int64_t t0) {
     const int n = static_cast<int>(min64(kTile, kv_end - t0));
@@ -379,9 +375,9 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const __grid
     const int slot = split[bj] + chunk;
     // A plan made for other lengths of this batch is caught where it matters without a host read: its first chunk
     // must start at key 0 and its last end at the request's length (a stale plan would silently drop keys).
-    const bool in_range = chunk >= 0 && chunk < chunks && rec[2] >= 0 && rec[2] % kChunkAlign == 0 &&
-                          rec[2] < rec[3] && rec[3] <= length && rec[3] <= a.capacity &&
-                          (chunk != 0 || rec[2] == 0) && (chunk != chunks - 1 || rec[3] == length) &&
+    const bool in_range = chunk >= 0 && chunk < chunks && rec[2] >= 0 && rec[2] % kChunkAlign == 0 && rec[2] < rec[3] &&
+                          rec[3] <= length && rec[3] <= a.capacity && (chunk != 0 || rec[2] == 0) &&
+                          (chunk != chunks - 1 || rec[3] == length) &&
                           (!is_split || (slot >= 0 && slot < a.plan_capacity));
     if (!in_range) {
       // Nothing is read; the outputs this record was to produce become NaN.
@@ -398,8 +394,7 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const __grid
       continue;
     }
     for (int head0 = 0; head0 < a.group; head0 += kHeads) {
-      run_pass<T, kHeads, kPaged>(a, b, j, rec[2], rec[3], is_split, slot, head0, min(kHeads, a.group - head0),
-                                  smem);
+      run_pass<T, kHeads, kPaged>(a, b, j, rec[2], rec[3], is_split, slot, head0, min(kHeads, a.group - head0), smem);
     }
   }
 }
@@ -407,8 +402,8 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const __grid
 template <typename T, int kHeads, bool kPaged>
 void launch(const DecodeArgs<T>& args, int64_t smem_bytes, cudaStream_t stream) {
   auto kernel = decode_attention_kernel<T, kHeads, kPaged>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(smem_bytes)));
+  C10_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes)));
   kernel<<<args.num_workers, kThreads, smem_bytes, stream>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -270,9 +270,9 @@ __global__ void __launch_bounds__(kThreads) decode_plan_kernel(const __grid_cons
   // Phase 3: one key per task, padding keys up to a power of two.
   const int32_t sort_size = n > 0 ? static_cast<int32_t>(next_pow2(n)) : 0;
   for (int32_t t = threadIdx.x; t < sort_size; t += kThreads) {
-    keys[t] = t < n ? pack_task_key(
-                          decode_task(t, split_offsets, params.seqlens, batch, hkv, params.d_sum, target).cost, t)
-                    : kPaddingTaskKey;
+    keys[t] =
+        t < n ? pack_task_key(decode_task(t, split_offsets, params.seqlens, batch, hkv, params.d_sum, target).cost, t)
+              : kPaddingTaskKey;
   }
   __syncthreads();
 

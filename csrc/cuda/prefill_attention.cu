@@ -9,7 +9,7 @@
 // 128 or 256), which size the register accumulators; narrower heads of the same layout skip the unused k- and
 // n-steps at run time. Row-block rescaling (narrow heads get more rows per record) is the planner's: a record's
 // rows run as consecutive base tiles of kRowsPerCta rows, each against all the keys it sees, so a record of a
-// narrow head is several base tiles (the issue's "loop over base tiles inside the task"; B_c stays fixed per
+// narrow head is several base tiles, looped over inside the task (B_c stays fixed per
 // bucket because the tile sizes already fit registers and shared memory at every width).
 //
 // Tensor-core path, per CTA of 4 warps and per base tile: each warp owns 16 query rows, keeps its Q fragments in
@@ -29,8 +29,8 @@ namespace {
 
 using prefill::keys_seen;
 using prefill::kMaxKvHeads;
-using prefill::kWarps;
 using prefill::kThreads;
+using prefill::kWarps;
 using prefill::launch_mma;
 using prefill::PrefillArgs;
 using prefill::read_record;
@@ -99,8 +99,8 @@ __global__ void __launch_bounds__(kThreads) prefill_fp32_kernel(const __grid_con
 // stride), else a contiguous copy: k and v are read-only inputs, and the copy costs O(T) against O(T^2) attention.
 at::Tensor packet_rows(const at::Tensor& t) {
   const int64_t packet = 16 / static_cast<int64_t>(t.element_size());
-  const bool aligned = (t.stride(-1) == 1 || t.size(-1) <= 1) && t.stride(0) % packet == 0 &&
-                       is_aligned16(t.data_ptr());
+  const bool aligned =
+      (t.stride(-1) == 1 || t.size(-1) <= 1) && t.stride(0) % packet == 0 && is_aligned16(t.data_ptr());
   return aligned ? t : t.contiguous();
 }
 
@@ -130,8 +130,7 @@ at::Tensor prefill_attention_cuda(const at::Tensor& q, const at::Tensor& k, cons
                                   const at::Tensor& qk_offsets, const at::Tensor& v_offsets, int64_t group,
                                   double scale, bool causal, const std::optional<at::Tensor>& plan) {
   const char* op = "prefill_attention";
-  const checks::HostLayout layout =
-      checks::check_prefill_inputs(op, q, k, v, qk_offsets, v_offsets, group, scale);
+  const checks::HostLayout layout = checks::check_prefill_inputs(op, q, k, v, qk_offsets, v_offsets, group, scale);
   checks::check_int32_vector(op, "cu_seqlens_q", cu_seqlens_q, -1);
   checks::check_same_device(op, "cu_seqlens_q", cu_seqlens_q, "q", q);
   checks::check_same_device(op, "cu_seqlens_k", cu_seqlens_k, "q", q);
@@ -153,8 +152,8 @@ at::Tensor prefill_attention_cuda(const at::Tensor& q, const at::Tensor& k, cons
     checks::check_prefill_plan_header(op, host_plan.data_ptr<int32_t>(), host_plan.size(0), batch, layout, causal);
     checks::check_prefill_plan_records(op, PrefillPlanView{host_plan.data_ptr<int32_t>()}, cu_q);
   } else {
-    const PrefillPlans plans = cached_prefill_plan(cu_q, cu_k, qk_offsets, v_offsets, group, causal, num_sms(),
-                                                   kDefaultRowBlock, q.device());
+    const PrefillPlans plans =
+        cached_prefill_plan(cu_q, cu_k, qk_offsets, v_offsets, group, causal, num_sms(), kDefaultRowBlock, q.device());
     schedule = plans.device;
     host_plan = plans.host;
   }

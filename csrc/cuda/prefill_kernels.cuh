@@ -12,7 +12,6 @@
 
 namespace fdc::cuda::prefill {
 
-
 constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 // Query rows of a base tile: 16 per warp, the m of one m16n8k16 product.
@@ -23,15 +22,15 @@ constexpr int kMaxKvHeads = 256;
 
 template <typename T>
 struct PrefillArgs {
-  const T* q;                  // (T_q, G * W_qk), row stride q_stride
-  const T* k;                  // (T_k, W_qk), row stride k_stride, 16-byte aligned rows
-  const T* v;                  // (T_k, W_v), row stride v_stride, 16-byte aligned rows
-  const int32_t* cu_q;         // (B + 1) query boundaries, on the device
-  const int32_t* cu_k;         // (B + 1) key boundaries, on the device
-  const int32_t* plan;         // the prefill plan, validated on the host
-  T* out;                      // (T_q, G * W_v), row stride out_stride, zero-initialised
+  const T* q;           // (T_q, G * W_qk), row stride q_stride
+  const T* k;           // (T_k, W_qk), row stride k_stride, 16-byte aligned rows
+  const T* v;           // (T_k, W_v), row stride v_stride, 16-byte aligned rows
+  const int32_t* cu_q;  // (B + 1) query boundaries, on the device
+  const int32_t* cu_k;  // (B + 1) key boundaries, on the device
+  const int32_t* plan;  // the prefill plan, validated on the host
+  T* out;               // (T_q, G * W_v), row stride out_stride, zero-initialised
   int64_t q_stride, k_stride, v_stride, out_stride;
-  float scale_log2;            // softmax scale * log2(e): scores are exponentiated with exp2
+  float scale_log2;  // softmax scale * log2(e): scores are exponentiated with exp2
   int32_t group;
   int32_t num_kv_heads;
   bool causal;
@@ -41,8 +40,8 @@ struct PrefillArgs {
 
 // One record's geometry, shared by both paths.
 struct RecordView {
-  int64_t q_row0;   // first packed row of the sequence's queries
-  int64_t k_row0;   // first packed row of its keys
+  int64_t q_row0;  // first packed row of the sequence's queries
+  int64_t k_row0;  // first packed row of its keys
   int32_t s_q, s_k;
   int32_t row_start, row_end;  // the record's rows, counted from the sequence's first query
   int32_t h, j;                // query head, its KV head
@@ -125,7 +124,6 @@ __device__ __forceinline__ uint32_t pack2_float(float lo, float hi) {
   return pack2<T>(static_cast<T>(lo), static_cast<T>(hi));
 }
 
-
 // B fragments of a 16 (keys) x 8 (columns) block of row-major V in shared memory, transposed by ldmatrix: lanes
 // 0..15 give the addresses of the block's 16 key rows.
 __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t& b0, uint32_t& b1, const void* row_address) {
@@ -178,7 +176,7 @@ __global__ void __launch_bounds__(kThreads) prefill_mma_kernel(const __grid_cons
     for (int row0 = r.row_start; row0 < r.row_end; row0 += kRowsPerCta) {
       const int row1 = min(r.row_end, row0 + kRowsPerCta);
       const int keys_end = keys_seen(r, row1, a.causal);
-      if (keys_end == 0) continue;  // no row of this tile sees a key: the zero output stands
+      if (keys_end == 0) continue;           // no row of this tile sees a key: the zero output stands
       const int my_row0 = row0 + 16 * warp;  // this warp's rows my_row0 + g and my_row0 + g + 8
 
       // Q fragments, zero past the record's rows and past dq.

@@ -69,8 +69,8 @@ at::Tensor host_tensor(const std::vector<int32_t>& values) {
 }  // namespace
 
 PrefillPlans cached_prefill_plan(const std::vector<int32_t>& cu_q, const std::vector<int32_t>& cu_k,
-                                 const at::Tensor& qk_offsets, const at::Tensor& v_offsets, int64_t group,
-                                 bool causal, int64_t workers, int64_t row_block, at::Device device) {
+                                 const at::Tensor& qk_offsets, const at::Tensor& v_offsets, int64_t group, bool causal,
+                                 int64_t workers, int64_t row_block, at::Device device) {
   const checks::HostLayout layout = checks::read_layout("prefill_plan", qk_offsets, &v_offsets, group);
   PlanKey key{cu_q, cu_k, layout.qk_offsets, layout.v_offsets, group, causal, workers, row_block, device.index()};
   if (std::optional<PrefillPlans> cached = plan_cache().find(key)) return *cached;
@@ -96,8 +96,8 @@ at::Tensor prefill_plan_cuda(const at::Tensor& cu_seqlens_q, const at::Tensor& c
   checks::check_same_device(op, "cu_seqlens_k", cu_seqlens_k, "cu_seqlens_q", cu_seqlens_q);
   const c10::cuda::CUDAGuard guard(cu_seqlens_q.device());
   // A copy: the caller owns what it gets back and may change it without touching the cached plan.
-  return cached_prefill_plan(host_values(cu_seqlens_q), host_values(cu_seqlens_k), qk_offsets, v_offsets, group,
-                             causal, num_workers.value_or(num_sms()), row_block, cu_seqlens_q.device())
+  return cached_prefill_plan(host_values(cu_seqlens_q), host_values(cu_seqlens_k), qk_offsets, v_offsets, group, causal,
+                             num_workers.value_or(num_sms()), row_block, cu_seqlens_q.device())
       .device.clone();
 }
 

@@ -33,23 +33,23 @@ static_assert(kRotateThreads == (kRotateTileRows / kRotateThreadTile) * (kRotate
 
 template <typename T>
 struct RotateArgs {
-  const T* x;                 // (T, G * H_kv, D), unit-stride rows
-  int64_t x_token_stride;     // elements between tokens of x
-  int64_t x_head_stride;      // elements between heads of x
-  const T* rot;               // (H_kv, D, R_max), unit-stride rows
-  int64_t rot_head_stride;    // elements between KV heads of rot
-  int64_t rot_row_stride;     // elements between rows (d) of rot
-  const T* cos;               // (T, rotary_dim), unit-stride rows; unused unless kRope
-  const T* sin;               // (T, rotary_dim), unit-stride rows; unused unless kRope
-  int64_t cos_stride;         // elements between tokens of cos
-  int64_t sin_stride;         // elements between tokens of sin
-  int32_t rotary_half;        // rotary_dim / 2
-  T* out;                     // (T, G * qk_offsets[-1]), contiguous
-  int64_t out_stride;         // G * qk_offsets[-1]
-  int64_t tokens;             // T
-  int32_t head_dim;           // D
-  int32_t group;              // G
-  int32_t first_head;         // KV head of blockIdx.y == 0
+  const T* x;                                  // (T, G * H_kv, D), unit-stride rows
+  int64_t x_token_stride;                      // elements between tokens of x
+  int64_t x_head_stride;                       // elements between heads of x
+  const T* rot;                                // (H_kv, D, R_max), unit-stride rows
+  int64_t rot_head_stride;                     // elements between KV heads of rot
+  int64_t rot_row_stride;                      // elements between rows (d) of rot
+  const T* cos;                                // (T, rotary_dim), unit-stride rows; unused unless kRope
+  const T* sin;                                // (T, rotary_dim), unit-stride rows; unused unless kRope
+  int64_t cos_stride;                          // elements between tokens of cos
+  int64_t sin_stride;                          // elements between tokens of sin
+  int32_t rotary_half;                         // rotary_dim / 2
+  T* out;                                      // (T, G * qk_offsets[-1]), contiguous
+  int64_t out_stride;                          // G * qk_offsets[-1]
+  int64_t tokens;                              // T
+  int32_t head_dim;                            // D
+  int32_t group;                               // G
+  int32_t first_head;                          // KV head of blockIdx.y == 0
   int32_t offsets[kRotateHeadsPerLaunch + 1];  // qk_offsets[first_head ...], one more than the launch's heads
 };
 
@@ -94,7 +94,8 @@ __device__ __forceinline__ void load_x(const RotateArgs<T>& a, const T* row, int
       load_packet<T, true>(cos_row, d, 2 * half, c);
       load_packet<T, true>(sin_row, d, 2 * half, s);
 #pragma unroll
-      for (int i = 0; i < kPacket<T>; ++i) v[i] = first_half ? v[i] * c[i] - partner[i] * s[i] : v[i] * c[i] + partner[i] * s[i];
+      for (int i = 0; i < kPacket<T>; ++i)
+        v[i] = first_half ? v[i] * c[i] - partner[i] * s[i] : v[i] * c[i] + partner[i] * s[i];
     } else {
 #pragma unroll
       for (int i = 0; i < kPacket<T>; ++i) {

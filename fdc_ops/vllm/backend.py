@@ -187,7 +187,8 @@ class FDCAttentionImpl(AttentionImpl):
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: FDCAttentionMetadata | None, output: torch.Tensor,
-                output_scale: torch.Tensor | None = None, output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+                output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
         """query: (N, H * D) and key: (N, H_kv * D) post-RoPE, uncompressed; value: (N, v_width) compressed (A_V
         folded); output: (N, G * v_width), written in place (rows past the step's tokens are zeroed). N may include
         padding past ``attn_metadata.num_actual_tokens``."""

@@ -26,8 +26,9 @@ from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
 
-from .. import calibration, hf, models
+from .. import calibration, hf
 from ..calibration import FDCArtifact, RankAllocation
+from ..hf import families
 from .layer import FDCPagedAttention
 
 CONFIG_KEY = "fdc"
@@ -67,7 +68,7 @@ def _settings(entry_json: str) -> FDCSettings:
 
 def _check_shape(hf_config, artifact: FDCArtifact) -> None:
     """The artifact's attention shape against the checkpoint's config (the weights are checked after loading)."""
-    shape = models.attention_shape(SimpleNamespace(config=hf_config))
+    shape = families.attention_shape(SimpleNamespace(config=hf_config))
     if shape != artifact.shape:
         raise calibration.ArtifactError(f"fdc_ops.vllm: the artifact is for attention shape {artifact.shape}, the "
                                         f"model has {shape}")
@@ -156,7 +157,7 @@ class FDCLlamaForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """vLLM's loading of the Hugging Face checkpoint, then the folds; the artifact is checked against the
-        checkpoint's own tensors (the fingerprint fdc_ops.models computes for the Hugging Face model)."""
+        checkpoint's own tensors (the fingerprint fdc_ops.hf.families computes for the Hugging Face model)."""
         config = self.config
         last = config.num_hidden_layers - 1
         seen: dict[tuple[int, str], torch.Tensor] = {}
@@ -175,7 +176,7 @@ class FDCLlamaForCausalLM(LlamaForCausalLM):
             raise calibration.ArtifactError(f"fdc_ops.vllm: the checkpoint has no separate q/k/v projection weights "
                                             f"for layers {sorted({m[0] for m in missing})}, which the artifact's "
                                             "fingerprint is computed from")
-        actual = models.fingerprint(_FingerprintView(config, seen, last))
+        actual = families.fingerprint(_FingerprintView(config, seen, last))
         if actual != artifact.metadata["fingerprint"]:
             raise calibration.ArtifactError(
                 f"fdc_ops.vllm: the artifact was calibrated on model {artifact.metadata['model_id']!r} (fingerprint "
@@ -188,8 +189,8 @@ class FDCLlamaForCausalLM(LlamaForCausalLM):
 
 
 class _FingerprintView:
-    """What fdc_ops.models.fingerprint reads of a Hugging Face model (its config, and the q/k/v projection weights of
-    the first and last layers), made of the checkpoint tensors seen while vLLM loaded them."""
+    """What fdc_ops.hf.families.fingerprint reads of a Hugging Face model (its config, and the q/k/v projection
+    weights of the first and last layers), made of the checkpoint tensors seen while vLLM loaded them."""
 
     def __init__(self, config, weights: dict[tuple[int, str], torch.Tensor], last: int):
         self.config = config

@@ -20,17 +20,16 @@ constexpr int32_t kMaxHeadDim = 256;
 // Status codes returned by the planners and layout checks; the op layer turns them into messages.
 enum class Status : int32_t {
   kOk = 0,
-  kBadOffsets = 1,         // offsets[0] != 0, not increasing, a width not a multiple of 8, or a width over 256
-  kBadSeqlens = 2,         // negative or decreasing sequence lengths
-  kBadArgument = 3,        // a non-positive worker count, row block or group
-  kCapacityExceeded = 4,   // the plan would not fit its buffer (a planner bug: capacities are proven bounds)
+  kBadOffsets = 1,        // offsets[0] != 0, not increasing, a width not a multiple of 8, or a width over 256
+  kBadSeqlens = 2,        // negative or decreasing sequence lengths
+  kBadArgument = 3,       // a non-positive worker count, row block or group
+  kCapacityExceeded = 4,  // the plan would not fit its buffer (a planner bug: capacities are proven bounds)
 };
 
 FDC_HOST_DEVICE inline const char* status_message(Status s) {
   switch (s) {
     case Status::kOk: return "ok";
-    case Status::kBadOffsets:
-      return "offsets must start at 0 and increase by multiples of 8 of at most 256";
+    case Status::kBadOffsets: return "offsets must start at 0 and increase by multiples of 8 of at most 256";
     case Status::kBadSeqlens: return "sequence lengths must be non-negative (cu_seqlens non-decreasing)";
     case Status::kBadArgument: return "worker count, row block and group must be positive";
     case Status::kCapacityExceeded: return "plan capacity exceeded";

@@ -1,4 +1,4 @@
-// The decode planner (paper section 6.2, DESIGN.md section 1): one new query token per request against its KV cache.
+// The decode planner (docs/design.md sections 1 and 4): one new query token per request against its KV cache.
 //
 // Task: (request b, KV head j with all its G query heads, KV chunk [kv_start, kv_end)). The G query heads share one
 // read of the chunk's K/V rows, which is what a memory-bound decode pays for. Cost: (kv_end - kv_start) * d_sum(j),
@@ -107,7 +107,7 @@ FDC_HOST_DEVICE inline Status build_decode_plan(const int32_t* seqlens, int32_t 
   int32_t* scratch = order + cap;
   int32_t* record_worker = scratch + cap;
   int32_t* heap = record_worker + cap;
-  int32_t* task_records = heap + num_workers;                     // [cap][4], enumeration order
+  int32_t* task_records = heap + num_workers;                          // [cap][4], enumeration order
   int32_t* sorted_records = task_records + cap * kDecodeRecordFields;  // [cap][4], assignment order
 
   int64_t total = 0;
@@ -161,8 +161,7 @@ FDC_HOST_DEVICE inline Status build_decode_plan(const int32_t* seqlens, int32_t 
     for (int32_t f = 0; f < kDecodeRecordFields; ++f)
       sorted_records[int64_t(i) * kDecodeRecordFields + f] = task_records[int64_t(t) * kDecodeRecordFields + f];
   }
-  group_records_by_worker(sorted_records, record_worker, n, kDecodeRecordFields, num_workers, worker_offsets,
-                          records);
+  group_records_by_worker(sorted_records, record_worker, n, kDecodeRecordFields, num_workers, worker_offsets, records);
   for (int64_t i = int64_t(n) * kDecodeRecordFields; i < cap * kDecodeRecordFields; ++i) records[i] = -1;
   return Status::kOk;
 }

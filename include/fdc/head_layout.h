@@ -1,12 +1,12 @@
-// The packed head layout (DESIGN.md section 3), as plain-array math usable on host and device.
+// The packed head layout (docs/design.md section 3), as plain-array math usable on host and device.
 //
 // A layout has H_kv KV heads; KV head j has a qk width qk_dim(j) and a v width v_dim(j), stored as int32 prefix sums
 // qk_offsets[H_kv + 1] and v_offsets[H_kv + 1]. Each KV head serves `group` (G) query heads; query head h belongs to
 // KV head h / G. Packed tensors put heads side by side along their last dimension:
-//   keys    k  (T, qk_offsets[H_kv])      KV head j at columns [qk_offsets[j], qk_offsets[j+1])
-//   values  v  (T, v_offsets[H_kv])       KV head j at columns [v_offsets[j], v_offsets[j+1])
-//   queries q  (T, G * qk_offsets[H_kv])  query head h = j*G + i at columns G*qk_offsets[j] + i*qk_dim(j) + [0, qk_dim(j))
-//   outputs o  (T, G * v_offsets[H_kv])   query head h at columns G*v_offsets[j] + i*v_dim(j) + [0, v_dim(j))
+//   keys    k  (T, qk_offsets[H_kv])      KV head j: columns [qk_offsets[j], qk_offsets[j+1])
+//   values  v  (T, v_offsets[H_kv])       KV head j: columns [v_offsets[j], v_offsets[j+1])
+//   queries q  (T, G * qk_offsets[H_kv])  head h = j*G + i: columns G*qk_offsets[j] + i*qk_dim(j) + [0, qk_dim(j))
+//   outputs o  (T, G * v_offsets[H_kv])   head h = j*G + i: columns G*v_offsets[j] + i*v_dim(j) + [0, v_dim(j))
 // so the G query heads of a KV head are adjacent, which is what a packed linear projection produces.
 //
 // Paged caches are (num_pages, width, page_size): a page stores each column's page_size tokens contiguously, so KV

@@ -1,4 +1,4 @@
-// The prefill planner (paper section 6.1, DESIGN.md section 1): varlen attention of many query rows per sequence.
+// The prefill planner (docs/design.md sections 1 and 4): varlen attention of many query rows per sequence.
 //
 // Task: (sequence b, query head h, row block [row_start, row_end)), rows counted from the sequence's first query.
 // Row blocks are sized per head so tiles of wide and narrow heads cost about the same: with
@@ -95,9 +95,9 @@ struct PrefillPlanView {
 // prefill_plan_capacity(cu_seqlens_q[B] - cu_seqlens_q[0], B, H) or more; workspace holds
 // prefill_plan_workspace_bytes(capacity, N) bytes, 8-byte aligned.
 FDC_HOST_DEVICE inline Status build_prefill_plan(const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k,
-                                                 int32_t batch, HeadLayoutView layout, bool causal,
-                                                 int32_t row_block, int32_t num_workers, int64_t capacity,
-                                                 int32_t* plan, void* workspace) {
+                                                 int32_t batch, HeadLayoutView layout, bool causal, int32_t row_block,
+                                                 int32_t num_workers, int64_t capacity, int32_t* plan,
+                                                 void* workspace) {
   if (batch < 0 || num_workers <= 0 || layout.group <= 0 || row_block < kRowStep || row_block % kRowStep != 0)
     return Status::kBadArgument;
   for (int32_t b = 0; b < batch; ++b) {
@@ -112,7 +112,7 @@ FDC_HOST_DEVICE inline Status build_prefill_plan(const int32_t* cu_seqlens_q, co
   int32_t* scratch = order + cap;
   int32_t* record_worker = scratch + cap;
   int32_t* heap = record_worker + cap;
-  int32_t* task_records = heap + num_workers;                          // [cap][4], enumeration order
+  int32_t* task_records = heap + num_workers;                           // [cap][4], enumeration order
   int32_t* sorted_records = task_records + cap * kPrefillRecordFields;  // [cap][4], assignment order
 
   const int32_t max_d_sum = layout.max_d_sum();
@@ -191,8 +191,8 @@ FDC_HOST_DEVICE inline Status build_prefill_plan(const int32_t* cu_seqlens_q, co
   plan[6] = row_block;
   plan[7] = layout.group;
   int32_t* worker_offsets = plan + kPrefillHeader;
-  group_records_by_worker(sorted_records, record_worker, num_records, kPrefillRecordFields, num_workers,
-                          worker_offsets, worker_offsets + num_workers + 1);
+  group_records_by_worker(sorted_records, record_worker, num_records, kPrefillRecordFields, num_workers, worker_offsets,
+                          worker_offsets + num_workers + 1);
   return Status::kOk;
 }
 

@@ -9,7 +9,7 @@ __global__ void plan_on_device(const int32_t* seqlens, const int32_t* cu_q, cons
                                int32_t* prefill_plan, void* workspace, float* lse, float* weight, int32_t* status) {
   status[0] = static_cast<int32_t>(fdc::build_decode_plan(seqlens, batch, layout, workers, decode_plan, workspace));
   status[1] = static_cast<int32_t>(fdc::build_prefill_plan(cu_q, cu_k, batch, layout, true, fdc::kDefaultRowBlock,
-                                                            workers, capacity, prefill_plan, workspace));
+                                                           workers, capacity, prefill_plan, workspace));
   fdc::OnlineSoftmax softmax;
   softmax.rescale_for(lse[0]);
   lse[1] = softmax.lse() + fdc::merge_weights(lse, 2, weight);

@@ -24,23 +24,20 @@ namespace {
 int failures = 0;
 unsigned seed = 0;
 
-#define CHECK(cond, ...)                                                        \
-  do {                                                                          \
-    if (!(cond)) {                                                              \
-      ++failures;                                                               \
-      std::fprintf(stderr, "%s:%d: CHECK(%s) failed (seed %u): ", __FILE__,     \
-                   __LINE__, #cond, seed);                                      \
-      std::fprintf(stderr, __VA_ARGS__);                                        \
-      std::fprintf(stderr, "\n");                                               \
-    }                                                                           \
+#define CHECK(cond, ...)                                                                            \
+  do {                                                                                              \
+    if (!(cond)) {                                                                                  \
+      ++failures;                                                                                   \
+      std::fprintf(stderr, "%s:%d: CHECK(%s) failed (seed %u): ", __FILE__, __LINE__, #cond, seed); \
+      std::fprintf(stderr, __VA_ARGS__);                                                            \
+      std::fprintf(stderr, "\n");                                                                   \
+    }                                                                                               \
   } while (0)
 
 struct Layout {
   std::vector<int32_t> qk, v;  // offsets
   int32_t group;
-  fdc::HeadLayoutView view() const {
-    return {qk.data(), v.data(), static_cast<int32_t>(qk.size()) - 1, group};
-  }
+  fdc::HeadLayoutView view() const { return {qk.data(), v.data(), static_cast<int32_t>(qk.size()) - 1, group}; }
 };
 
 Layout random_layout(std::mt19937& rng) {
@@ -137,8 +134,8 @@ void test_decode_plan(const Layout& layout, const std::vector<int32_t>& lens, in
       CHECK(p.split_offsets()[b * hkv + j + 1] - p.split_offsets()[b * hkv + j] == count,
             "request %d head %d: %d chunks, expected %lld", b, j,
             p.split_offsets()[b * hkv + j + 1] - p.split_offsets()[b * hkv + j], static_cast<long long>(count));
-      for (int64_t c = 0; c < count; ++c) costs.push_back((std::min<int64_t>(lens[b], (c + 1) * chunk) - c * chunk) *
-                                                         view.d_sum(j));
+      for (int64_t c = 0; c < count; ++c)
+        costs.push_back((std::min<int64_t>(lens[b], (c + 1) * chunk) - c * chunk) * view.d_sum(j));
     }
   }
 
@@ -181,7 +178,10 @@ std::vector<int64_t> naive_prefill_loads(const Layout& layout, const std::vector
   };
   int32_t max_d_sum = 0;
   for (int32_t j = 0; j < view.num_kv_heads; ++j) max_d_sum = std::max(max_d_sum, view.d_sum(j));
-  struct Task { int32_t b, h; int64_t r0, r1, cost; };
+  struct Task {
+    int32_t b, h;
+    int64_t r0, r1, cost;
+  };
   std::vector<Task> tasks;
   for (int32_t b = 0; b + 1 < static_cast<int32_t>(cu_q.size()); ++b) {
     const int64_t s_q = cu_q[b + 1] - cu_q[b];
@@ -239,8 +239,8 @@ void test_prefill_plan(const Layout& layout, const std::vector<int32_t>& lens_q,
   const int64_t capacity = fdc::prefill_plan_capacity(cu_q.back(), batch, view.num_heads());
   std::vector<int32_t> plan(fdc::prefill_plan_size(workers, capacity), 777);
   std::vector<int64_t> ws(fdc::ceil_div(fdc::prefill_plan_workspace_bytes(capacity, workers), 8));
-  const fdc::Status status = fdc::build_prefill_plan(cu_q.data(), cu_k.data(), batch, view, causal, row_block,
-                                                     workers, capacity, plan.data(), ws.data());
+  const fdc::Status status = fdc::build_prefill_plan(cu_q.data(), cu_k.data(), batch, view, causal, row_block, workers,
+                                                     capacity, plan.data(), ws.data());
   CHECK(status == fdc::Status::kOk, "prefill status %d", static_cast<int>(status));
   if (status != fdc::Status::kOk) return;
   const fdc::PrefillPlanView p{plan.data()};
@@ -344,12 +344,12 @@ std::vector<int32_t> device_formulation_plan(const Layout& layout, const std::ve
   int32_t* records = worker_offsets + workers + 1;
   split[0] = 0;
   for (int32_t p = 0; p < pairs; ++p)
-    split[p + 1] = split[p] + static_cast<int32_t>(fdc::ceil_div(lens[p / hkv],
-                                                                 fdc::decode_chunk_len(target, d_sum[p % hkv])));
+    split[p + 1] =
+        split[p] + static_cast<int32_t>(fdc::ceil_div(lens[p / hkv], fdc::decode_chunk_len(target, d_sum[p % hkv])));
   const int32_t n = split[pairs];
   CHECK(n <= capacity, "device formulation: %d tasks over capacity %lld", n, static_cast<long long>(capacity));
-  const int32_t header[fdc::kDecodeHeader] = {fdc::kDecodePlanTag, batch, hkv, workers, static_cast<int32_t>(capacity),
-                                              n, view.group, 0};
+  const int32_t header[fdc::kDecodeHeader] = {
+      fdc::kDecodePlanTag, batch, hkv, workers, static_cast<int32_t>(capacity), n, view.group, 0};
   std::copy(header, header + fdc::kDecodeHeader, plan.begin());
 
   const int64_t size = n > 0 ? fdc::next_pow2(n) : 0;
@@ -411,8 +411,10 @@ int test_device_formulation(const Layout& layout, const std::vector<int32_t>& le
   const std::vector<int32_t> device = device_formulation_plan(layout, lens, workers, &rebases);
   size_t first_difference = 0;
   while (first_difference < host.size() && host[first_difference] == device[first_difference]) ++first_difference;
-  CHECK(first_difference == host.size(), "device formulation differs from the host plan at entry %zu of %zu (B=%d, "
-        "H_kv=%d, N=%d)", first_difference, host.size(), batch, hkv, workers);
+  CHECK(first_difference == host.size(),
+        "device formulation differs from the host plan at entry %zu of %zu (B=%d, "
+        "H_kv=%d, N=%d)",
+        first_difference, host.size(), batch, hkv, workers);
   return rebases;
 }
 
@@ -474,10 +476,10 @@ int main(int argc, char** argv) {
   test_visible_keys(rng);
 
   const Layout fixed{{0, 64, 80}, {0, 32, 96}, 2};
-  test_decode_plan(fixed, {}, 4);                                    // empty batch
-  test_decode_plan(fixed, {0, 0, 0}, 3);                             // only empty requests
-  test_decode_plan(fixed, {100000, 3, 1, 7, 0, 2}, 16);              // one huge request among short ones
-  test_decode_plan(fixed, {5000}, 1);                                // one worker
+  test_decode_plan(fixed, {}, 4);                        // empty batch
+  test_decode_plan(fixed, {0, 0, 0}, 3);                 // only empty requests
+  test_decode_plan(fixed, {100000, 3, 1, 7, 0, 2}, 16);  // one huge request among short ones
+  test_decode_plan(fixed, {5000}, 1);                    // one worker
   test_device_keys(rng);
   test_device_formulation(fixed, {}, 4);
   test_device_formulation(fixed, {0, 0, 0}, 3);
@@ -490,8 +492,8 @@ int main(int argc, char** argv) {
     CHECK(test_device_formulation(wide, huge, 2) > 0, "the huge-length case did not rebase");
   }
   test_prefill_plan(fixed, {}, {}, true, 64, 4);
-  test_prefill_plan(fixed, {0, 1, 17}, {0, 1, 17}, true, 64, 200);        // more workers than rows
-  test_prefill_plan(fixed, {40, 300}, {10, 900}, true, 16, 7);            // s_q > s_k and s_q < s_k
+  test_prefill_plan(fixed, {0, 1, 17}, {0, 1, 17}, true, 64, 200);  // more workers than rows
+  test_prefill_plan(fixed, {40, 300}, {10, 900}, true, 16, 7);      // s_q > s_k and s_q < s_k
   test_prefill_plan(fixed, {513}, {513}, false, 128, 1);
 
   for (int trial = 0; trial < 300; ++trial) {  // LPT alone, on small task sets where the optimum is searchable

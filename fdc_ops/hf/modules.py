@@ -1,4 +1,4 @@
-"""Compressed attention modules and their packed KV cache (DESIGN.md section 5), for Hugging Face decoder layers.
+"""Compressed attention modules and their packed KV cache (docs/design.md section 5), for Hugging Face decoder layers.
 
 ``FDCAttention`` (the method): queries and keys get the family's RoPE and are rotated and truncated per KV head in
 one pass (``rope_rotate_compress``); values come out of the folded ``A_V`` already compressed; attention runs on the
@@ -19,7 +19,7 @@ import sys
 import torch
 from torch import nn
 
-from . import ops
+from .. import ops
 
 try:  # the layer class of transformers' DynamicCache; subclassing it keeps every Cache method generate() calls working
     from transformers.cache_utils import DynamicLayer
@@ -68,8 +68,8 @@ class PaddingState:
         if self.mask is None:
             return torch.ones(batch, new_tokens, dtype=torch.bool, device=device)
         if self.mask.dim() != 2:
-            raise NotImplementedError("fdc_ops.nn: compressed attention takes a 2-D attention_mask (batch, length) "
-                                      f"of 0/1, got shape {tuple(self.mask.shape)}")
+            raise NotImplementedError("fdc_ops.hf.modules: compressed attention takes a 2-D attention_mask "
+                                      f"(batch, length) of 0/1, got shape {tuple(self.mask.shape)}")
         return self.mask[:, -new_tokens:].to(device=device, dtype=torch.bool)
 
     def rows(self, batch: int, new_tokens: int, device: torch.device) -> CallRows:
@@ -110,10 +110,11 @@ class CompressedKVLayer(DynamicLayer):
         self.is_initialized = True
 
     def lazy_initialization(self, *args, **kwargs) -> None:
-        raise RuntimeError("fdc_ops.nn: a compressed cache layer is filled by the compressed attention module only")
+        raise RuntimeError("fdc_ops.hf.modules: a compressed cache layer is filled by the compressed attention module "
+                           "only")
 
     def update(self, *args, **kwargs):
-        raise RuntimeError("fdc_ops.nn: this cache holds compressed K/V; full-width update() is not possible")
+        raise RuntimeError("fdc_ops.hf.modules: this cache holds compressed K/V; full-width update() is not possible")
 
     def append(self, k_rows: torch.Tensor, v_rows: torch.Tensor, rows: CallRows, new_positions: int) -> None:
         """Writes each request's new rows after its cached ones. k_rows: (T, k_width), v_rows: (T, v_width), requests'
@@ -124,7 +125,8 @@ class CompressedKVLayer(DynamicLayer):
             self.host_lengths = [0] * batch
             self._allocate(batch, max([INITIAL_CAPACITY, *rows.host_counts]), k_rows.dtype, k_rows.device)
         elif batch != self.k_cache.shape[0]:
-            raise ValueError(f"fdc_ops.nn: the cache holds {self.k_cache.shape[0]} requests, the call has {batch}")
+            raise ValueError(f"fdc_ops.hf.modules: the cache holds {self.k_cache.shape[0]} requests, the call has "
+                             f"{batch}")
         grown = [length + count for length, count in zip(self.host_lengths, rows.host_counts)]
         needed = max(grown, default=0)
         if needed > self.k_cache.shape[1]:
@@ -184,7 +186,8 @@ class CompressedKVLayer(DynamicLayer):
             self.host_lengths = [length for length in self.host_lengths for _ in range(repeats)]
 
     def crop(self, *args, **kwargs) -> None:
-        raise NotImplementedError("fdc_ops.nn: cropping a compressed cache (assisted decoding) is not supported")
+        raise NotImplementedError("fdc_ops.hf.modules: cropping a compressed cache (assisted decoding) is not "
+                                  "supported")
 
 
 def _cache_layer(cache, layer: int, k_offsets: torch.Tensor, v_offsets: torch.Tensor) -> CompressedKVLayer:
@@ -192,14 +195,15 @@ def _cache_layer(cache, layer: int, k_offsets: torch.Tensor, v_offsets: torch.Te
     time (generate() creates a DynamicCache; the compressed modules take over its layers)."""
     layers = getattr(cache, "layers", None)
     if layers is None:
-        raise TypeError(f"fdc_ops.nn: past_key_values must be a transformers Cache with layers, got {type(cache)}")
+        raise TypeError(f"fdc_ops.hf.modules: past_key_values must be a transformers Cache with layers, got "
+                        f"{type(cache)}")
     while len(layers) <= layer:
         layers.append(CompressedKVLayer(k_offsets, v_offsets))
     current = layers[layer]
     if isinstance(current, CompressedKVLayer):
         return current
     if current.get_seq_length() != 0:
-        raise ValueError(f"fdc_ops.nn: layer {layer} of the cache already holds uncompressed keys and values")
+        raise ValueError(f"fdc_ops.hf.modules: layer {layer} of the cache already holds uncompressed keys and values")
     layers[layer] = CompressedKVLayer(k_offsets, v_offsets)
     return layers[layer]
 
@@ -366,9 +370,9 @@ class PaluAttention(_CompressedAttentionBase):
         compact = past[:, None] + valid.cumsum(1) - 1  # (B, S): each real token's position among its request's
         position_ids = kwargs.get("position_ids")
         if position_ids is not None and not torch.equal(position_ids.expand(B, S)[valid], compact[valid]):
-            raise NotImplementedError("fdc_ops.nn.PaluAttention: position_ids must count each request's real tokens "
-                                      "from 0 (as generate() does), since cached latents are rotated at those "
-                                      "positions")
+            raise NotImplementedError("fdc_ops.hf.modules.PaluAttention: position_ids must count each request's "
+                                      "real tokens from 0 (as generate() does), since cached latents are rotated at "
+                                      "those positions")
         q_rows = rows.take(q.transpose(1, 2)).reshape(-1, H * D)
         latent = self.latent_proj(hidden_states)
         latent_rows, v_rows = rows.take(latent), self.v_proj(rows.take(hidden_states))

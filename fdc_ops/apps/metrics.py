@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from .progress import bar as progress_bar
+from ..progress import bar as progress_bar
 
 # Where a HumanEval completion ends: the next top-level statement (the canonical solutions are one function body).
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\n```")

@@ -1,7 +1,7 @@
 """Hugging Face integration: swap a model's attention for FDC (or the Palu baseline) in place, undo it, and measure
 the KV cache a generation holds.
 
-    model, tokenizer = fdc_ops.models.load_model()
+    model, tokenizer = fdc_ops.hf.loading.load_model()
     artifact = fdc_ops.calibration.calibrate(model, tokenizer)    # Wikipedia text; text="random" for the paper's
     allocation = fdc_ops.hf.compress(model, artifact, compression=0.1)   # or removal_rate=0.05 (the paper's rule)
     cache = transformers.DynamicCache()
@@ -9,7 +9,7 @@ the KV cache a generation holds.
     fdc_ops.hf.kv_cache_nbytes(cache)
 
 The per-family knowledge (which projections exist, Phi-3's fused qkv_proj, Qwen3's per-head norms, each family's
-RoPE function with its partial rotary) lives in fdc_ops.models and in the modules' use of the family's own
+RoPE function with its partial rotary) lives in fdc_ops.hf.families and in the modules' use of the family's own
 ``apply_rotary_pos_emb``; everything else is shared.
 """
 
@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import torch
 
-from . import calibration, models
-from .calibration import FDCArtifact, RankAllocation
-from .nn import CompressedKVLayer, FDCAttention, PaddingState, PaluAttention
+from .. import calibration
+from . import families
+from .modules import CompressedKVLayer, FDCAttention, PaddingState, PaluAttention
 
 METHODS = ("fdc", "palu")
 
 
-def _allocation(artifact: FDCArtifact, method: str, removal_rate, compression, allocation, qk_dims, v_dims,
-                weighting: str | None, rule: str | None, uniform: bool) -> RankAllocation:
+def _allocation(artifact: calibration.FDCArtifact, method: str, removal_rate, compression, allocation, qk_dims, v_dims,
+                weighting: str | None, rule: str | None, uniform: bool) -> calibration.RankAllocation:
     shape = artifact.shape
     given = [removal_rate is not None, compression is not None, allocation is not None,
              qk_dims is not None or v_dims is not None]
@@ -39,7 +39,7 @@ def _allocation(artifact: FDCArtifact, method: str, removal_rate, compression, a
     if allocation is None:
         if qk_dims is None or v_dims is None:
             raise ValueError("fdc_ops.hf.compress: qk_dims and v_dims go together")
-        allocation = RankAllocation(torch.as_tensor(qk_dims, dtype=torch.int64),
+        allocation = calibration.RankAllocation(torch.as_tensor(qk_dims, dtype=torch.int64),
                                     torch.as_tensor(v_dims, dtype=torch.int64), shape.head_dim, "given")
     expected = (shape.num_layers, shape.num_kv_heads)
     for name in ("qk_dims", "v_dims"):
@@ -53,7 +53,7 @@ def _allocation(artifact: FDCArtifact, method: str, removal_rate, compression, a
 
 
 def _check_sliding_window(model) -> None:
-    config = models._text_config(model)
+    config = families.text_config(model)
     window = getattr(config, "sliding_window", None)
     if window is not None and getattr(config, "use_sliding_window", True) and \
             window < getattr(config, "max_position_embeddings", window + 1):
@@ -61,16 +61,18 @@ def _check_sliding_window(model) -> None:
                                   "supported by the compressed modules")
 
 
-def compress(model, artifact: FDCArtifact, removal_rate: float | None = None, *, compression: float | None = None,
-             allocation: RankAllocation | None = None, qk_dims=None, v_dims=None, method: str = "fdc",
-             weighting: str | None = None, rule: str | None = None, uniform: bool = False) -> RankAllocation:
+def compress(model, artifact: calibration.FDCArtifact, removal_rate: float | None = None, *,
+             compression: float | None = None, allocation: calibration.RankAllocation | None = None, qk_dims=None,
+             v_dims=None, method: str = "fdc", weighting: str | None = None, rule: str | None = None,
+             uniform: bool = False) -> calibration.RankAllocation:
     """Replaces every attention module of ``model`` in place by FDCAttention (``method="fdc"``) or the Palu baseline
     (``method="palu"``; ``qk_dims`` are then the widths of the cached key latent). Widths: a KV byte budget
     (``compression=0.1`` removes at least 10% of the cache, widths by ``rule``, default the measured sensitivities:
-    ``FDCArtifact.allocate(compression=...)``), one removal
+    ``calibration.FDCArtifact.allocate(compression=...)``), one removal
     rate (the paper's rule on the artifact's singular values; ``weighting="explained_variance"`` uses s^2), an
     allocation, or explicit (L, H_kv) ``qk_dims`` and ``v_dims``; ``uniform=True`` gives every head the mean width
-    (the /AC ablation). Returns the allocation used. generate() and forward() work unchanged; fdc_ops.hf.restore undoes it."""
+    (the /AC ablation). Returns the allocation used. generate() and forward() work unchanged; fdc_ops.hf.restore
+    undoes it."""
     if method not in METHODS:
         raise ValueError(f"fdc_ops.hf.compress: method must be one of {METHODS}, got {method!r}")
     if getattr(model, "_fdc_compression", None) is not None:
@@ -79,14 +81,14 @@ def compress(model, artifact: FDCArtifact, removal_rate: float | None = None, *,
     artifact.check_model(model)
     allocation = _allocation(artifact, method, removal_rate, compression, allocation, qk_dims, v_dims, weighting,
                              rule, uniform)
-    shape = models.attention_shape(model)
+    shape = families.attention_shape(model)
     H, Hkv, D, G = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.group
     decoder = model.get_decoder()
     padding = PaddingState()
-    originals = models.attention_modules(model)
+    originals = families.attention_modules(model)
     v_encoder, v_decoder = artifact.v_factors(method)
     for layer, original in enumerate(originals):
-        weights = models.attention_weights(original, shape)
+        weights = families.attention_weights(original, shape)
         dtype, device = weights.q_weight.dtype, weights.q_weight.device
         qk_dims_l, v_dims_l = allocation.qk_dims[layer], allocation.v_dims[layer]
         qk_offsets, v_offsets = allocation.offsets(layer)

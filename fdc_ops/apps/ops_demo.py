@@ -1,6 +1,6 @@
 """The operator-level demo: one attention layer of SmolLM2-135M's shape (9 query / 3 KV heads, head_dim 64) taken
 through the FDC online path with ``torch.ops.fdc``, on synthetic post-RoPE activations whose heads have decaying
-spectra of different steepness (as real heads do, paper section 4).
+spectra of different steepness (as real heads do: bench/results/calibration/README.md).
 
 Steps: rotations from the SVD of each KV head's stacked queries and keys (the offline calibration in miniature),
 per-head ranks from one singular-value removal rate, then rotate_compress -> prefill_attention -> append_kv ->
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import ops, reference
+from .. import ops, reference
 
 HEAD_DIM = 64
 NUM_KV_HEADS = 3
@@ -80,7 +80,7 @@ def run(removal_rate: float = 0.1, prompt_lengths: tuple[int, ...] = (301, 77, 1
     q_full = _activations(total, spectra, bases, GROUP, generator)
     k_full = _activations(total, spectra, bases, 1, generator)
 
-    # Offline: per KV head, R from the SVD of its keys stacked with its group's queries (DESIGN.md section 1).
+    # Offline: per KV head, R from the SVD of its keys stacked with its group's queries (docs/design.md section 1).
     stacked = torch.cat([k_full.view(total, NUM_KV_HEADS, 1, HEAD_DIM),
                          q_full.view(total, NUM_KV_HEADS, GROUP, HEAD_DIM)], dim=2)
     stacked = stacked.permute(1, 0, 2, 3).reshape(NUM_KV_HEADS, -1, HEAD_DIM).double()
@@ -145,7 +145,7 @@ def run(removal_rate: float = 0.1, prompt_lengths: tuple[int, ...] = (301, 77, 1
     print(f"fdc_ops demo: SmolLM2-135M attention shape (H={NUM_KV_HEADS * GROUP}, H_kv={NUM_KV_HEADS}, "
           f"D={HEAD_DIM}), {dtype}, removal rate {removal_rate}, {torch.get_num_threads()} threads")
     print(f"per-KV-head dims: qk {qk_dims}  v {v_dims}  (full {HEAD_DIM})")
-    print(f"relative score error of q'k'^T vs q_p k_p^T per KV head: "
+    print("relative score error of q'k'^T vs q_p k_p^T per KV head: "
           + ", ".join(f"{e:.3f}" for e in score_errors))
     full_bytes = 2 * NUM_KV_HEADS * HEAD_DIM * dtype.itemsize
     packed_bytes = (int(qk_offsets[-1]) + int(v_offsets[-1])) * dtype.itemsize

@@ -30,8 +30,10 @@ from pathlib import Path
 
 import torch
 
-from . import calibration, datasets, evaluation, hf, models, provenance
-from .calibration import CalibrationStatistics, principal_axes
+from .. import calibration, datasets, hf
+from ..calibration import CalibrationStatistics, principal_axes
+from ..hf import families, loading
+from . import metrics, provenance
 
 RATES = (0.05, 0.1, 0.2)
 SWEEP_TOKENS = (1024, 2048, 4096, 8192, 16384, 32768)
@@ -125,13 +127,13 @@ def print_table(title: str, header: list[str], rows: list[list]) -> None:
 def run(out: str = "bench/results/calibration", quick: bool = False) -> dict:
     torch.manual_seed(0)
     started = time.time()
-    model, tokenizer = models.load_model()
-    shape = models.attention_shape(model)
+    model, tokenizer = loading.load_model()
+    shape = families.attention_shape(model)
     rates = (0.1,) if quick else RATES
     sweep = SWEEP_TOKENS[:3] if quick else SWEEP_TOKENS
     tokens = 2048 if quick else 8192
     eval_tokens = 1024 if quick else EVAL_TOKENS
-    results: dict = {"model": models.model_id(model), "shape": dataclasses.asdict(shape),
+    results: dict = {"model": families.model_id(model), "shape": dataclasses.asdict(shape),
                      "quick": quick}
 
     wiki = datasets.token_stream(tokenizer, datasets.wikipedia_articles())
@@ -178,7 +180,8 @@ def run(out: str = "bench/results/calibration", quick: bool = False) -> dict:
     reference_dims = artifact.allocate(0.1).qk_dims
 
     # 1. spectra
-    spectra = {"post-RoPE Q/K": axes["random_seed1"][0], "pre-RoPE K": principal_axes(other_random.key_gram)[0], "V rows": principal_axes(other_random.v_gram)[0], "W_V": weight_values}
+    spectra = {"post-RoPE Q/K": axes["random_seed1"][0], "pre-RoPE K": principal_axes(other_random.key_gram)[0],
+               "V rows": principal_axes(other_random.v_gram)[0], "W_V": weight_values}
     rows = [[name] + [dims_for_share(values, share) for share in SHARES] +
             [float((values[..., 0] / values.sum(-1)).mean())] for name, values in spectra.items()]
     print_table(f"1. singular-value spectra (D = {shape.head_dim}; {tokens} random tokens, seed 1): mean dims for a "
@@ -190,7 +193,8 @@ def run(out: str = "bench/results/calibration", quick: bool = False) -> dict:
     # 2. R from random tokens vs from real text
     def compare(first: str, second: str, target: CalibrationStatistics) -> dict:
         R_a, R_b = axes[first][1], axes[second][1]
-        entry = {"delta_over_epsilon": delta_over_epsilon(R_a, R_b), "delta_over_epsilon_16": delta_over_epsilon(R_a, R_b, 16),
+        entry = {"delta_over_epsilon": delta_over_epsilon(R_a, R_b),
+                 "delta_over_epsilon_16": delta_over_epsilon(R_a, R_b, 16),
                  "energy_loss_ratio": energy_loss_ratio(R_a, target.qk_gram(), reference_dims)}
         for k in SUBSPACE_DIMS:
             entry[f"overlap_{k}"], entry[f"largest_angle_{k}"] = subspace_overlap(R_a, R_b, k)
@@ -204,7 +208,8 @@ def run(out: str = "bench/results/calibration", quick: bool = False) -> dict:
              [f"mean angle@{k}" for k in SUBSPACE_DIMS] + ["energy loss ratio"]
     print_table("2. R from random tokens vs R from text (overlap = mean cos^2 of principal angles; energy loss ratio = "
                 "energy the first R loses on the second's data / what that data's own R loses, at r=0.1 dims)", header,
-                [[name, e["delta_over_epsilon"], e["delta_over_epsilon_16"]] + [e[f"overlap_{k}"] for k in SUBSPACE_DIMS] +
+                [[name, e["delta_over_epsilon"], e["delta_over_epsilon_16"]]
+                 + [e[f"overlap_{k}"] for k in SUBSPACE_DIMS] +
                  [e[f"largest_angle_{k}"] for k in SUBSPACE_DIMS] + [e["energy_loss_ratio"]]
                  for name, e in similarity.items()])
     results["similarity"] = similarity
@@ -255,8 +260,8 @@ def run(out: str = "bench/results/calibration", quick: bool = False) -> dict:
     results["positions"] = positions
 
     # 5. CV of the largest singular values across heads
-    cv_rows = [[name, coefficient_of_variation(axes[name][0][..., 0]), coefficient_of_variation(v_axes[name][0][..., 0])]
-               for name in ("random", "wikipedia", "humaneval")]
+    cv_rows = [[name, coefficient_of_variation(axes[name][0][..., 0]),
+                coefficient_of_variation(v_axes[name][0][..., 0])] for name in ("random", "wikipedia", "humaneval")]
     print_table("5. CV of the largest singular value across heads (paper Tables 4-5: 40-50%)",
                 ["data", "Q_p-K_p", "V"], cv_rows)
     results["cv_max_singular_value"] = {row[0]: {"qk": row[1], "v": row[2]} for row in cv_rows}
@@ -280,13 +285,13 @@ def run(out: str = "bench/results/calibration", quick: bool = False) -> dict:
     # 7. perplexity through the fdc operators
     def ppl(tokens_eval, allocation=None, rotation=None, basis=None, seq_len=EVAL_SEQ_LEN, label=""):
         if allocation is None:
-            return evaluation.perplexity(model, tokens_eval, seq_len=seq_len, description=label)
+            return metrics.perplexity(model, tokens_eval, seq_len=seq_len, description=label)
         variant = dataclasses.replace(artifact, **({} if rotation is None else {"qk_rotation": rotation.float()}),
                                       **({} if basis is None else {"v_encoder": basis.double(),
                                                                   "v_decoder": basis.double()}))
         hf.compress(model, variant, allocation=allocation)
         try:
-            return evaluation.perplexity(model, tokens_eval, seq_len=seq_len, description=label)
+            return metrics.perplexity(model, tokens_eval, seq_len=seq_len, description=label)
         finally:
             hf.restore(model)
 

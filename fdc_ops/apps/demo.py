@@ -27,10 +27,13 @@ from pathlib import Path
 
 import torch
 
-from . import calibration, datasets, evaluation, hf, models, progress, provenance
+from .. import calibration, datasets, hf, progress
+from ..hf import families, loading
+from . import metrics, provenance
 
-# KV compressions of the curve, up to the 0.5 the issue's curves span. Each point costs one perplexity evaluation, the
-# demo's largest expense: five points and two refinement steps per method keep the curve stage near a minute.
+# KV compressions of the curve, up to 0.5, the span of `python -m fdc_ops eval`'s curves. Each point costs one
+# perplexity evaluation, the demo's largest expense: five points and two refinement steps per method keep the curve
+# stage near a minute.
 CURVE_GRID = (0.05, 0.1, 0.2, 0.3, 0.5)
 REFINE_STEPS = 2  # bisection steps between the last grid point that keeps the target and the next: 1/4 of the gap
 # Held-out Wikipedia tokens per perplexity (4 windows of 512; about 5 s each on 2 cores, mostly the MLPs and the
@@ -54,8 +57,8 @@ class Curve:
 
 def accuracy_curve(method: str, relative_score, target: float) -> Curve:
     """The grid, then bisection between the last grid point whose prefix keeps ``target`` and the next one."""
-    tried = evaluation.compression_curve(relative_score, CURVE_GRID, (target,), REFINE_STEPS)
-    best = evaluation.best_compression(tried.items(), target)
+    tried = metrics.compression_curve(relative_score, CURVE_GRID, (target,), REFINE_STEPS)
+    best = metrics.best_compression(tried.items(), target)
     return Curve(method, sorted(tried.items()), best, tried.get(best, 1.0))
 
 
@@ -102,27 +105,28 @@ def run(target: float = 0.99, text: str = "wikipedia", context: int = 4096, deco
     say = (lambda *args: None) if quiet else print
 
     with stages("model") as stage:
-        model, tokenizer = models.load_model()
-        shape = models.attention_shape(model)
-        stage.note = (f"{models.model_id(model)}: {shape.num_layers} layers, {shape.num_heads} query / "
-                      f"{shape.num_kv_heads} KV heads of {shape.head_dim}; {provenance.device_name(torch.device('cpu'))}, "
+        model, tokenizer = loading.load_model()
+        shape = families.attention_shape(model)
+        stage.note = (f"{families.model_id(model)}: {shape.num_layers} layers, {shape.num_heads} query / "
+                      f"{shape.num_kv_heads} KV heads of {shape.head_dim}; "
+                      f"{provenance.device_name(torch.device('cpu'))}, "
                       f"{torch.get_num_threads()} threads")
     with stages("calibration") as stage:
         artifact = calibration.load_or_calibrate(model, tokenizer, text=text, progress=not quiet)
         settings = artifact.metadata["calibration"]
         stage.note = (f"{settings['num_tokens']} tokens of {settings['source']}, sensitivity on "
-                      f"{settings.get('sensitivity_tokens', 0)} (from {models.cache_dir()} or the artifact shipped in "
+                      f"{settings.get('sensitivity_tokens', 0)} (from {loading.cache_dir()} or the artifact shipped in "
                       "fdc_ops/artifacts; calibrated and cached there when neither has it)")
 
     held_out = datasets.text_tokens(tokenizer, "wikipedia")[-CURVE_TOKENS:]
     with stages(f"accuracy curve: perplexity on {CURVE_TOKENS} held-out Wikipedia tokens") as stage:
-        base = evaluation.perplexity(model, held_out, progress=False)
+        base = metrics.perplexity(model, held_out, progress=False)
 
         def relative_score(method: str):
             def score(compression: float) -> float:
                 hf.compress(model, artifact, compression=compression, method=method)
                 try:
-                    return base / evaluation.perplexity(model, held_out, progress=False)
+                    return base / metrics.perplexity(model, held_out, progress=False)
                 finally:
                     hf.restore(model)
             return score
@@ -138,7 +142,7 @@ def run(target: float = 0.99, text: str = "wikipedia", context: int = 4096, deco
             allocation = None
             if compression is not None:
                 allocation = hf.compress(model, artifact, compression=compression)
-            timing = evaluation.latency(model, prompt_tokens=context, new_tokens=decode_steps, repeats=1)
+            timing = metrics.latency(model, prompt_tokens=context, new_tokens=decode_steps, repeats=1)
             full_bytes = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 4
             per_token = allocation.kv_bytes_per_token(4) if allocation is not None else full_bytes
             speed_rows[label] = {"compression": allocation.compression_rate if allocation else 0.0,
@@ -159,7 +163,7 @@ def run(target: float = 0.99, text: str = "wikipedia", context: int = 4096, deco
     _plot(curves, target, directory / "accuracy_curve.png", CURVE_TOKENS)
     commit, dirty = provenance.git_commit()
     result = {
-        "model": models.model_id(model), "device": provenance.device_name(torch.device("cpu")),
+        "model": families.model_id(model), "device": provenance.device_name(torch.device("cpu")),
         "threads": torch.get_num_threads(), "torch": torch.__version__, "commit": commit, "dirty": dirty,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "calibration": settings, "target": target, "eval_tokens": CURVE_TOKENS, "base_perplexity": base,
@@ -194,5 +198,5 @@ def run(target: float = 0.99, text: str = "wikipedia", context: int = 4096, deco
     for label, sample in samples.items():
         print(f"\n{label} ({PROMPT!r}, greedy):\n  {sample}")
     say(f"\ndone in {time.time() - begin:.0f} s; {directory / 'demo.json'}, {directory / 'accuracy_curve.png'}; "
-        f"the converted model and the calibration are cached in {models.cache_dir()}")
+        f"the converted model and the calibration are cached in {loading.cache_dir()}")
     return result

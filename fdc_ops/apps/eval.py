@@ -32,9 +32,11 @@ from pathlib import Path
 
 import torch
 
-from . import calibration, datasets, evaluation, hf, models, provenance
-from .calibration import RankAllocation
-from .evaluation import best_compression
+from .. import calibration, datasets, hf
+from ..calibration import RankAllocation
+from ..hf import families, loading
+from . import metrics, provenance
+from .metrics import best_compression
 
 METHODS = {
     "FDC (paper)": {"artifact": "default", "rule": "singular_value"},
@@ -75,16 +77,16 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
     """Measures what is missing (see the module docstring), for at most ``budget_s`` seconds of evaluations, and
     writes the curves. Returns the results dictionary."""
     if metric not in METRICS:
-        raise ValueError(f"fdc_ops.compare.run: metric must be one of {METRICS}, got {metric!r}")
+        raise ValueError(f"fdc_ops.apps.eval.run: metric must be one of {METRICS}, got {metric!r}")
     table = {**METHODS, **ABLATIONS}
     methods = tuple(methods or METHODS)
     unknown = [name for name in methods if name not in table]
     if unknown:
-        raise ValueError(f"fdc_ops.compare.run: unknown methods {unknown}; known: {list(table)}")
+        raise ValueError(f"fdc_ops.apps.eval.run: unknown methods {unknown}; known: {list(table)}")
     begin = time.time()
     torch.manual_seed(0)
-    model, tokenizer = models.load_model()
-    shape = models.attention_shape(model)
+    model, tokenizer = loading.load_model()
+    shape = families.attention_shape(model)
     artifacts = {"default": calibration.load_or_calibrate(model, tokenizer, text=text),
                  "output": calibration.load_or_calibrate(model, tokenizer, text=text, v_method="output")}
     wiki = datasets.text_tokens(tokenizer, "wikipedia")[-eval_tokens:]
@@ -92,8 +94,8 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
 
     def measure() -> float:
         if metric == "perplexity":
-            return 1.0 / evaluation.perplexity(model, wiki, progress=False)  # exp(-mean NLL): higher is better
-        scores = evaluation.humaneval_scores(model, tokenizer, tasks, max_new_tokens=max_new_tokens, progress=False)
+            return 1.0 / metrics.perplexity(model, wiki, progress=False)  # exp(-mean NLL): higher is better
+        scores = metrics.humaneval_scores(model, tokenizer, tasks, max_new_tokens=max_new_tokens, progress=False)
         return scores["edit_similarity"]
 
     directory = Path(out)
@@ -101,7 +103,7 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
     model_name = "smollm2"
     points_path = directory / f"{model_name}-eval-{metric}-points.json"
     settings_tag = {"metric": metric, "text": text, "eval_tokens": eval_tokens, "problems": problems,
-                    "max_new_tokens": max_new_tokens, "fingerprint": models.fingerprint(model),
+                    "max_new_tokens": max_new_tokens, "fingerprint": families.fingerprint(model),
                     "calibration": {name: artifact.metadata["calibration"] for name, artifact in artifacts.items()}}
     store = json.loads(points_path.read_text()) if points_path.is_file() else {}
     if store.get("settings") != settings_tag:
@@ -150,7 +152,7 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
     complete = True
     try:
         for name in methods:
-            evaluation.compression_curve(lambda c: relative(name, c)[1], GRID, refine, refine_steps)
+            metrics.compression_curve(lambda c: relative(name, c)[1], GRID, refine, refine_steps)
     except OutOfTime:
         complete = False
         print(f"stopping: the {budget_s:.0f} s budget is spent; run again to continue")

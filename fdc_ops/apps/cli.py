@@ -1,0 +1,129 @@
+"""The command line, ``python -m fdc_ops <command>``.
+
+  python -m fdc_ops demo [--quiet]                        the main job: FDC on the bundled SmolLM2 (apps/demo.py)
+  python -m fdc_ops ops-demo                              the operator-level demo (apps/ops_demo.py)
+  python -m fdc_ops eval [--metric M]                     accuracy vs KV compression, FDC vs uniform vs Palu
+                                                          (apps/eval.py)
+  python -m fdc_ops calibrate [--model PATH] --out DIR    calibrate a model (default: the bundled SmolLM2-135M)
+  python -m fdc_ops report [--out DIR]                    the calibration analyses on SmolLM2
+                                                          (apps/calibration_report.py)
+"""
+
+import argparse
+
+import torch
+
+
+def _calibrate(args) -> None:
+    from .. import calibration
+    from ..hf import loading
+
+    torch.manual_seed(args.seed)
+    if args.model is None:
+        model, tokenizer = loading.load_model()
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+        tokenizer = None
+    if args.text != "random" and tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
+    artifact = calibration.calibrate(model, tokenizer, text=args.text, num_tokens=args.num_tokens,
+                                     seq_len=args.seq_len, seed=args.seed, v_method=args.v_method,
+                                     sensitivity_tokens=args.sensitivity_tokens)
+    directory = artifact.save(args.out)
+    print(f"artifact: {directory} ({artifact.metadata['calibration']['num_tokens']} tokens of {args.text})")
+    print(f"{'removal rate':>12} {'KV compression':>15} {'mean qk dim':>12} {'mean v dim':>11}")
+    for rate in (0.02, 0.05, 0.1, 0.2, 0.3):
+        allocation = artifact.allocate(rate)
+        print(f"{rate:>12.2f} {allocation.compression_rate:>15.3f} {allocation.qk_dims.double().mean():>12.1f} "
+              f"{allocation.v_dims.double().mean():>11.1f}")
+    rule = "sensitivity" if artifact.has_sensitivity else "explained_variance"
+    print(f"\n{'KV budget':>12} {'KV compression':>15} {'mean qk dim':>12} {'mean v dim':>11}   (rule: {rule})")
+    for compression in (0.05, 0.1, 0.2, 0.3):
+        allocation = artifact.allocate(compression=compression)
+        print(f"{compression:>12.2f} {allocation.compression_rate:>15.3f} {allocation.qk_dims.double().mean():>12.1f} "
+              f"{allocation.v_dims.double().mean():>11.1f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m fdc_ops", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    main_job = commands.add_parser("demo", help="accuracy-vs-compression curve, long-context speed and a sample, "
+                                    "FDC against Palu and the uncompressed SmolLM2")
+    main_job.add_argument("--target", type=float, default=0.99, help="share of the perplexity score to keep")
+    main_job.add_argument("--text", choices=["random", "wikipedia", "humaneval"], default="wikipedia",
+                          help="calibration tokens (default wikipedia: see bench/results/calibration/README.md)")
+    main_job.add_argument("--context", type=int, default=4096, help="prompt tokens of the speed table")
+    main_job.add_argument("--decode-steps", type=int, default=8, help="decode steps timed after the prompt")
+    main_job.add_argument("--out", default="bench/results/demo", help="directory for demo.json and the curve's PNG")
+    main_job.add_argument("--quiet", action="store_true", help="print the results only, no progress")
+
+    evaluate = commands.add_parser("eval", help="accuracy vs KV compression: FDC (paper, defaults), uniform, Palu")
+    evaluate.add_argument("--out", default="bench/results/eval", help="directory for the JSON and PNG")
+    evaluate.add_argument("--metric", choices=["perplexity", "edit_similarity"], default="perplexity")
+    evaluate.add_argument("--text", choices=["random", "wikipedia", "humaneval"], default="wikipedia",
+                          help="calibration text of every method")
+    evaluate.add_argument("--methods", nargs="+", default=None,
+                          help="methods to measure (default: the four compared; fdc_ops/apps/eval.py lists ablations)")
+    evaluate.add_argument("--refine", type=float, nargs="+", default=[0.99, 0.9],
+                          help="accuracy levels to refine the grid around by bisection")
+    evaluate.add_argument("--eval-tokens", type=int, default=4096, help="held-out Wikipedia tokens (perplexity)")
+    evaluate.add_argument("--problems", type=int, default=16, help="HumanEval problems (the first N)")
+    evaluate.add_argument("--max-new-tokens", type=int, default=64)
+    evaluate.add_argument("--budget-s", type=float, default=None,
+                          help="stop starting evaluations after this many seconds (a later run resumes)")
+
+    demo = commands.add_parser("ops-demo", help="run the FDC ops on one SmolLM2-shaped layer and print a table")
+    demo.add_argument("--removal-rate", type=float, default=0.1,
+                      help="share of each head's singular-value sum that may be dropped (default 0.1)")
+    demo.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16")
+    demo.add_argument("--seed", type=int, default=0)
+
+    calibrate = commands.add_parser("calibrate", help="calibrate a model and save its artifact")
+    calibrate.add_argument("--model", default=None,
+                           help="Hugging Face model directory or hub id (default: the bundled SmolLM2-135M)")
+    calibrate.add_argument("--out", required=True, help="directory to write the artifact to")
+    calibrate.add_argument("--text", choices=["random", "wikipedia", "humaneval"], default="wikipedia",
+                           help="calibration tokens: bundled real text (default wikipedia), or uniformly random")
+    calibrate.add_argument("--num-tokens", type=int, default=8192)
+    calibrate.add_argument("--seq-len", type=int, default=1024,
+                           help="length of each calibration sequence (RoPE statistics depend on position)")
+    calibrate.add_argument("--seed", type=int, default=0)
+    calibrate.add_argument("--v-method", choices=["output", "activation", "weight"], default="activation",
+                           help="V factors: SVD of the captured values (default), output-aware, or SVD of W_V")
+    calibrate.add_argument("--sensitivity-tokens", type=int, default=8192,
+                           help="calibration tokens that measure each head's sensitivity (0: skip)")
+
+    report = commands.add_parser("report", help="reproduce the paper's calibration analyses on SmolLM2")
+    report.add_argument("--out", default="bench/results/calibration", help="directory for the JSON and plots")
+    report.add_argument("--quick", action="store_true", help="fewer tokens and rates (a smoke run)")
+    args = parser.parse_args()
+    from .. import progress
+
+    progress.configure(quiet=getattr(args, "quiet", False))
+    if args.command == "demo":
+        from . import demo
+
+        demo.run(target=args.target, text=args.text, context=args.context, decode_steps=args.decode_steps,
+                 out=args.out, quiet=args.quiet)
+    elif args.command == "ops-demo":
+        from . import ops_demo
+
+        ops_demo.run(removal_rate=args.removal_rate, dtype=getattr(torch, args.dtype), seed=args.seed)
+    elif args.command == "eval":
+        from . import eval as eval_app
+
+        eval_app.run(out=args.out, metric=args.metric, text=args.text, methods=args.methods, refine=tuple(args.refine),
+                    eval_tokens=args.eval_tokens, problems=args.problems, max_new_tokens=args.max_new_tokens,
+                    budget_s=args.budget_s)
+    elif args.command == "calibrate":
+        _calibrate(args)
+    elif args.command == "report":
+        from . import calibration_report
+
+        calibration_report.run(out=args.out, quick=args.quick)
+

@@ -1,0 +1,27 @@
+"""torch.library.opcheck on every op, on every device: the schema, the fake (meta) implementation, autograd
+registration and the dispatcher agree with what the kernels do. One test parametrised over devices and the cases of
+conftest.sample_inputs; the CUDA cases skip, saying why, where no GPU or no CUDA kernel is there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fdc_ops  # noqa: F401  (registers torch.ops.fdc)
+from conftest import SAMPLE_CASES, cuda_skip_reason, sample_inputs
+
+
+OPS = ("rotate_compress", "rope_rotate_compress", "prefill_plan", "prefill_attention", "decode_plan",
+       "decode_attention", "append_kv")
+
+
+@pytest.mark.parametrize("name", SAMPLE_CASES)
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_opcheck(device, name):
+    if device == "cuda" and (reason := cuda_skip_reason(*OPS)) is not None:
+        pytest.skip(reason)  # the CUDA samples are built with the CUDA planners
+    cases = sample_inputs(device)
+    assert sorted(cases) == sorted(SAMPLE_CASES), "conftest.SAMPLE_CASES must name sample_inputs' cases"
+    op_name, args = cases[name]
+    assert op_name in OPS
+    torch.library.opcheck(getattr(torch.ops.fdc, op_name).default, args)
