@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from vllm.config import get_current_vllm_config
 from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
@@ -83,7 +84,7 @@ class FDCLlamaAttention(LlamaAttention):
         super().__init__(*args, prefix=prefix, cache_config=cache_config, **kwargs)
         if get_tensor_model_parallel_world_size() != 1:
             raise NotImplementedError("fdc_ops.vllm: FDC models run with tensor_parallel_size=1 (heads of different "
-                                      "widths would first need a balanced split over ranks: README, 'vLLM plugin')")
+                                      "widths need equal per-rank widths first: README, 'Serving with vLLM')")
         if kwargs.get("quant_config") is not None:
             raise NotImplementedError("fdc_ops.vllm: FDC folds A_V and W_O' into unquantized projections; quantized "
                                       "checkpoints are not supported")
@@ -100,8 +101,6 @@ class FDCLlamaAttention(LlamaAttention):
         rotation = fdc.artifact.qk_rotation[self.layer_index, :, :, :max_qk].to(torch.get_default_dtype())
         # vLLM's own Attention layer registered itself under this name; the FDC layer takes its place.
         attn_prefix = f"{prefix}.attn"
-        from vllm.config import get_current_vllm_config
-
         get_current_vllm_config().compilation_config.static_forward_context.pop(attn_prefix)
         self.attn = FDCPagedAttention(self.num_heads, self.head_dim, self.scaling, self.num_kv_heads, rotation,
                                       qk_offsets, v_offsets, cache_config, attn_prefix)
