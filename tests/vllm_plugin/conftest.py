@@ -1,0 +1,38 @@
+"""The vLLM plugin's tests run in .venv-vllm (vLLM's CPU build pins its own torch: scripts/setup_vllm.sh), where
+fdc_ops is an installed copy whose extension is built against that torch. Anywhere else they skip, saying so."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+REPOSITORY = Path(__file__).resolve().parents[2]
+SKIP_REASON = ("vLLM is not installed in this environment: the plugin tests run in .venv-vllm "
+               "(scripts/setup_vllm.sh makes it; scripts/test.sh runs them there)")
+
+
+def vllm_installed() -> bool:
+    """Whether the real vLLM is importable (its spec has a file: a namespace package, such as a folder named vllm on
+    sys.path, has none)."""
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    if vllm_installed():
+        import fdc_ops
+
+        location = Path(fdc_ops.__file__).resolve()
+        if location.parent == REPOSITORY / "fdc_ops":
+            raise pytest.UsageError(
+                f"fdc_ops was imported from the checkout ({location}), whose extension is built for the main "
+                "environment's torch; run the plugin tests with `PYTHONSAFEPATH=1 python -m pytest` (no current "
+                "directory on sys.path, in pytest and in the processes vLLM starts) so that .venv-vllm's installed "
+                "copy is used, as scripts/test.sh does")
+        return
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.skip(reason=SKIP_REASON))

