@@ -264,13 +264,14 @@ class Targets:
 # The one table of targets: every benchmark reads its PASS/MISS thresholds here, by phase and device type. Why each
 # number:
 # - decode, time slack: a decode step streams the cache once, so reading a w/W share of the bytes should take that
-#   share of the time. On a GPU 15% covers what does not shrink with width (launch, query load, split-KV merge). On a
+#   share of the time. On a GPU 10% covers what does not shrink with width (launch, query load, split-KV merge). On a
 #   CPU 25%: the kernel walks each head's rows separately, and narrow rows (16-64 values, a few vector registers) pay
 #   per-row loop and softmax overhead that SDPA's 128-wide rows spread over more bytes.
 # - decode, share of copy bandwidth: the measured copy is the ceiling of any streaming kernel. A GPU decode kernel
-#   keeps enough loads in flight to get within 20% of it (the rest: the last wave's tail and the merge). A 2-core CPU
+#   keeps enough loads in flight to get within 15% of it (the rest: the last wave's tail and the merge). A 2-core CPU
 #   decode converts bf16 to fp32 and computes a softmax exp per key on the same cores that issue the loads, so 60%.
-# - decode, scheduler share: the paper's fused LPT scheduler costs at most 4.13% of a step; 4% is that claim.
+# - decode, scheduler share: the paper's fused LPT scheduler costs up to 4.13% of a step. On a GPU the plan is one
+#   short kernel inside the captured step, so 2%; on a CPU the host planner runs per step, and 4% is the paper's bar.
 # - prefill, time slack (GPU and CPU alike): prefill is compute-bound, and narrow heads fill a tensor-core or SIMD
 #   tile less well than 128-wide ones (a 16-wide product uses one k-step of a 64-deep tile) while causal row blocks
 #   of uneven heads waste part of their last tile; 25% over the useful-FLOP ratio allows for that.
@@ -279,7 +280,7 @@ class Targets:
 DECODE_BASELINES = ("sdpa_padded", "sdpa_bucketed", "palu_sdpa")
 PREFILL_BASELINES = ("sdpa_padded", "sdpa_bucketed")
 TARGETS = {
-    ("decode", "cuda"): Targets(full_ratio_slack=1.15, copy_share=0.80, scheduler_share=0.04,
+    ("decode", "cuda"): Targets(full_ratio_slack=1.10, copy_share=0.85, scheduler_share=0.02,
                                 faster_than=DECODE_BASELINES),
     ("decode", "cpu"): Targets(full_ratio_slack=1.25, copy_share=0.60, scheduler_share=0.04,
                                faster_than=DECODE_BASELINES),
