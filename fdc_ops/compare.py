@@ -71,11 +71,16 @@ def _key(name: str, allocation: RankAllocation) -> str:
 
 def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str = "wikipedia",
         methods: tuple[str, ...] | None = None, refine: tuple[float, ...] = (0.99, 0.9), refine_steps: int = 3,
-        eval_tokens: int = 4096, problems: int = 16, max_new_tokens: int = 64, budget_s: float | None = None) -> dict:
+        eval_tokens: int = 4096, problems: int = 16, max_new_tokens: int = 64, budget_s: float | None = None,
+        grid: tuple[float, ...] | None = None) -> dict:
     """Measures what is missing (see the module docstring), for at most ``budget_s`` seconds of evaluations, and
-    writes the curves. Returns the results dictionary."""
+    writes the curves. ``grid``: the budgets measured before refinement (default GRID). Returns the results
+    dictionary."""
     if metric not in METRICS:
         raise ValueError(f"fdc_ops.compare.run: metric must be one of {METRICS}, got {metric!r}")
+    grid = tuple(grid or GRID)
+    if not grid or any(not 0.0 < budget < 1.0 for budget in grid):
+        raise ValueError(f"fdc_ops.compare.run: grid must be budgets in (0, 1), got {grid}")
     table = {**METHODS, **ABLATIONS}
     methods = tuple(methods or METHODS)
     unknown = [name for name in methods if name not in table]
@@ -150,7 +155,7 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
     complete = True
     try:
         for name in methods:
-            evaluation.compression_curve(lambda c: relative(name, c)[1], GRID, refine, refine_steps)
+            evaluation.compression_curve(lambda c: relative(name, c)[1], grid, refine, refine_steps)
     except OutOfTime:
         complete = False
         print(f"stopping: the {budget_s:.0f} s budget is spent; run again to continue")
