@@ -208,7 +208,9 @@ def _plot(path: Path, curves: dict, metric: str) -> None:
     for level in (0.99, 0.9):
         axis.axhline(level, color="grey", linewidth=0.8, linestyle="--")
     axis.set_xlim(0, 0.5)
-    axis.set_ylim(0.2, 1.01)
+    scores = [p["relative_score"] for curve in curves.values() for p in curve["points"]] or [1.0]
+    # perplexity stays within 0.2 .. 1.01 to 0.5 compression; a noisy metric (edit similarity) can leave that range
+    axis.set_ylim(min(0.2, min(scores) - 0.02), max(1.01, max(scores) + 0.01))
     axis.set_xlabel("KV cache compression (share of bytes removed)")
     axis.set_ylabel(f"{metric} score / uncompressed")
     axis.set_title(f"SmolLM2-135M: {metric} vs KV compression")
