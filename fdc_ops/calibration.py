@@ -916,8 +916,9 @@ def calibrate(model, tokenizer=None, *, text: str = "wikipedia", num_tokens: int
 
 
 # Artifacts shipped with the package, for the bundled SmolLM2 at load_or_calibrate's defaults: calibrating it takes
-# about 2 minutes on 2 cores, a third of the newcomer's first run (README). The key carries the format version and
-# the model's fingerprint, so a stale one is never used; tests/test_calibration.py checks it is current.
+# 80 s on 2 cores (bench/results/eval/README.md), a large share of the newcomer's first run (README). The key carries
+# the format version and the model's fingerprint, so a stale one is never used; tests/test_calibration.py checks it is
+# current.
 BUNDLED_ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 
 

@@ -24,3 +24,9 @@ def test_uniform_allocation_is_the_widest_uniform_pair_within_the_budget(compres
     assert allocation.compression_rate < compression + 8 / (2 * 64)
     assert allocation.qk_dims.unique().numel() == 1 and allocation.v_dims.unique().numel() == 1
     assert 0 <= int(allocation.v_dims[0, 0]) - int(allocation.qk_dims[0, 0]) <= 8
+
+
+@pytest.mark.parametrize("grid", [(0.0, 0.1), (0.1, 1.0), (-0.05,)])
+def test_run_rejects_a_grid_outside_zero_to_one_before_loading_the_model(grid, tmp_path):
+    with pytest.raises(ValueError, match="fdc_ops.apps.eval.run: grid must be budgets in"):
+        eval_app.run(out=str(tmp_path), grid=grid)

@@ -71,6 +71,10 @@ def main() -> None:
                           help="methods to measure (default: the four compared; fdc_ops/apps/eval.py lists ablations)")
     evaluate.add_argument("--refine", type=float, nargs="+", default=[0.99, 0.9],
                           help="accuracy levels to refine the grid around by bisection")
+    evaluate.add_argument("--refine-steps", type=int, default=3, help="bisection steps per refined level (0: none)")
+    evaluate.add_argument("--grid", type=float, nargs="+", default=None,
+                          help="budgets measured before refinement (default: fdc_ops/apps/eval.py GRID, 0.025 to "
+                               "0.5); a coarser grid for slow metrics")
     evaluate.add_argument("--eval-tokens", type=int, default=4096, help="held-out Wikipedia tokens (perplexity)")
     evaluate.add_argument("--problems", type=int, default=16, help="HumanEval problems (the first N)")
     evaluate.add_argument("--max-new-tokens", type=int, default=64)
@@ -118,6 +122,7 @@ def main() -> None:
         from . import eval as eval_app
 
         eval_app.run(out=args.out, metric=args.metric, text=args.text, methods=args.methods, refine=tuple(args.refine),
+                     refine_steps=args.refine_steps, grid=tuple(args.grid) if args.grid else None,
                     eval_tokens=args.eval_tokens, problems=args.problems, max_new_tokens=args.max_new_tokens,
                     budget_s=args.budget_s)
     elif args.command == "calibrate":
