@@ -18,7 +18,7 @@ import importlib
 from . import ops
 from .ops import append_kv, decode_attention, decode_plan, prefill_attention, prefill_plan, rotate_compress
 
-_SUBMODULES = ("apps", "calibration", "datasets", "hf", "progress", "reference")
+_SUBMODULES = ("apps", "calibration", "datasets", "hf", "plans", "progress", "reference")
 _CALIBRATION_NAMES = ("FDCArtifact", "calibrate")
 
 __all__ = ["ops", "rotate_compress", "prefill_plan", "prefill_attention", "decode_plan", "decode_attention",

@@ -138,8 +138,9 @@ def prefill_plan(
         >>> qk_offsets = torch.tensor([0, 8, 24], dtype=torch.int32)
         >>> v_offsets = torch.tensor([0, 16, 24], dtype=torch.int32)
         >>> plan = fdc_ops.prefill_plan(cu, cu, qk_offsets, v_offsets, group=2, causal=True, num_workers=3)
-        >>> plan.dtype, plan[1:4].tolist()                      # header: B, H (query heads), workers
-        (torch.int32, [2, 4, 3])
+        >>> decoded = fdc_ops.plans.PrefillPlan.from_tensor(plan)  # the int32 format, read
+        >>> decoded.batch, decoded.num_heads, decoded.num_workers   # H: query heads
+        (2, 4, 3)
     """
     return torch.ops.fdc.prefill_plan(
         cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group, causal, num_workers, row_block
@@ -231,9 +232,9 @@ def decode_plan(
         >>> v_offsets = torch.tensor([0, 16, 24], dtype=torch.int32)
         >>> plan = fdc_ops.decode_plan(torch.tensor([8192, 5], dtype=torch.int32), qk_offsets, v_offsets, group=2,
         ...                            num_workers=4)
-        >>> num_tasks, status = int(plan[5]), int(plan[7])
-        >>> num_tasks > 2 * 2, status                       # more tasks than (request, KV head) pairs; status ok
-        (True, 0)
+        >>> decoded = fdc_ops.plans.DecodePlan.from_tensor(plan)
+        >>> decoded.num_tasks > 2 * 2, decoded.status.name  # more tasks than (request, KV head) pairs
+        (True, 'OK')
     """
     return torch.ops.fdc.decode_plan(cache_seqlens, qk_offsets, v_offsets, group, num_workers)
 

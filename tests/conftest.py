@@ -247,7 +247,7 @@ def sample_inputs(device: torch.device | str) -> dict[str, tuple[str, tuple]]:
     gen = torch.Generator().manual_seed(0)
 
     def sample(*shape, dtype=torch.float32):
-        return torch.randn(shape, generator=gen).to(device, dtype)
+        return randn(shape, dtype, gen).to(device)
 
     def ints(values):
         return torch.tensor(values, dtype=torch.int32, device=device)
@@ -283,10 +283,10 @@ def sample_inputs(device: torch.device | str) -> dict[str, tuple[str, tuple]]:
         "append_kv_paged": ("append_kv", (k_pages, v_pages, k_rows, v_rows, one_row_each, seqlens, qk_offsets,
                                           v_offsets, block_table)),
     }
+    plan = torch.ops.fdc.prefill_plan(cu_q, cu_k, qk_offsets, v_offsets, group, False, 5, 16)
     for dtype in (torch.float32, torch.bfloat16):
         q, k, v = sample(6, group * 24, dtype=dtype), sample(9, 24, dtype=dtype), sample(9, 24, dtype=dtype)
         name = str(dtype).removeprefix("torch.")
-        plan = torch.ops.fdc.prefill_plan(cu_q, cu_k, qk_offsets, v_offsets, group, False, 5, 16)
         cases[f"prefill_attention_{name}"] = ("prefill_attention", (q, k, v, cu_q, cu_k, qk_offsets, v_offsets,
                                                                     group, 0.25, True, None))
         cases[f"prefill_attention_plan_{name}"] = ("prefill_attention", (q, k, v, cu_q, cu_k, qk_offsets, v_offsets,

@@ -476,27 +476,17 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
   const int64_t slots = by_rows ? piece_splits.back() : view.num_tasks();
   std::vector<float> partial_out(slots * group * max_v_dim);
   std::vector<float> partial_lse(slots * group);
-  const Problem pb{&layout,
-                   static_cast<float>(scale),
-                   by_rows ? piece_splits.data() : view.split_offsets(),
-                   partial_out.data(),
-                   partial_lse.data(),
-                   max_v_dim};
+  const int32_t* splits = by_rows ? piece_splits.data() : view.split_offsets();  // (B * H_kv + 1)
+  const Problem pb{&layout, static_cast<float>(scale), splits, partial_out.data(), partial_lse.data(), max_v_dim};
 
   FDC_DISPATCH_FLOAT_TYPES(q.scalar_type(), "fdc::decode_attention", [&] {
     const int32_t* bt = block_table ? table.data_ptr<int32_t>() : nullptr;
-    const CacheView<scalar_t> kview{k_cache.data_ptr<scalar_t>(),
-                                    k_cache.stride(0),
-                                    block_table ? 0 : k_cache.stride(1),
-                                    bt,
-                                    paged.max_pages,
-                                    paged.page_size};
-    const CacheView<scalar_t> vview{v_cache.data_ptr<scalar_t>(),
-                                    v_cache.stride(0),
-                                    block_table ? 0 : v_cache.stride(1),
-                                    bt,
-                                    paged.max_pages,
-                                    paged.page_size};
+    const auto view_of = [&](const at::Tensor& cache) {
+      const int64_t row_stride = block_table ? 0 : cache.stride(1);
+      return CacheView<scalar_t>{
+          cache.data_ptr<scalar_t>(), cache.stride(0), row_stride, bt, paged.max_pages, paged.page_size};
+    };
+    const CacheView<scalar_t> kview = view_of(k_cache), vview = view_of(v_cache);
     scalar_t* op_out = out.data_ptr<scalar_t>();
     const scalar_t* qp = qc.data_ptr<scalar_t>();
     if (by_rows) {

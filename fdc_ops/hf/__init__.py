@@ -24,8 +24,11 @@ from .modules import CompressedKVLayer, FDCAttention, PaddingState, PaluAttentio
 METHODS = ("fdc", "palu")
 
 
-def _allocation(artifact: calibration.FDCArtifact, method: str, removal_rate, compression, allocation, qk_dims, v_dims,
-                weighting: str | None, rule: str | None, uniform: bool) -> calibration.RankAllocation:
+def resolve_allocation(artifact: calibration.FDCArtifact, method: str, removal_rate, compression, allocation, qk_dims,
+                       v_dims, weighting: str | None, rule: str | None, uniform: bool) -> calibration.RankAllocation:
+    """The widths :func:`compress` would use for these arguments (exactly one of ``removal_rate``, ``compression``,
+    ``allocation``, or ``qk_dims`` with ``v_dims``), validated: also the vLLM plugin's, so both integrations give
+    the same widths for the same settings."""
     shape = artifact.shape
     given = [removal_rate is not None, compression is not None, allocation is not None,
              qk_dims is not None or v_dims is not None]
@@ -79,8 +82,8 @@ def compress(model, artifact: calibration.FDCArtifact, removal_rate: float | Non
         raise ValueError("fdc_ops.hf.compress: the model is already compressed; call fdc_ops.hf.restore(model) first")
     _check_sliding_window(model)
     artifact.check_model(model)
-    allocation = _allocation(artifact, method, removal_rate, compression, allocation, qk_dims, v_dims, weighting,
-                             rule, uniform)
+    allocation = resolve_allocation(artifact, method, removal_rate, compression, allocation, qk_dims, v_dims,
+                                    weighting, rule, uniform)
     shape = families.attention_shape(model)
     H, Hkv, D, G = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.group
     decoder = model.get_decoder()

@@ -62,8 +62,8 @@ def settings(hf_config) -> FDCSettings:
 def _settings(entry_json: str) -> FDCSettings:
     entry = json.loads(entry_json)
     artifact = FDCArtifact.load(entry["artifact"])
-    allocation = hf._allocation(artifact, "fdc", entry.get("removal_rate"), entry.get("compression"), None,
-                                entry.get("qk_dims"), entry.get("v_dims"), None, entry.get("rule"), False)
+    allocation = hf.resolve_allocation(artifact, "fdc", entry.get("removal_rate"), entry.get("compression"), None,
+                                       entry.get("qk_dims"), entry.get("v_dims"), None, entry.get("rule"), False)
     return FDCSettings(artifact, allocation)
 
 
