@@ -82,9 +82,16 @@ def _prefill_inputs(rng, gen, layout, dtype):
     return q, k, v, cu_q, cu_k
 
 
+# Prefill runs bf16 on torch's bf16 GEMM micro-kernel where it runs (AVX-512 with oneDNN), everything else in
+# float32 (csrc/cpu/prefill_attention.cpp); "portable" forces the float32 path with the portable softmax loops.
+PREFILL_ISAS = ("", "portable")
+
+
+@pytest.mark.parametrize("isa", PREFILL_ISAS)
 @pytest.mark.parametrize("case", range(CASES))
-def test_prefill_attention(case):
-    gen, rng, replay = case_generator("prefill_attention", case)
+def test_prefill_attention(case, isa, monkeypatch):
+    monkeypatch.setenv("FDC_CPU_ISA", isa)
+    gen, rng, replay = case_generator(f"prefill_attention isa={isa!r}", case)
     layout = random_layout(rng)
     dtype = rng.choice(DTYPES)
     causal = rng.random() < 0.5
@@ -99,6 +106,41 @@ def test_prefill_attention(case):
     expected = reference.prefill_attention_ref(*args)
     torch_lowp = reference.prefill_attention_ref(*args, compute_dtype=dtype)
     assert_close_to_reference(out, expected, torch_lowp, f"prefill_attention causal={causal} {replay}")
+
+
+@pytest.mark.parametrize("isa", PREFILL_ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_prefill_attention_long_sequences(causal, dtype, isa, monkeypatch):
+    """Sequences spanning many key blocks and row tiles of the CPU kernel, one with more keys than queries (a prompt
+    after cached tokens), on a layout with narrow and 256-wide heads."""
+    monkeypatch.setenv("FDC_CPU_ISA", isa)
+    gen = torch.Generator().manual_seed(1234)
+    qk_dims, v_dims, group = [8, 256, 40], [256, 16, 72], 3
+    qk_offsets, v_offsets = offsets(qk_dims), offsets(v_dims)
+    cu_q, cu_k = offsets([1100, 37, 600]), offsets([1100, 37, 1313])
+    q = randn((int(cu_q[-1]), group * sum(qk_dims)), dtype, gen)
+    k = randn((int(cu_k[-1]), sum(qk_dims)), dtype, gen)
+    v = randn((int(cu_k[-1]), sum(v_dims)), dtype, gen)
+    args = (q, k, v, cu_q, cu_k, qk_offsets, v_offsets, group, 0.125, causal)
+    out = ops.prefill_attention(*args)
+    expected = reference.prefill_attention_ref(*args)
+    torch_lowp = reference.prefill_attention_ref(*args, compute_dtype=dtype)
+    assert_close_to_reference(out, expected, torch_lowp, f"prefill_attention long causal={causal} isa={isa!r}")
+
+
+def test_prefill_attention_bf16_without_onednn():
+    """With torch's oneDNN switched off (torch.backends.mkldnn), bf16 prefill takes the float32 path: same results
+    within bf16's tolerance."""
+    gen, rng, replay = case_generator("prefill_attention without oneDNN", 0)
+    layout = random_layout(rng)
+    q, k, v, cu_q, cu_k = _prefill_inputs(rng, gen, layout, torch.bfloat16)
+    args = (q, k, v, cu_q, cu_k, layout.qk_offsets, layout.v_offsets, layout.group, 0.2, True)
+    with torch.backends.mkldnn.flags(enabled=False):
+        out = ops.prefill_attention(*args)
+    expected = reference.prefill_attention_ref(*args)
+    torch_lowp = reference.prefill_attention_ref(*args, compute_dtype=torch.bfloat16)
+    assert_close_to_reference(out, expected, torch_lowp, f"prefill_attention without oneDNN {replay}")
 
 
 # FDC_CPU_ISA caps the CPU row kernels (csrc/cpu/cpu_common.h): "" runs the widest this CPU has (AVX-512-BF16 where

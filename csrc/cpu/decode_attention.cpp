@@ -242,7 +242,7 @@ FDC_AVX512 void run_task_avx512(const int32_t* record, const Problem& pb, const 
       float* si = scores + i * kKeyBlock;
       const float factor = softmax[i].rescale_for(avx512::scale_and_max(si, n, pb.scale));
       if (factor != 1.f) avx512::scale_in_place(ws.acc.data() + i * dv, dv, factor);
-      softmax[i].sum += avx512::exp_and_sum(si, n, softmax[i].max);
+      softmax[i].sum += avx512::exp_and_sum(si, n, 1.f, softmax[i].max);
     }
     const T* values = vc.at(b, t0, v_col);
     if (vc.paged()) {  // values are dv columns of n consecutive tokens: acc[i][c] += p_i . V[c]
@@ -359,7 +359,7 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
         float* si = scores + i * kKeyBlock;
         const float factor = softmax[i].rescale_for(avx512::scale_and_max(si, n, pb.scale));
         if (factor != 1.f) avx512::scale_in_place(acc + i * dv, dv, factor);
-        softmax[i].sum += avx512::exp_and_sum(si, n, softmax[i].max);
+        softmax[i].sum += avx512::exp_and_sum(si, n, 1.f, softmax[i].max);
       }
       avx512::axpy_rows(scores, kKeyBlock, group, v_block + v_col, vc.stride1, n, dv, acc, dv);
     }

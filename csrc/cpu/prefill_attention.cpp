@@ -1,15 +1,25 @@
 // fdc::prefill_attention on the CPU: executes a prefill plan (include/fdc/prefill_plan.h) with one
-// at::parallel_for worker per plan worker. A record's rows are processed in tiles of kRowTile rows against key
-// tiles of kKeyTile keys with an online softmax (FlashAttention's loop); both products of a tile are float32 BLAS
-// calls (at::mm_out / at::addmm_out, single-threaded inside the parallel region) on views of the packed,
-// row-strided head slices, so no head is ever padded or copied.
+// at::parallel_for worker per plan worker, FlashAttention's loop over (row tile, key block) with an online softmax.
+//
+// Both products of a tile are torch's batch-reduce GEMM micro-kernel, at::native::cpublas::brgemm (oneDNN's JIT
+// ukernel, the one torch's own CPU flash attention calls), on blocks packed once per call:
+// - bfloat16 inputs, where the ukernel runs (AVX-512 and torch's oneDNN enabled): bf16 x bf16 -> fp32 on AMX tiles
+//   (or AVX-512 where the CPU has no AMX), with K^T and V packed in VNNI pairs and the probabilities rounded to bf16,
+//   as torch's flash attention does;
+// - everything else (float32, float16, bf16 where that ukernel does not run): float32 operands, K^T packed, V copied.
+// Packing each (sequence, KV head) once costs one pass over K and V and lets every product run with a fixed leading
+// dimension and a shape from a small set (rows rounded up to kRowQuantum, keys to kKeyQuantum), so the ukernel's
+// per-shape code generation happens a bounded number of times per process; no head is ever padded to another's width.
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "cpu/cpu_common.h"
+#include "cpu/vec_avx512.h"
 #include "cpu/vec_math.h"
 #include "fdc/prefill_plan.h"
 #include "fdc/softmax_merge.h"
@@ -17,69 +27,224 @@
 namespace fdc::cpu {
 namespace {
 
-// Rows and keys per tile: each BLAS call costs a few microseconds of tensor bookkeeping, so a tile must carry
-// enough work (128 x 512 x d) to hide it; the 128 x 512 score tile and the 128 x 256 accumulator (384 KiB) still
-// stay in L2.
-constexpr int64_t kRowTile = 128;
-constexpr int64_t kKeyTile = 512;
+namespace cpublas = at::native::cpublas;
 
-// Float32 q, k, v: row-strided, unit column stride.
-struct Operands {
-  at::Tensor q, k, v;
+// Keys per score tile and per packed block. A tile's fp32 scores (kRowTile x kKeyBlock, 128 KiB) and its bf16
+// probabilities stay in L2 while the two products and the softmax pass over them; a longer block rescales the
+// accumulator less often but spills L2 on the 1 MiB-L2 machines.
+constexpr int64_t kKeyBlock = 256;
+// Query rows per tile: the ukernel's A operand; 64 rows amortise each product's fixed cost (about 3 us per call
+// measured on AMX) over 64 x kKeyBlock scores.
+constexpr int64_t kRowTile = 64;
+// Products are issued with rows rounded up to 16 (an AMX tile's rows) and keys to 64 (the ukernel's B block), so a
+// model sees few distinct shapes, each generated once per thread.
+constexpr int64_t kRowQuantum = 16;
+constexpr int64_t kKeyQuantum = 64;
+static_assert(kKeyBlock % kKeyQuantum == 0 && kRowTile % kRowQuantum == 0);
+
+int64_t round_up(int64_t x, int64_t q) { return (x + q - 1) / q * q; }
+
+// Whether torch's brgemm multiplies VNNI-packed bf16 here. It does where torch's oneDNN ukernel is built in, the
+// CPU has AVX-512 and the user has not disabled oneDNN (torch.backends.mkldnn); torch has no public query for the
+// first two, so one tiny product is tried once (its fallback raises instead of computing).
+bool bf16_brgemm_runs() {
+  if (!at::globalContext().userEnabledMkldnn()) return false;
+  static const bool runs = [] {
+    const c10::BFloat16 one(1.f);
+    const c10::BFloat16 a[2] = {one, one};
+    c10::BFloat16 b[2 * 16];
+    std::fill(b, b + 32, one);
+    float c[16] = {};
+    try {
+      cpublas::brgemm(1, 16, 2, 2, 16, 16, false, a, b, c, true);
+      cpublas::brgemm_release(true);
+    } catch (const c10::Error&) {
+      return false;
+    }
+    return c[0] == 2.f && c[15] == 2.f;
+  }();
+  return runs;
+}
+
+// Transposes 32-bit words: dst[c * dst_ld + r] = src[r * src_ld + c] for r < rows, c < cols (word strides). A bf16
+// pair (two adjacent dims of a key row) is one word, so this packs K^T in VNNI pairs and float K^T alike. Reads by
+// memcpy: rows of a packed head need not be 4-byte aligned.
+void transpose_words(const char* src, int64_t src_ld_bytes, int64_t rows, int64_t cols, uint32_t* dst, int64_t dst_ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* row = src + r * src_ld_bytes;
+    for (int64_t c = 0; c < cols; ++c) std::memcpy(dst + c * dst_ld + r, row + 4 * c, 4);
+  }
+}
+
+// The packed K^T and V blocks of every (sequence, KV head): block i of (b, j) holds keys [i * kKeyBlock, ...) of
+// sequence b, zero beyond the sequence's end.
+//   K^T block: (dq / P, kKeyBlock, P) elements, P = 2 (VNNI pairs) for bf16, 1 for float: the ukernel's B for
+//              scores = q K^T, leading dimension kKeyBlock.
+//   V block:   (kKeyBlock / P, dv, P): the B of acc += p V, leading dimension dv.
+template <typename T>
+struct PackedKV {
+  static constexpr int64_t kPair = sizeof(T) == 2 ? 2 : 1;
+  at::Tensor k_storage, v_storage;
+  std::vector<int64_t> k_base, v_base;  // (B * H_kv): element offset of (b, j)'s first block
+
+  const T* k_block(int64_t b, int64_t j, int64_t num_kv, int64_t block, int64_t dq) const {
+    return k_storage.data_ptr<T>() + k_base[b * num_kv + j] + block * kKeyBlock * dq;
+  }
+  const T* v_block(int64_t b, int64_t j, int64_t num_kv, int64_t block, int64_t dv) const {
+    return v_storage.data_ptr<T>() + v_base[b * num_kv + j] + block * kKeyBlock * dv;
+  }
 };
 
+// k (T_k, W_qk), v (T_k, W_v) of element type T with unit column stride.
+template <typename T>
+PackedKV<T> pack_kv(const at::Tensor& k, const at::Tensor& v, const std::vector<int32_t>& cu_k,
+                    const checks::HostLayout& layout) {
+  constexpr int64_t kPair = PackedKV<T>::kPair;
+  const int64_t batch = static_cast<int64_t>(cu_k.size()) - 1, num_kv = layout.num_kv_heads();
+  PackedKV<T> packed;
+  packed.k_base.resize(batch * num_kv);
+  packed.v_base.resize(batch * num_kv);
+  int64_t k_total = 0, v_total = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t keys = round_up(cu_k[b + 1] - cu_k[b], kKeyBlock);
+    for (int64_t j = 0; j < num_kv; ++j) {
+      packed.k_base[b * num_kv + j] = k_total;
+      packed.v_base[b * num_kv + j] = v_total;
+      k_total += keys * (layout.qk_offsets[j + 1] - layout.qk_offsets[j]);
+      v_total += keys * (layout.v_offsets[j + 1] - layout.v_offsets[j]);
+    }
+  }
+  packed.k_storage = at::zeros({k_total}, k.options());
+  packed.v_storage = at::zeros({v_total}, v.options());
+  const T* k_data = k.data_ptr<T>();
+  const T* v_data = v.data_ptr<T>();
+  T* k_out = packed.k_storage.template data_ptr<T>();
+  T* v_out = packed.v_storage.template data_ptr<T>();
+  at::parallel_for(0, batch * num_kv, 1, [&](int64_t first, int64_t last) {
+    for (int64_t task = first; task < last; ++task) {
+      const int64_t b = task / num_kv, j = task % num_kv;
+      const int64_t dq = layout.qk_offsets[j + 1] - layout.qk_offsets[j];
+      const int64_t dv = layout.v_offsets[j + 1] - layout.v_offsets[j];
+      const int64_t s_k = cu_k[b + 1] - cu_k[b];
+      for (int64_t c0 = 0, block = 0; c0 < s_k; c0 += kKeyBlock, ++block) {
+        const int64_t n = std::min(kKeyBlock, s_k - c0);
+        const T* k_rows = k_data + (cu_k[b] + c0) * k.stride(0) + layout.qk_offsets[j];
+        transpose_words(reinterpret_cast<const char*>(k_rows), k.stride(0) * sizeof(T), n, dq / kPair,
+                        reinterpret_cast<uint32_t*>(k_out + packed.k_base[task] + block * kKeyBlock * dq), kKeyBlock);
+        const T* v_rows = v_data + (cu_k[b] + c0) * v.stride(0) + layout.v_offsets[j];
+        T* v_dst = v_out + packed.v_base[task] + block * kKeyBlock * dv;
+        for (int64_t key = 0; key < n; ++key) {  // (key / P, x, key % P) <- v[key, x]
+          T* dst = v_dst + (key / kPair) * dv * kPair + key % kPair;
+          const T* src = v_rows + key * v.stride(0);
+          for (int64_t x = 0; x < dv; ++x) dst[x * kPair] = src[x];
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+// One worker's scratch: the tile's queries (rows padded with zeros), fp32 scores, probabilities (a separate bf16
+// buffer, or the scores themselves for float), fp32 accumulator, and the rows' softmax state.
+template <typename T>
 struct TileScratch {
-  at::Tensor scores = at::empty({kRowTile, kKeyTile}, at::kFloat);
-  at::Tensor acc = at::empty({kRowTile, kMaxHeadDim}, at::kFloat);
+  std::vector<T> q = std::vector<T>(kRowTile * kMaxHeadDim);
+  std::vector<float> scores = std::vector<float>(kRowTile * kKeyBlock);
+  std::vector<T> probs = std::vector<T>(std::is_same_v<T, float> ? 0 : kRowTile * kKeyBlock);
+  std::vector<float> acc = std::vector<float>(kRowTile * kMaxHeadDim);
   std::vector<OnlineSoftmax> softmax = std::vector<OnlineSoftmax>(kRowTile);
 };
 
-// Rows [a, a + m) of sequence b for query head h (rows counted from the sequence start), written to out.
-template <typename T>
-void run_row_tile(const Operands& x, const checks::HostLayout& layout, const HeadLayoutView& view, int64_t h,
-                  int64_t q_start, int64_t k_start, int64_t s_q, int64_t s_k, int64_t a, int64_t m, bool causal,
-                  float scale, T* out, int64_t out_ld, TileScratch& ws) {
-  const int64_t j = h / layout.group;
+struct TileTask {
+  int64_t b, h;      // sequence, query head
+  int64_t q_start;   // the sequence's first row in q and out
+  int64_t s_q, s_k;  // its query and key counts
+  int64_t a, m;      // rows [a, a + m) of the sequence
+};
+
+// Rows [a, a + m) of sequence b for query head h: q (T_q, G * W_qk) of element type T (unit column stride), the
+// packed keys and values, out (T_q, G * W_v) of type O (row stride out_ld).
+template <typename T, typename O>
+void run_row_tile(const TileTask& t, const T* q, int64_t q_ld, const PackedKV<T>& kv, const checks::HostLayout& layout,
+                  const HeadLayoutView& view, bool causal, float scale, bool avx512, O* out, int64_t out_ld,
+                  TileScratch<T>& ws) {
+  constexpr bool kFloat = std::is_same_v<T, float>;
+  const int64_t num_kv = layout.num_kv_heads();
+  const int64_t j = t.h / layout.group;
   const int64_t dq = layout.qk_offsets[j + 1] - layout.qk_offsets[j];
   const int64_t dv = layout.v_offsets[j + 1] - layout.v_offsets[j];
-  // Key i + shift is the last one row i sees (causal, bottom-right aligned).
-  const int64_t shift = s_k - s_q;
-  const int64_t keys_end = causal ? std::clamp<int64_t>(a + m + shift, 0, s_k) : s_k;
-  T* out_rows = out + (q_start + a) * out_ld + view.o_column(static_cast<int32_t>(h));
+  const int64_t shift = t.s_k - t.s_q;  // key i + shift is the last one row i sees (causal, bottom-right aligned)
+  const int64_t keys_end = causal ? std::clamp<int64_t>(t.a + t.m + shift, 0, t.s_k) : t.s_k;
   if (keys_end == 0) return;  // no row of the tile sees a key: the zero-initialised output stands
 
-  const at::Tensor q_tile = x.q.narrow(0, q_start + a, m).narrow(1, view.q_column(static_cast<int32_t>(h)), dq);
-  const at::Tensor k_head = x.k.narrow(0, k_start, keys_end).narrow(1, layout.qk_offsets[j], dq);
-  const at::Tensor v_head = x.v.narrow(0, k_start, keys_end).narrow(1, layout.v_offsets[j], dv);
-  at::Tensor acc = ws.acc.narrow(0, 0, m).narrow(1, 0, dv);  // (m, dv), row stride kMaxHeadDim
-  acc.zero_();
-  float* acc_data = acc.data_ptr<float>();
-  std::fill(ws.softmax.begin(), ws.softmax.begin() + m, OnlineSoftmax{});
+  const int64_t rows = round_up(t.m, kRowQuantum);
+  const T* q_rows = q + (t.q_start + t.a) * q_ld + view.q_column(static_cast<int32_t>(t.h));
+  for (int64_t r = 0; r < t.m; ++r) std::memcpy(ws.q.data() + r * dq, q_rows + r * q_ld, dq * sizeof(T));
+  std::fill(ws.q.begin() + t.m * dq, ws.q.begin() + rows * dq, T(0));
+  std::fill(ws.acc.begin(), ws.acc.begin() + rows * dv, 0.f);
+  std::fill(ws.softmax.begin(), ws.softmax.begin() + t.m, OnlineSoftmax{});
+  if constexpr (!kFloat) std::fill(ws.probs.begin() + t.m * kKeyBlock, ws.probs.begin() + rows * kKeyBlock, T(0));
+  T* probs = kFloat ? reinterpret_cast<T*>(ws.scores.data()) : ws.probs.data();
 
-  for (int64_t c0 = 0; c0 < keys_end; c0 += kKeyTile) {
-    const int64_t n = std::min(kKeyTile, keys_end - c0);
-    at::Tensor scores = ws.scores.narrow(0, 0, m).narrow(1, 0, n);  // (m, n), row stride kKeyTile
-    at::mm_out(scores, q_tile, k_head.narrow(0, c0, n).t());
-    float* score_data = scores.data_ptr<float>();
-    for (int64_t r = 0; r < m; ++r) {
-      float* s = score_data + r * kKeyTile;
-      const int64_t visible = causal ? std::clamp<int64_t>(a + r + shift + 1 - c0, 0, n) : n;
+  for (int64_t c0 = 0, block = 0; c0 < keys_end; c0 += kKeyBlock, ++block) {
+    const int64_t n = std::min(kKeyBlock, keys_end - c0);
+    const int64_t cols = round_up(n, kKeyQuantum);
+    cpublas::brgemm(rows, cols, dq, dq, kKeyBlock, kKeyBlock, false, ws.q.data(), kv.k_block(t.b, j, num_kv, block, dq),
+                    ws.scores.data(), !kFloat);
+    for (int64_t r = 0; r < t.m; ++r) {
+      float* s = ws.scores.data() + r * kKeyBlock;
+      T* p = probs + r * kKeyBlock;
+      float* acc = ws.acc.data() + r * dv;
+      const int64_t visible = causal ? std::clamp<int64_t>(t.a + r + shift + 1 - c0, 0, n) : n;
       OnlineSoftmax& sm = ws.softmax[r];
-      const float factor = sm.rescale_for(max_of(s, visible) * scale);
-      if (factor != 1.f) scale_in_place(acc_data + r * kMaxHeadDim, dv, factor);
-      std::fill(s + visible, s + n, 0.f);
+      const float factor = sm.rescale_for((avx512 ? avx512::max_of(s, visible) : max_of(s, visible)) * scale);
+      if (factor != 1.f) avx512 ? avx512::scale_in_place(acc, dv, factor) : scale_in_place(acc, dv, factor);
       if (sm.max == -INFINITY) {
-        std::fill(s, s + visible, 0.f);
+        std::fill(p, p + cols, T(0));
         continue;
       }
-      sm.sum += exp_and_sum(s, visible, scale, sm.max);
+      if constexpr (kFloat) {
+        sm.sum += avx512 ? avx512::exp_and_sum(s, visible, scale, sm.max) : exp_and_sum(s, visible, scale, sm.max);
+      } else {
+        sm.sum += avx512::exp_sum_to_bf16(s, visible, scale, sm.max, p);
+      }
+      std::fill(p + visible, p + cols, T(0));
     }
-    acc.addmm_(scores, v_head.narrow(0, c0, n));
+    cpublas::brgemm(rows, dv, cols, kKeyBlock, dv, dv, true, probs, kv.v_block(t.b, j, num_kv, block, dv),
+                    ws.acc.data(), !kFloat);
   }
-  for (int64_t r = 0; r < m; ++r) {
+  O* out_rows = out + (t.q_start + t.a) * out_ld + view.o_column(static_cast<int32_t>(t.h));
+  for (int64_t r = 0; r < t.m; ++r) {
     const float inv = ws.softmax[r].inverse_sum();
-    for (int64_t c = 0; c < dv; ++c) out_rows[r * out_ld + c] = static_cast<T>(acc_data[r * kMaxHeadDim + c] * inv);
+    for (int64_t c = 0; c < dv; ++c) out_rows[r * out_ld + c] = static_cast<O>(ws.acc[r * dv + c] * inv);
   }
+}
+
+// Runs the plan's records on operands of element type T (q, k, v with unit column stride), writing out (type O).
+template <typename T, typename O>
+void run_plan(const PrefillPlanView& plan, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+              const std::vector<int32_t>& cu_q, const std::vector<int32_t>& cu_k, const checks::HostLayout& layout,
+              bool causal, float scale, bool avx512, at::Tensor& out) {
+  const PackedKV<T> kv = pack_kv<T>(k, v, cu_k, layout);
+  const HeadLayoutView view = layout.view();
+  const T* q_data = q.data_ptr<T>();
+  O* out_data = out.data_ptr<O>();
+  at::parallel_for(0, plan.num_workers(), 1, [&](int64_t w0, int64_t w1) {
+    TileScratch<T> ws;
+    for (int64_t w = w0; w < w1; ++w) {
+      for (int64_t r = plan.worker_offsets()[w]; r < plan.worker_offsets()[w + 1]; ++r) {
+        const int32_t* rec = plan.records() + r * kPrefillRecordFields;
+        const int64_t b = rec[0];
+        TileTask t{b, rec[1], cu_q[b], cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b], 0, 0};
+        for (t.a = rec[2]; t.a < rec[3]; t.a += kRowTile) {
+          t.m = std::min<int64_t>(kRowTile, rec[3] - t.a);
+          run_row_tile<T, O>(t, q_data, q.stride(0), kv, layout, view, causal, scale, avx512, out_data, out.stride(0),
+                             ws);
+        }
+      }
+    }
+    if constexpr (!std::is_same_v<T, float>) cpublas::brgemm_release(true);  // this thread's AMX tile state
+  });
 }
 
 }  // namespace
@@ -108,31 +273,21 @@ at::Tensor prefill_attention_cpu(const at::Tensor& q, const at::Tensor& k, const
   const PrefillPlanView view{schedule.data_ptr<int32_t>()};
   checks::check_prefill_plan_records(op, view, cu_q);
 
-  // Float32 operands with unit column stride (float32 row-strided inputs are used in place).
+  at::Tensor out = at::zeros({q.size(0), group * layout.v_width()}, q.options());
+  const bool avx512 = cpu_isa(op) >= CpuIsa::kAvx512;
+  const float fscale = static_cast<float>(scale);
+  if (q.scalar_type() == at::kBFloat16 && avx512 && bf16_brgemm_runs()) {
+    run_plan<c10::BFloat16, c10::BFloat16>(view, checks::unit_last_stride(q), checks::unit_last_stride(k),
+                                           checks::unit_last_stride(v), cu_q, cu_k, layout, causal, fscale, avx512,
+                                           out);
+    return out;
+  }
+  // Float32 operands (float32 row-strided inputs are used in place).
   const at::Tensor qf = checks::unit_last_stride(q.to(at::kFloat));
   const at::Tensor kf = checks::unit_last_stride(k.to(at::kFloat));
   const at::Tensor vf = checks::unit_last_stride(v.to(at::kFloat));
-  const Operands x{qf, kf, vf};
-  at::Tensor out = at::zeros({q.size(0), group * layout.v_width()}, q.options());
-  const HeadLayoutView head_view = layout.view();
-
   FDC_DISPATCH_FLOAT_TYPES(q.scalar_type(), "fdc::prefill_attention", [&] {
-    scalar_t* out_data = out.data_ptr<scalar_t>();
-    at::parallel_for(0, view.num_workers(), 1, [&](int64_t w0, int64_t w1) {
-      TileScratch ws;
-      for (int64_t w = w0; w < w1; ++w) {
-        for (int64_t r = view.worker_offsets()[w]; r < view.worker_offsets()[w + 1]; ++r) {
-          const int32_t* rec = view.records() + r * kPrefillRecordFields;
-          const int64_t b = rec[0];
-          const int64_t s_q = cu_q[b + 1] - cu_q[b], s_k = cu_k[b + 1] - cu_k[b];
-          for (int64_t a = rec[2]; a < rec[3]; a += kRowTile) {
-            run_row_tile(x, layout, head_view, rec[1], cu_q[b], cu_k[b], s_q, s_k, a,
-                         std::min<int64_t>(kRowTile, rec[3] - a), causal, static_cast<float>(scale), out_data,
-                         out.stride(0), ws);
-          }
-        }
-      }
-    });
+    run_plan<float, scalar_t>(view, qf, kf, vf, cu_q, cu_k, layout, causal, fscale, avx512, out);
   });
   return out;
 }

@@ -238,13 +238,43 @@ FDC_AVX512 inline __m512 exp16(__m512 x) {
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_scalef_ps(p, n));
 }
 
-// x[i] = exp(x[i] - shift) for i < n; returns the sum of the results.
-FDC_AVX512 inline float exp_and_sum(float* x, int64_t n, float shift) {
-  const __m512 s = _mm512_set1_ps(shift);
+// out[i] = bfloat16(exp(x[i] * scale - shift)) for i < n, rounded to nearest even (NaN stays NaN); returns the sum of
+// the float32 exps (the softmax denominator is summed before rounding, as torch's CPU flash attention does). Only
+// AVX-512 F/BW/VL: the rounding is integer arithmetic on the float bits, so CPUs without AVX-512-BF16 run it too.
+FDC_AVX512 inline float exp_sum_to_bf16(const float* x, int64_t n, float scale, float shift, c10::BFloat16* out) {
+  const __m512 sc = _mm512_set1_ps(scale), s = _mm512_set1_ps(-shift);
+  const __m512i one = _mm512_set1_epi32(1), half_ulp = _mm512_set1_epi32(0x7FFF), quiet = _mm512_set1_epi32(0x400000);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += kLanes) {
     const __mmask16 mask = lanes_mask(n - i);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, x + i), s));
+    const __m512 e = exp16(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + i), sc, s));
+    sum = _mm512_mask_add_ps(sum, mask, sum, e);
+    const __m512i bits = _mm512_castps_si512(e);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+    __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, half_ulp));
+    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(e, e, _CMP_UNORD_Q), _mm512_or_si512(bits, quiet));
+    _mm256_mask_storeu_epi16(out + i, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+// Largest of x[0, n); -inf when n == 0.
+FDC_AVX512 inline float max_of(const float* x, int64_t n) {
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __mmask16 mask = lanes_mask(n - i);
+    m = _mm512_mask_max_ps(m, mask, m, _mm512_maskz_loadu_ps(mask, x + i));
+  }
+  return _mm512_reduce_max_ps(m);
+}
+
+// x[i] = exp(x[i] * scale - shift) for i < n; returns the sum of the results.
+FDC_AVX512 inline float exp_and_sum(float* x, int64_t n, float scale, float shift) {
+  const __m512 sc = _mm512_set1_ps(scale), s = _mm512_set1_ps(-shift);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __mmask16 mask = lanes_mask(n - i);
+    const __m512 e = exp16(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + i), sc, s));
     _mm512_mask_storeu_ps(x + i, mask, e);
     sum = _mm512_mask_add_ps(sum, mask, sum, e);
   }
