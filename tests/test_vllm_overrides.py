@@ -29,6 +29,13 @@ def test_overrides_name_the_fdc_class_and_carry_the_settings(tmp_path):
 def test_overrides_refuse_what_the_plugin_cannot_serve(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json does not exist"):
         fdc_ops.vllm.hf_overrides(tmp_path, tmp_path, compression=0.1)
-    with pytest.raises(ValueError, match=r"architectures \['Qwen3ForCausalLM'\]; the FDC plugin supports "
-                                         "LlamaForCausalLM"):
-        fdc_ops.vllm.hf_overrides(model_dir(tmp_path / "qwen", ["Qwen3ForCausalLM"]), tmp_path, compression=0.1)
+    with pytest.raises(ValueError, match=r"architectures \['Phi3ForCausalLM'\]; the FDC plugin supports "
+                                         "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+        fdc_ops.vllm.hf_overrides(model_dir(tmp_path / "phi3", ["Phi3ForCausalLM"]), tmp_path, compression=0.1)
+
+
+@pytest.mark.parametrize("family", ["Llama", "Mistral", "Qwen2", "Qwen3"])
+def test_overrides_map_every_supported_family_to_its_fdc_class(tmp_path, family):
+    overrides = fdc_ops.vllm.hf_overrides(model_dir(tmp_path / "model", [f"{family}ForCausalLM"]), tmp_path,
+                                          removal_rate=0.05)
+    assert overrides["architectures"] == [f"FDC{family}ForCausalLM"]

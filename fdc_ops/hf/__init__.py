@@ -95,18 +95,14 @@ def compress(model, artifact: calibration.FDCArtifact, removal_rate: float | Non
         dtype, device = weights.q_weight.dtype, weights.q_weight.device
         qk_dims_l, v_dims_l = allocation.qk_dims[layer], allocation.v_dims[layer]
         qk_offsets, v_offsets = allocation.offsets(layer)
-        value_weight = calibration.fold_value_projection(weights.v_weight.detach(), v_encoder[layer].to(device),
-                                                         v_dims_l.tolist())
-        output_weight = calibration.fold_output_projection(weights.o_weight.detach(), v_decoder[layer].to(device),
-                                                           v_dims_l.tolist(), G)
-        output_bias = weights.o_bias.detach() if weights.o_bias is not None else None
-        if weights.v_bias is not None:
-            folded = calibration.fold_value_bias(weights.v_bias.detach(), weights.o_weight.detach(), Hkv, G)
-            output_bias = folded if output_bias is None else output_bias + folded
+        folded = calibration.fold_value_and_output(weights.v_weight.detach(), weights.o_weight.detach(),
+                                                   v_encoder[layer].to(device), v_decoder[layer].to(device),
+                                                   v_dims_l.tolist(), G, _detach(weights.v_bias),
+                                                   _detach(weights.o_bias))
         common = dict(original=original, layer=layer, num_heads=H, num_kv_heads=Hkv, head_dim=D,
-                      q_weight=weights.q_weight.detach(), q_bias=_detach(weights.q_bias), value_weight=value_weight,
-                      output_weight=output_weight, output_bias=output_bias, v_offsets=v_offsets,
-                      padding=padding)
+                      q_weight=weights.q_weight.detach(), q_bias=_detach(weights.q_bias),
+                      value_weight=folded.value_weight, output_weight=folded.output_weight,
+                      output_bias=folded.output_bias, v_offsets=v_offsets, padding=padding)
         if method == "fdc":
             rotation = artifact.qk_rotation[layer, :, :, : int(qk_dims_l.max())].to(device, dtype)
             module = FDCAttention(**common, k_weight=weights.k_weight.detach(), k_bias=_detach(weights.k_bias),

