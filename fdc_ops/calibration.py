@@ -112,8 +112,9 @@ def output_aware_factors(model, covariance: torch.Tensor) -> tuple[torch.Tensor,
     attention outputs' (z_gram, ``v_method="attention_output"``): a truncation of the cached values changes head
     h's output ``z_h = sum_i a_hi v_i`` by ``(I - P_r) z_h``, so E||W_O(h) (I - P_r) z_h||^2 summed over the group is
     the error the layer passes on (with the group's heads' statistics pooled). The attention outputs are averages
-    over many keys, dominated by other directions than single values; on SmolLM2 they kept more of the perplexity
-    score at every budget measured (bench/results/eval/README.md).
+    over many keys, so their statistics follow the calibration text's topic more than the values' do: on SmolLM2
+    the attention-output pair kept more of the perplexity score than the activation basis on text of the
+    calibration's own article and less on other articles, the held-out set included (bench/results/eval/README.md).
 
     covariance: (L, H_kv, D, D). Returns singular values S (L, H_kv, D) descending, encoder ``L^-T Q`` and decoder
     ``L Q`` (L, H_kv, D, D) float64, column i of each belonging to S_i: c_i = encoder[:, i] . v,
