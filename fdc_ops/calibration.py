@@ -33,6 +33,8 @@ class CalibrationStatistics:
     k_gram: torch.Tensor  # (L, H_kv, D, D) post-RoPE keys, per KV head
     v_gram: torch.Tensor  # (L, H_kv, D, D) values, per KV head (bias included)
     key_gram: torch.Tensor  # (L, H_kv, D, D) pre-RoPE keys as the K projection outputs them (Palu's latent input)
+    z_gram: torch.Tensor  # (L, H_kv, D, D) attention outputs z_h = sum_i a_hi v_i less the V bias, summed over the
+    # query heads h of each KV head's group: what the output projection receives (v_method="attention_output")
     num_tokens: int = 0
     positions: int = 0  # sequence length of the calibration sequences (RoPE statistics depend on it)
 
@@ -40,15 +42,16 @@ class CalibrationStatistics:
     def zeros(cls, shape: AttentionShape) -> "CalibrationStatistics":
         L, H, Hkv, D = shape.num_layers, shape.num_heads, shape.num_kv_heads, shape.head_dim
         f64 = torch.float64
-        return cls(shape, torch.zeros(L, H, D, D, dtype=f64), torch.zeros(L, Hkv, D, D, dtype=f64),
-                   torch.zeros(L, Hkv, D, D, dtype=f64), torch.zeros(L, Hkv, D, D, dtype=f64))
+        return cls(shape, torch.zeros(L, H, D, D, dtype=f64),
+                   *(torch.zeros(L, Hkv, D, D, dtype=f64) for _ in range(4)))
 
     def __add__(self, other: "CalibrationStatistics") -> "CalibrationStatistics":
         if self.shape != other.shape:
             raise ValueError(f"fdc_ops: cannot add statistics of shapes {self.shape} and {other.shape}")
         return CalibrationStatistics(self.shape, self.q_gram + other.q_gram, self.k_gram + other.k_gram,
                                      self.v_gram + other.v_gram, self.key_gram + other.key_gram,
-                                     self.num_tokens + other.num_tokens, max(self.positions, other.positions))
+                                     self.z_gram + other.z_gram, self.num_tokens + other.num_tokens,
+                                     max(self.positions, other.positions))
 
     def qk_gram(self, mode: str = "kv_head") -> torch.Tensor:
         """Gram matrix of the rows stacked for one rotation. ``kv_head`` (the serving layout): KV head j's keys and
@@ -96,21 +99,30 @@ NULL_SPACE = 1e-10  # eigenvalues below this share of the largest are the values
 # reproduced exactly at its rank.
 
 
-def output_aware_factors(model, v_gram: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def output_aware_factors(model, covariance: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The output-aware V factorization (docs/design.md section 1, "V compression"). What the model consumes is
-    ``sum_h W_O(h) o_h``, not v: per layer and KV head j, with ``C = L L^T`` the value covariance (v_gram) and
-    ``W = [W_O(h) for h in j's group]`` stacked (G * hidden, D), the SVD ``W L = P S Q^T`` orders the whitened value
-    directions by the output energy they carry. Caching ``c = Q_r^T L^-1 v`` and folding ``L Q_r`` into W_O is the
-    best rank-r pair for E||W (v - v_r)||^2 when the group's heads see the values' statistics; at full rank
-    ``L Q Q^T L^-1 = I`` (exact). The pair is not orthonormal. L is taken on the values' range; their null space
-    (if any) comes last.
+    ``sum_h W_O(h) z_h``, not v: per layer and KV head j, with ``C = L L^T`` the covariance of what the truncation
+    acts on and ``W = [W_O(h) for h in j's group]`` stacked (G * hidden, D), the SVD ``W L = P S Q^T`` orders the
+    whitened value directions by the output energy they carry. Caching ``c = Q_r^T L^-1 v`` and folding ``L Q_r`` into
+    W_O is the best rank-r pair for E||W (y - P_r y)||^2 (``P_r = L Q_r Q_r^T L^-1``) over rows y of covariance C;
+    at full rank ``L Q Q^T L^-1 = I`` (exact, whatever C is). The pair is not orthonormal. L is taken on C's range;
+    its null space (if any) comes last.
 
-    v_gram: (L, H_kv, D, D). Returns singular values S (L, H_kv, D) descending, encoder ``L^-T Q`` and decoder ``L Q``
-    (L, H_kv, D, D) float64, column i of each belonging to S_i: c_i = encoder[:, i] . v, v = sum_i decoder[:, i] c_i."""
+    Which C: the values' (v_gram, ``v_method="output"``) treats every head as if it passed the values on; the
+    attention outputs' (z_gram, ``v_method="attention_output"``): a truncation of the cached values changes head
+    h's output ``z_h = sum_i a_hi v_i`` by ``(I - P_r) z_h``, so E||W_O(h) (I - P_r) z_h||^2 summed over the group is
+    the error the layer passes on (with the group's heads' statistics pooled). The attention outputs are averages
+    over many keys, so their statistics follow the calibration text's topic more than the values' do: on SmolLM2
+    the attention-output pair kept more of the perplexity score than the activation basis on text of the
+    calibration's own article and less on other articles, the held-out set included (bench/results/eval/README.md).
+
+    covariance: (L, H_kv, D, D). Returns singular values S (L, H_kv, D) descending, encoder ``L^-T Q`` and decoder
+    ``L Q`` (L, H_kv, D, D) float64, column i of each belonging to S_i: c_i = encoder[:, i] . v,
+    v = sum_i decoder[:, i] c_i."""
     shape = families.attention_shape(model)
     D, Hkv, G = shape.head_dim, shape.num_kv_heads, shape.group
-    eigenvalues, eigenvectors = torch.linalg.eigh(v_gram.to(torch.float64))  # ascending: (L, H_kv, D), (.., D, D)
-    values = torch.zeros(v_gram.shape[:-1], dtype=torch.float64)
+    eigenvalues, eigenvectors = torch.linalg.eigh(covariance.to(torch.float64))  # ascending: (L, H_kv, D), (.., D, D)
+    values = torch.zeros(covariance.shape[:-1], dtype=torch.float64)
     encoders, decoders = torch.zeros_like(eigenvectors), torch.zeros_like(eigenvectors)
     for layer, module in enumerate(families.attention_modules(model)):
         o_weight = families.attention_weights(module, shape).o_weight.detach().to("cpu", torch.float64)
@@ -163,10 +175,14 @@ def text_token_batches(token_ids: torch.Tensor, num_tokens: int, seq_len: int,
 def capture_statistics(model, batches: Iterable[torch.Tensor], *, progress: bool = True,
                        description: str = "calibrating") -> CalibrationStatistics:
     """Runs ``model``'s decoder over each (batch, seq_len) batch of token ids and sums the Gram matrices of the
-    post-RoPE queries and keys and of the values of every head, as the model's own attention receives them, and of
-    the pre-RoPE keys as the K projection outputs them. The model's outputs are not changed."""
+    post-RoPE queries and keys and of the values of every head, as the model's own attention receives them, of
+    the pre-RoPE keys as the K projection outputs them, and of the attention outputs (less the V bias, which folds
+    exactly) of each KV head's query heads, as the model's own attention returns them. The model's outputs are not
+    changed."""
     shape = families.attention_shape(model)
     stats = CalibrationStatistics.zeros(shape)
+    Hkv, G, D = shape.num_kv_heads, shape.group, shape.head_dim
+    v_biases = [families.attention_weights(m, shape).v_bias for m in families.attention_modules(model)]
 
     def accumulate(gram: torch.Tensor, rows: torch.Tensor) -> None:  # rows (B, heads, S, D)
         rows = rows.detach().to("cpu", torch.float64)
@@ -177,7 +193,18 @@ def capture_statistics(model, batches: Iterable[torch.Tensor], *, progress: bool
         accumulate(stats.q_gram[layer], query)
         accumulate(stats.k_gram[layer], key)
         accumulate(stats.v_gram[layer], value)
-        return original(module, query, key, value, attention_mask, **kwargs)
+        result = original(module, query, key, value, attention_mask, **kwargs)
+        outputs = result[0]  # (B, S, H, D): every attention interface returns its output token-major
+        expected = (query.shape[0], query.shape[2], query.shape[1], D)
+        if tuple(outputs.shape) != expected:
+            raise ValueError(f"fdc_ops: the attention function returned shape {tuple(outputs.shape)}, expected "
+                             f"(batch, seq_len, heads, head_dim) = {expected}")
+        outputs = outputs.detach().to("cpu", torch.float64)
+        if v_biases[layer] is not None:  # softmax rows sum to 1: each output carries b_V whole
+            outputs = outputs - v_biases[layer].detach().to("cpu", torch.float64).view(Hkv, D).repeat_interleave(G, 0)
+        grouped = outputs.unflatten(2, (Hkv, G))  # (B, S, H_kv, G, D)
+        stats.z_gram[layer] += torch.einsum("bsjgd,bsjge->jde", grouped, grouped)
+        return result
 
     def key_hook(layer: int):
         q_width, kv_width = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
@@ -530,7 +557,7 @@ METADATA_FILE = "fdc_artifact.json"
 TENSORS_FILE = "fdc_artifact.safetensors"
 ORTHONORMALITY_TOLERANCE = 1e-4  # bases are stored in float32: columns orthonormal to ~1e-6; this flags corruption
 INVERSE_TOLERANCE = 1e-8  # V factor pairs are stored in float64: decoder^T encoder = I to ~1e-13; this flags corruption
-V_METHODS = ("output", "activation", "weight")
+V_METHODS = ("output", "activation", "weight", "attention_output")
 RULES = ("sensitivity", "explained_variance", "singular_value", "fisher")
 RECALIBRATE = ("recalibrate: fdc_ops.calibration.calibrate(model, tokenizer) or `python -m fdc_ops calibrate --out "
                "DIR` (load_or_calibrate recalibrates its cache entries by itself)")
@@ -790,8 +817,8 @@ def v_factors_from_statistics(model, stats: CalibrationStatistics, v_method: str
     """(singular values, encoder, decoder) of one V factorization (see V_METHODS and calibrate)."""
     if v_method not in V_METHODS:
         raise ValueError(f"fdc_ops.calibration: v_method must be one of {V_METHODS}, got {v_method!r}")
-    if v_method == "output":
-        return output_aware_factors(model, stats.v_gram)
+    if v_method in ("output", "attention_output"):
+        return output_aware_factors(model, stats.v_gram if v_method == "output" else stats.z_gram)
     values, basis = principal_axes(stats.v_gram) if v_method == "activation" else weight_value_axes(model)
     return values, basis, basis
 
@@ -902,8 +929,10 @@ def calibrate(model, tokenizer=None, *, text: str = "wikipedia", num_tokens: int
 
     ``v_method``: ``activation`` (principal axes of the captured values, Palu-style; the default: with the
     sensitivity allocation it kept more of the held-out perplexity score than the output-aware factors at every
-    budget measured, bench/results/eval/README.md), ``output`` (output-aware factors, see output_aware_factors) or
-    ``weight`` (the paper's SVD of W_V). ``sensitivity_tokens``: how many of the calibration
+    budget measured, bench/results/eval/README.md), ``output`` (output-aware factors from the values' covariance,
+    see output_aware_factors), ``attention_output`` (output-aware factors from the second moment of the attention
+    outputs, what a truncation of the values actually changes; see output_aware_factors) or ``weight`` (the
+    paper's SVD of W_V). ``sensitivity_tokens``: how many of the calibration
     tokens (whole sequences) measure every head's sensitivity for allocate(compression=...) (a forward and backward
     pass, about 3x a calibration pass; all 8192 by default, bench/results/eval/README.md); 0 skips it."""
     if v_method not in V_METHODS:

@@ -47,6 +47,17 @@ def test_capture_equals_hand_rope_and_leaves_outputs_unchanged(family):
         keys = hand_key_projection(model, layer, hidden)
         torch.testing.assert_close(stats.key_gram[layer], gram(keys), rtol=1e-5,
                                    atol=1e-5 * gram(keys).abs().max().item())
+        # attention outputs of every query head (causal softmax), less the V bias, summed over each group
+        shape = families.attention_shape(model)
+        G, S = shape.group, ids.shape[1]
+        scores = q @ k.repeat_interleave(G, 1).transpose(-1, -2) * families.attention_modules(model)[layer].scaling
+        causal = torch.ones(S, S, dtype=torch.bool).triu(1)
+        bias = families.attention_weights(families.attention_modules(model)[layer], shape).v_bias
+        v_less_bias = v if bias is None else v - bias.detach().to(torch.float64).view(1, -1, 1, HEAD_DIM)
+        z = scores.masked_fill(causal, float("-inf")).softmax(-1) @ v_less_bias.repeat_interleave(G, 1)
+        want = gram(z).view(shape.num_kv_heads, G, HEAD_DIM, HEAD_DIM).sum(1)
+        torch.testing.assert_close(stats.z_gram[layer], want, rtol=1e-5, atol=1e-5 * want.abs().max().item(),
+                                   msg=f"{family} layer {layer} z: {replay}")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -146,15 +157,18 @@ def test_folded_projections_reproduce_attention_at_full_rank(family, v_method):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_output_aware_v_factors_are_exact_at_full_rank_in_float64(family):
+@pytest.mark.parametrize("covariance", ["v_gram", "z_gram"])  # v_method "output" and "attention_output"
+def test_output_aware_v_factors_are_exact_at_full_rank_in_float64(family, covariance):
     """The output-aware pair folded into A_V and W_O' composes to W_O(h) W_V(kv(h)) for every query head, and the
     factors order directions by the output energy they carry: truncating to w dims loses exactly the tail of S^2
-    in E||W (v - v_w)||^2 (the best any rank-w pair can do for that objective)."""
-    generator, rng, replay = case_generator("output_aware", FAMILIES.index(family))
+    in E||W (y - y_w)||^2 over rows y of the covariance it was built from, the values' or the attention outputs'
+    (the best any rank-w pair can do for that objective)."""
+    generator, rng, replay = case_generator(f"output_aware_{covariance}", FAMILIES.index(family))
     model = tiny_model(family, seed=rng.randrange(1000)).double()
     ids = random_ids(model, generator, 2, 40)
     stats = calibration.capture_statistics(model, [ids], progress=False)
-    values, encoder, decoder = calibration.output_aware_factors(model, stats.v_gram)
+    gram_of_rows = getattr(stats, covariance)
+    values, encoder, decoder = calibration.output_aware_factors(model, gram_of_rows)
     shape = families.attention_shape(model)
     G, D, Hkv = shape.group, shape.head_dim, shape.num_kv_heads
     eye = torch.eye(D, dtype=torch.float64)
@@ -177,8 +191,8 @@ def test_output_aware_v_factors_are_exact_at_full_rank_in_float64(family):
             w = rng.randrange(1, D)
             projector = decoder[layer, j, :, :w] @ encoder[layer, j, :, :w].T  # v -> v_w
             residual = o_weight[j] @ (eye - projector)
-            lost = torch.trace(residual @ stats.v_gram[layer, j] @ residual.T)
-            floor = calibration.COVARIANCE_FLOOR * torch.linalg.eigvalsh(stats.v_gram[layer, j])[-1]
+            lost = torch.trace(residual @ gram_of_rows[layer, j] @ residual.T)
+            floor = calibration.COVARIANCE_FLOOR * torch.linalg.eigvalsh(gram_of_rows[layer, j])[-1]
             assert lost <= (values[layer, j, w:] ** 2).sum() + 1e-9 * lost.abs(), replay
             assert lost >= (values[layer, j, w:] ** 2).sum() - floor * (o_weight[j] ** 2).sum(), replay
 

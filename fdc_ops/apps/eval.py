@@ -18,8 +18,9 @@ the compression reported for a level is the largest tried compression whose scor
 tried compression, stay at or above it: never one that only bisection's monotonicity assumption would give.
 
 Every evaluation is appended to ``<out>/<model>-eval-<metric>-points.json`` as it finishes (keyed by the widths, so
-an interrupted run resumes and equal allocations are measured once); each run rewrites the curves, JSON and PNG,
-from all points so far.
+an interrupted run resumes and equal allocations are measured once, and tagged with its artifact's calibration
+settings, so a point of an artifact calibrated differently since is measured again); each run rewrites the curves,
+JSON and PNG, from all points so far.
 """
 
 from __future__ import annotations
@@ -44,11 +45,14 @@ METHODS = {
     "uniform ranks": {"artifact": "default", "uniform": True},
     "Palu": {"artifact": "default", "method": "palu"},
 }
-# The measurements behind the defaults (bench/results/eval/README.md): the output-aware V factors against the
-# default activation V, each with the sensitivity allocation.
+# The measurements behind the defaults (bench/results/eval/README.md): the output-aware V factors (from the values'
+# and from the attention outputs' covariance) against the default activation V, each with the sensitivity allocation.
 ABLATIONS = {
     "output V, sensitivity": {"artifact": "output"},
+    "attention-output V, sensitivity": {"artifact": "attention_output"},
 }
+# load_or_calibrate's settings beyond the text, per artifact a method names
+ARTIFACTS = {"default": {}, "output": {"v_method": "output"}, "attention_output": {"v_method": "attention_output"}}
 GRID = (0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)  # dense where 99% is decided, to 0.5
 LEVELS = tuple(round(0.90 + 0.01 * i, 2) for i in range(10))  # accuracy levels tabulated: 0.90 .. 0.99
 METRICS = ("perplexity", "edit_similarity")
@@ -63,6 +67,16 @@ def uniform_allocation(shape, compression: float, multiple: int = 8) -> RankAllo
     qk = max(multiple, pair - v)
     dims = torch.full((shape.num_layers, shape.num_kv_heads), qk, dtype=torch.int64)
     return RankAllocation(dims, torch.full_like(dims, v), D, "uniform", None, {"compression_target": compression})
+
+
+def calibration_tag(settings: dict) -> str:
+    """What a measured point carries of its artifact: a hash of the artifact's calibration settings and fitted V-to-Q/K
+    balance, not of the losses the fit measured (they differ in the last bits with the thread count; a point's widths
+    are checked separately, by its key)."""
+    settings = dict(settings)
+    if isinstance(settings.get("balance"), dict):
+        settings["balance"] = {k: v for k, v in settings["balance"].items() if k != "measured_nll_increase"}
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _key(name: str, allocation: RankAllocation) -> str:
@@ -92,8 +106,9 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
     torch.manual_seed(0)
     model, tokenizer = loading.load_model()
     shape = families.attention_shape(model)
-    artifacts = {"default": calibration.load_or_calibrate(model, tokenizer, text=text),
-                 "output": calibration.load_or_calibrate(model, tokenizer, text=text, v_method="output")}
+    artifacts = {name: calibration.load_or_calibrate(model, tokenizer, text=text, **ARTIFACTS[name])
+                 for name in sorted({table[method]["artifact"] for method in methods})}
+    calibrations = {name: calibration_tag(artifact.metadata["calibration"]) for name, artifact in artifacts.items()}
     wiki = datasets.text_tokens(tokenizer, "wikipedia")[-eval_tokens:]
     tasks = list(datasets.humaneval_problems()[:problems])
 
@@ -108,8 +123,7 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
     model_name = "smollm2"
     points_path = directory / f"{model_name}-eval-{metric}-points.json"
     settings_tag = {"metric": metric, "text": text, "eval_tokens": eval_tokens, "problems": problems,
-                    "max_new_tokens": max_new_tokens, "fingerprint": families.fingerprint(model),
-                    "calibration": {name: artifact.metadata["calibration"] for name, artifact in artifacts.items()}}
+                    "max_new_tokens": max_new_tokens, "fingerprint": families.fingerprint(model)}
     store = json.loads(points_path.read_text()) if points_path.is_file() else {}
     if store.get("settings") != settings_tag:
         store = {"settings": settings_tag, "base": None, "points": {}}
@@ -133,7 +147,8 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
         settings = table[name]
         allocation = allocation_for(settings, compression)
         key = _key(name, allocation)
-        if key not in store["points"]:
+        point = store["points"].get(key)
+        if point is None or point.get("calibration") != calibrations[settings["artifact"]]:
             if budget_s is not None and time.time() - begin > budget_s:
                 raise OutOfTime
             started = time.time()
@@ -143,7 +158,8 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
                 score = measure()
             finally:
                 hf.restore(model)
-            store["points"][key] = {"method": name, "requested": compression,
+            store["points"][key] = {"method": name, "calibration": calibrations[settings["artifact"]],
+                                    "requested": compression,
                                     "compression": allocation.compression_rate, "relative_score": score / base,
                                     "mean_qk_dim": float(allocation.qk_dims.double().mean()),
                                     "mean_v_dim": float(allocation.v_dims.double().mean()),
@@ -161,14 +177,18 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
     except OutOfTime:
         complete = False
         print(f"stopping: the {budget_s:.0f} s budget is spent; run again to continue")
-    return _write(directory, model_name, metric, store, methods, complete, begin)
+    current = {name: calibrations[table[name]["artifact"]] for name in methods}
+    used = {name: artifact.metadata["calibration"] for name, artifact in artifacts.items()}
+    return _write(directory, model_name, metric, store, current, used, complete, begin)
 
 
-def _write(directory: Path, model_name: str, metric: str, store: dict, methods, complete: bool, begin: float) -> dict:
+def _write(directory: Path, model_name: str, metric: str, store: dict, current: dict, used: dict, complete: bool,
+           begin: float) -> dict:
+    """current: {method: the calibration tag its points must carry}; used: the artifacts' calibration settings."""
     curves = {}
-    for name in methods:
+    for name, tag in current.items():
         points = sorted((p["compression"], p["relative_score"]) for p in store["points"].values()
-                        if p["method"] == name)
+                        if p["method"] == name and p.get("calibration") == tag)
         if not points:
             continue
         curves[name] = {"points": [{"compression": c, "relative_score": s} for c, s in points],
@@ -184,8 +204,8 @@ def _write(directory: Path, model_name: str, metric: str, store: dict, methods, 
         print(f"{'defaults - Palu':<28}" + "".join(f"{gap:>7.3f}" for gap in gaps.values()))
     commit, dirty = provenance.git_commit()
     utc = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    results = {"model": model_name, "settings": store["settings"], "base_score": store["base"], "complete": complete,
-               "curves": curves,
+    results = {"model": model_name, "settings": store["settings"], "calibration": used, "base_score": store["base"],
+               "complete": complete, "curves": curves,
                "run": {"device": provenance.device_name(torch.device("cpu")), "torch": torch.__version__,
                        "threads": torch.get_num_threads(), "commit": commit, "dirty": dirty, "utc": utc,
                        "seconds": time.time() - begin}}
