@@ -82,9 +82,10 @@ def _prefill_inputs(rng, gen, layout, dtype):
     return q, k, v, cu_q, cu_k
 
 
-# Prefill runs bf16 on torch's bf16 GEMM micro-kernel where it runs (AVX-512 with oneDNN), everything else in
-# float32 (csrc/cpu/prefill_attention.cpp); "portable" forces the float32 path with the portable softmax loops.
-PREFILL_ISAS = ("", "portable")
+# Prefill runs bf16 on torch's bf16 GEMM micro-kernel where it runs (AVX-512-BF16 with oneDNN), everything else in
+# float32 (csrc/cpu/prefill_attention.cpp); "avx512" forces the float32 path with AVX-512 softmax loops, "portable"
+# with the portable ones.
+PREFILL_ISAS = ("", "avx512", "portable")
 
 
 @pytest.mark.parametrize("isa", PREFILL_ISAS)
