@@ -205,19 +205,6 @@ FDC_AVX512 void axpy_rows(const float* w, int64_t w_ld, int64_t group, const T* 
   }
 }
 
-// x[i] *= scale for i < n; returns the largest result (-inf when n == 0).
-FDC_AVX512 inline float scale_and_max(float* x, int64_t n, float scale) {
-  const __m512 s = _mm512_set1_ps(scale);
-  __m512 m = _mm512_set1_ps(-INFINITY);
-  for (int64_t i = 0; i < n; i += kLanes) {
-    const __mmask16 mask = lanes_mask(n - i);
-    const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, x + i), s);
-    _mm512_mask_storeu_ps(x + i, mask, v);
-    m = _mm512_mask_max_ps(m, mask, m, v);
-  }
-  return _mm512_reduce_max_ps(m);
-}
-
 // exp(x), 16 lanes: x = n ln2 + r (Cody-Waite split of ln2), exp(r) by its Taylor polynomial of degree kDegree, times
 // 2^n by vscalefps (exact, no exponent-field arithmetic). Degree 6 is within about 2 ulp of float32; degree 4 within
 // 5e-5 relative (|r| <= ln2 / 2), for results rounded to bfloat16 right after (a rounding step of 3.9e-3). Arguments
@@ -262,13 +249,14 @@ FDC_AVX512 inline float max_of(const float* x, int64_t n) {
   return _mm512_reduce_max_ps(m);
 }
 
-// x[i] = exp(x[i] * scale - shift) for i < n; returns the sum of the results.
+// x[i] = exp(x[i] * scale - shift) for i < n, by exp16<kDegree>; returns the sum of the results.
+template <int kDegree = 6>
 FDC_AVX512 inline float exp_and_sum(float* x, int64_t n, float scale, float shift) {
   const __m512 sc = _mm512_set1_ps(scale), s = _mm512_set1_ps(-shift);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += kLanes) {
     const __mmask16 mask = lanes_mask(n - i);
-    const __m512 e = exp16(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + i), sc, s));
+    const __m512 e = exp16<kDegree>(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + i), sc, s));
     _mm512_mask_storeu_ps(x + i, mask, e);
     sum = _mm512_mask_add_ps(sum, mask, sum, e);
   }
