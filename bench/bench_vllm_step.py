@@ -26,6 +26,8 @@ def parse_args():
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed after the prefill step")
     parser.add_argument("--compression", type=float, default=0.1)
+    parser.add_argument("--full-rank", action="store_true",
+                        help="FDC at full width (every head keeps all its dims): the FDC path at vLLM's own shapes")
     parser.add_argument("--block-size", type=int, default=None, help="tokens per page (vLLM's default if not given)")
     parser.add_argument("--models", nargs="+", default=["uncompressed", "fdc"], choices=["uncompressed", "fdc"])
     parser.add_argument("--profile", type=int, default=0, help="profile this many decode steps (after the timed ones)")
@@ -94,8 +96,14 @@ def main() -> None:
     prompts = [[rng.randrange(vocab_size) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
     results = {}
     for name in args.models:
-        overrides = None if name == "uncompressed" else fdc_ops.vllm.hf_overrides(model, artifact,
-                                                                                  compression=args.compression)
+        if name == "uncompressed":
+            overrides = None
+        elif args.full_rank:
+            shape = calibration.FDCArtifact.load(artifact).shape
+            full = [[shape.head_dim] * shape.num_kv_heads] * shape.num_layers
+            overrides = fdc_ops.vllm.hf_overrides(model, artifact, qk_dims=full, v_dims=full)
+        else:
+            overrides = fdc_ops.vllm.hf_overrides(model, artifact, compression=args.compression)
         results[name] = measure(model, overrides, prompts, args)
     for name, result in results.items():
         if result["profile"]:
