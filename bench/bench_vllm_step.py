@@ -32,19 +32,8 @@ def parse_args():
     parser.add_argument("--models", nargs="+", default=["uncompressed", "fdc"], choices=["uncompressed", "fdc"])
     parser.add_argument("--profile", type=int, default=0, help="profile this many decode steps (after the timed ones)")
     parser.add_argument("--profile-rows", type=int, default=40)
-    parser.add_argument("--stacks", action="store_true", help="with --profile: record Python stacks (slower steps) "
-                        "and print where the most frequent small ops (slice, narrow, copy, fill) come from")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
-
-
-def small_op_stacks(profiler, count: int = 12) -> str:
-    """The Python stacks that call the most frequent small ops, with their counts and self time."""
-    events = [event for event in profiler.key_averages(group_by_stack_n=8)
-              if event.key in ("aten::slice", "aten::narrow", "aten::copy_", "aten::zero_", "aten::fill_")]
-    events.sort(key=lambda event: -event.count)
-    return "\n" + "\n".join(f"{event.key} x{event.count} {event.self_cpu_time_total / 1e3:.1f} ms\n  "
-                             + "\n  ".join(event.stack) for event in events[:count])
 
 
 def measure(model: str, overrides: dict | None, prompts: list[list[int]], args) -> dict:
@@ -67,12 +56,10 @@ def measure(model: str, overrides: dict | None, prompts: list[list[int]], args) 
     table = None
     if args.profile:
         activities = [torch.profiler.ProfilerActivity.CPU]
-        with torch.profiler.profile(activities=activities, record_shapes=True, with_stack=args.stacks) as profiler:
+        with torch.profiler.profile(activities=activities, record_shapes=True) as profiler:
             for _ in range(args.profile):
                 engine.step()
         table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows)
-        if args.stacks:
-            table += small_op_stacks(profiler)
     block_size = engine.vllm_config.cache_config.block_size
     engine.engine_core.shutdown()
     del engine, llm
