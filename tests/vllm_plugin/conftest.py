@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_engines import KV_CACHE_GIB
+from .vllm_engines import KV_CACHE_GIB
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 SKIP_REASON = ("vLLM is not installed in this environment: the plugin tests run in .venv-vllm "

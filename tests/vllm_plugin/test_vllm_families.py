@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_engines import Engine, hf_fdc_tokens
+from .vllm_engines import Engine, hf_fdc_tokens
 
 # Prompts batched together in vLLM (one batched prefill, then batched decodes), one at a time in Hugging Face.
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-import vllm_engines
-from vllm_engines import KV_CACHE_GIB, MAX_MODEL_LEN, NEW_TOKENS, Engine
+from . import vllm_engines
+from .vllm_engines import KV_CACHE_GIB, MAX_MODEL_LEN, NEW_TOKENS, Engine
 
 # A real compression with heads of different widths; SmolLM2's 64-wide heads keep 99% of the perplexity score only to
 # about 0.04 (README), so 0.1 still drifts from the uncompressed text after a few tokens (which the tests do not need:
