@@ -1,6 +1,5 @@
-// fdc::rotate_compress on the CPU: one float32 matrix product per KV head (all G query heads of the group at once),
-// written into the head's packed segment. The product is shared with rope_rotate_compress (cpu_common.h). Up to
-// kLoopTokens tokens, the product runs as one row kernel per (token, KV head) instead.
+// fdc::rotate_compress on the CPU: the per-KV-head product with all G query heads of the group at once, written into
+// the head's packed segment. The product (rotate_into_packed, cpu_common.h) is shared with rope_rotate_compress.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -9,12 +8,6 @@
 
 namespace fdc::cpu {
 namespace {
-
-// Up to this many tokens (decode steps, short prompts) the product runs as axpy_rows per (token, KV head): the
-// matmul path is about thirty ATen calls per op (a broadcast bmm, narrows, copies into the packed segments) whatever
-// the size, measured at 118 us per call inside a vLLM decode step of SmolLM2 (8 requests: 9 query or 3 key heads of
-// 64), two calls per layer, 7 ms of a 60 ms step; above it matmul's blocking wins.
-constexpr int64_t kLoopTokens = 64;
 
 // x (T, G * H_kv, D) float32 with unit-stride rows, rot (H_kv, D, R_max) float32 contiguous -> out (T, G * W_qk)
 // float32 contiguous: query head i of KV head j of token t at columns G * qk_offsets[j] + i * dim.
@@ -44,7 +37,17 @@ void rotate_rows(const at::Tensor& x, const at::Tensor& rot, const checks::HostL
 void rotate_into_packed(const at::Tensor& x_float, const at::Tensor& rot, const checks::HostLayout& layout,
                         int64_t group, at::Tensor& out) {
   const int64_t tokens = x_float.size(0);
-  const at::Tensor rotf = rot.to(at::kFloat);
+  const at::Tensor rotf = rot.to(at::kFloat).contiguous();  // (H_kv, D, R_max)
+  if (tokens <= kRowLoopTokens) {
+    if (out.scalar_type() == at::kFloat) {
+      rotate_rows(checks::unit_last_stride(x_float), rotf, layout, group, out);
+    } else {
+      at::Tensor out_float = at::empty(out.sizes(), out.options().dtype(at::kFloat));
+      rotate_rows(checks::unit_last_stride(x_float), rotf, layout, group, out_float);
+      out.copy_(out_float);
+    }
+    return;
+  }
   for (int64_t j = 0; j < layout.num_kv_heads(); ++j) {
     const int64_t dim = layout.qk_offsets[j + 1] - layout.qk_offsets[j];
     const at::Tensor segment =
@@ -57,13 +60,6 @@ void rotate_into_packed(const at::Tensor& x_float, const at::Tensor& rot, const 
 at::Tensor rotate_compress_cpu(const at::Tensor& x, const at::Tensor& rot, const at::Tensor& qk_offsets,
                                int64_t group) {
   const checks::RotateShape shape = checks::check_rotate_compress("rotate_compress", x, rot, qk_offsets, group);
-  if (shape.tokens <= kLoopTokens) {
-    const at::Tensor xf = checks::unit_last_stride(x.to(at::kFloat));  // (T, G * H_kv, D)
-    const at::Tensor rotf = rot.to(at::kFloat).contiguous();           // (H_kv, D, R_max)
-    at::Tensor out = at::empty({shape.tokens, group * shape.layout.qk_width()}, x.options().dtype(at::kFloat));
-    rotate_rows(xf, rotf, shape.layout, group, out);
-    return out.to(x.scalar_type());
-  }
   at::Tensor out = at::empty({shape.tokens, group * shape.layout.qk_width()}, x.options());
   rotate_into_packed(x.to(at::kFloat), rot, shape.layout, group, out);
   return out;
