@@ -920,12 +920,14 @@ def calibrate(model, tokenizer=None, *, text: str = "wikipedia", num_tokens: int
               progress: bool = True) -> FDCArtifact:
     """Calibrates ``model`` (a Hugging Face causal LM of a supported family) and returns its FDCArtifact.
 
-    Tokens: ``num_tokens`` of the bundled ``text`` (``wikipedia`` by default, read from its start; needs the
-    model's ``tokenizer``), or ``text="random"``: uniformly random token ids (``seed``, the paper's setting), or
-    ``input_ids``, a 1-D token stream or (N, S) sequences of your own text (named by ``source_name``). Sequences are
-    ``seq_len`` long (RoPE statistics depend on position: calibrate up to the positions you serve). With
-    sensitivities, the BALANCE_SEQUENCES sequences that follow the calibration tokens (in the text, or the random
-    stream) fit their V-to-Q/K balance; (N, S) ``input_ids`` give no such sequences, and the balance is left at 1.
+    Tokens: ``num_tokens`` of the bundled ``text`` (``wikipedia`` by default; needs the model's ``tokenizer``),
+    as windows that start at documents spread over the text (datasets.calibration_windows), or ``text="random"``:
+    uniformly random token ids (``seed``, the paper's setting), or ``input_ids``, a 1-D token stream (read as
+    consecutive windows from its start) or (N, S) sequences of your own text (named by ``source_name``). Sequences
+    are ``seq_len`` long (RoPE statistics depend on position: calibrate up to the positions you serve). With
+    sensitivities, BALANCE_SEQUENCES more sequences the statistics do not see (two more documents' windows of the
+    text, the continuation of a 1-D stream or of the random stream) fit their V-to-Q/K balance; (N, S)
+    ``input_ids`` give no such sequences, and the balance is left at 1.
 
     ``v_method``: ``activation`` (principal axes of the captured values, Palu-style; the default: with the
     sensitivity allocation it kept more of the held-out perplexity score than the output-aware factors at every
@@ -947,15 +949,21 @@ def calibrate(model, tokenizer=None, *, text: str = "wikipedia", num_tokens: int
         if balance:
             extra = random_token_batches(vocab_size, num_tokens + balance * seq_len, seq_len, seed, 1)
             held_out = extra[-balance:]
-        source = {"source": "random_tokens", "seed": seed}
-    else:
-        if input_ids is None:
-            from . import datasets
+        source = {"source": "random_tokens", "sampling": "uniform", "seed": seed}
+    elif input_ids is None:
+        from . import datasets
 
-            if tokenizer is None:
-                raise ValueError(f"fdc_ops.calibration.calibrate: calibrating on text={text!r} needs the model's "
-                                 "tokenizer (pass tokenizer=), or pass text='random' for uniformly random tokens")
-            input_ids, source_name = datasets.text_tokens(tokenizer, text), text
+        if tokenizer is None:
+            raise ValueError(f"fdc_ops.calibration.calibrate: calibrating on text={text!r} needs the model's "
+                             "tokenizer (pass tokenizer=), or pass text='random' for uniformly random tokens")
+        if num_tokens <= 0:
+            raise ValueError(f"fdc_ops.calibration.calibrate: num_tokens must be positive, got {num_tokens}")
+        count = -(-num_tokens // seq_len)
+        windows = datasets.calibration_windows(*datasets.text_documents(tokenizer, text), count + balance, seq_len)
+        batches = list(torch.cat(windows[:count]).split(batch_size))
+        held_out = windows[count:]
+        source = {"source": text, "sampling": "documents", "seed": None}
+    else:
         if input_ids.dim() == 1:
             usable = max(seq_len, min(num_tokens, input_ids.numel() // seq_len * seq_len))
             batches = text_token_batches(input_ids, usable, seq_len, batch_size)
@@ -967,7 +975,7 @@ def calibrate(model, tokenizer=None, *, text: str = "wikipedia", num_tokens: int
         else:
             raise ValueError(f"fdc_ops.calibration.calibrate: input_ids must be 1-D or (N, S), got shape "
                              f"{tuple(input_ids.shape)}")
-        source = {"source": source_name or "text", "seed": None}
+        source = {"source": source_name or "text", "sampling": "consecutive", "seed": None}
     stats = capture_statistics(model, batches, progress=progress)
     sequences = [row[None] for batch in batches for row in batch]
     wanted = -(-sensitivity_tokens // sequences[0].shape[1]) if sensitivity_tokens else 0
@@ -991,7 +999,9 @@ def load_or_calibrate(model, tokenizer=None, *, text: str = "wikipedia", num_tok
     same keys), calibrating and saving it on first use. ``text``: a bundled text (needs the tokenizer) or
     ``random``. An artifact that fails validation is recalibrated."""
     fingerprint = families.fingerprint(model)
-    key = f"v{FORMAT_VERSION}-{fingerprint[:16]}-{text}-{num_tokens}-{seq_len}-{seed}-{v_method}-{sensitivity_tokens}"
+    sampling = "uniform" if text == "random" else "documents"  # as calibrate samples: the key changes with it
+    key = (f"v{FORMAT_VERSION}-{fingerprint[:16]}-{text}-{sampling}-{num_tokens}-{seq_len}-{seed}-{v_method}-"
+           f"{sensitivity_tokens}")
     path = Path(directory or cache_dir() / "artifacts") / key
     for candidate in (path, BUNDLED_ARTIFACTS / key):
         if candidate.is_dir():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import case_generator
-from fdc_ops import calibration, ops
+from fdc_ops import calibration, datasets, ops
 from fdc_ops.hf import families, loading
 from fdc_ops.calibration import ArtifactError, FDCArtifact
 from tiny_models import FAMILIES, HEAD_DIM, hand_key_projection, hand_qkv, layer_inputs, tiny_model
@@ -417,6 +417,59 @@ def test_artifact_of_another_model_is_rejected(saved):
         FDCArtifact.load(directory, model=tiny_model("llama", seed=11, num_hidden_layers=3))
 
 
+@pytest.mark.parametrize("case", range(4))
+def test_calibration_windows_start_at_documents_spread_over_the_text(case):
+    _, rng, replay = case_generator("calibration_windows", case)
+    lengths = [rng.randint(1, 300) for _ in range(rng.randint(40, 120))]
+    starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
+    ids = torch.arange(sum(lengths))
+    seq_len, count = rng.randint(4, 40), rng.randint(1, 8)
+    windows = datasets.calibration_windows(ids, starts, count, seq_len)
+    limit = int(ids.numel() * datasets.CALIBRATION_SHARE)
+    candidates = [start for start in starts.tolist() if start + seq_len <= limit]
+    firsts = [int(window[0, 0]) for window in windows]
+    assert [tuple(window.shape) for window in windows] == [(1, seq_len)] * count, replay
+    assert all(torch.equal(window[0], ids[first: first + seq_len]) for window, first in zip(windows, firsts)), replay
+    assert firsts == [candidates[k * len(candidates) // count] for k in range(count)], replay  # evenly spaced
+    assert firsts == sorted(firsts) and all(b - a >= seq_len for a, b in zip(firsts, firsts[1:])), replay
+    assert firsts[-1] + seq_len <= limit, replay  # the tail stays held out
+
+
+def test_calibration_windows_name_what_does_not_fit():
+    starts = torch.tensor([0, 100, 200, 300])
+    with pytest.raises(ValueError, match=r"3 documents starting a 64-token window within its first 360 tokens, "
+                                         r"fewer than the 4 windows"):
+        datasets.calibration_windows(torch.arange(400), starts, 4, 64)
+    with pytest.raises(ValueError, match="3 windows of 100 tokens do not fit apart"):
+        datasets.calibration_windows(torch.arange(400), torch.arange(0, 400, 10), 3, 100)
+
+
+class CharacterTokenizer:
+    """A stand-in tokenizer for a tiny model: one token per character, modulo its vocabulary."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
+        return {"input_ids": [ord(character) % self.vocab_size for character in text]}
+
+
+def test_calibrating_on_a_text_reads_windows_of_its_documents():
+    """The bundled text's path: the statistics come from calibration_windows' first windows, the V/QK balance from
+    the two after them, and the artifact records how the text was sampled."""
+    pytest.importorskip("gensim", reason="the bundled Wikipedia text ships with gensim (scripts/setup.sh)")
+    model = tiny_model("llama", seed=5)
+    tokenizer = CharacterTokenizer(model.config.vocab_size)
+    artifact = calibration.calibrate(model, tokenizer, text="humaneval", num_tokens=64, seq_len=32,
+                                     sensitivity_tokens=32, progress=False)
+    windows = datasets.calibration_windows(*datasets.text_documents(tokenizer, "humaneval"), 4, 32)
+    expected = calibration.calibrate(model, input_ids=torch.cat(windows[:2]), sensitivity_tokens=0, progress=False)
+    torch.testing.assert_close(artifact.qk_rotation, expected.qk_rotation, rtol=0, atol=0)
+    assert artifact.metadata["calibration"]["source"] == "humaneval"
+    assert artifact.metadata["calibration"]["sampling"] == "documents"
+    assert artifact.metadata["calibration"]["balance"] is not None
+
+
 def test_calibrate_rejects_bad_arguments():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="v_method"):
@@ -462,7 +515,8 @@ def test_bundled_artifact_is_current_and_valid():
         fingerprint = artifact.metadata["fingerprint"]
         settings = artifact.metadata["calibration"]
         assert path.name.startswith(f"v{calibration.FORMAT_VERSION}-{fingerprint[:16]}-{settings['source']}-"
-                                    f"{settings['num_tokens']}-{settings['seq_len']}-0-{settings['v_method']}-"), \
+                                    f"{settings['sampling']}-{settings['num_tokens']}-{settings['seq_len']}-0-"
+                                    f"{settings['v_method']}-"), \
             path.name
         if (loading.cache_dir() / "smollm2-135m-instruct" / "model.safetensors").is_file():
             model, _ = loading.load_model()

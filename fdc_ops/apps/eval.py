@@ -9,13 +9,14 @@ same modules (fdc_ops.hf.compress) and operators:
 - ``Palu``: Palu as Palu builds it: low-rank K latent before RoPE and V from the whitened SVD (principal axes of the
   keys and values), widths by its Fisher-information rank search.
 
-All are calibrated on the same text (the start of the bundled Wikipedia stream, ``--text``). For each method and
-metric (perplexity on held-out Wikipedia, scored as ``exp(-NLL)``, so 99% of the score allows about 1% more
-perplexity; edit similarity of greedy HumanEval completions), the score relative to the uncompressed model is
-measured on a grid of compressions from 0 to 0.5, then refined by bisection around each accuracy level of
-``--refine``. A score need not fall monotonically with compression (HumanEval edit similarity visibly does not), so
-the compression reported for a level is the largest tried compression whose score, and the score of every smaller
-tried compression, stay at or above it: never one that only bisection's monotonicity assumption would give.
+All are calibrated on the same text (``--text``: windows of documents spread over the bundled Wikipedia stream, the
+held-out tail excluded). For each method and metric (perplexity on held-out Wikipedia, scored as ``exp(-NLL)``, so
+99% of the score allows about 1% more perplexity; edit similarity of greedy HumanEval completions), the score
+relative to the uncompressed model is measured on a grid of compressions from 0 to 0.5, then refined by bisection
+around each accuracy level of ``--refine``. A score need not fall monotonically with compression (HumanEval edit
+similarity visibly does not), so the compression reported for a level is the largest tried compression whose score,
+and the score of every smaller tried compression, stay at or above it: never one that only bisection's monotonicity
+assumption would give.
 
 Every evaluation is appended to ``<out>/<model>-eval-<metric>-points.json`` as it finishes (keyed by the widths, so
 an interrupted run resumes and equal allocations are measured once, and tagged with its artifact's calibration
