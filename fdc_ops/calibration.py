@@ -489,7 +489,7 @@ def fold_value_projection(v_weight: torch.Tensor, v_encoder: torch.Tensor, v_dim
     v_weight: (H_kv * D, hidden); v_encoder: (H_kv, D, D); v_dims: H_kv widths."""
     Hkv, D = v_encoder.shape[0], v_encoder.shape[1]
     per_head = v_weight.to(torch.float64).view(Hkv, D, -1)
-    rows = [v_encoder[j, :, : int(v_dims[j])].to(torch.float64).T @ per_head[j] for j in range(Hkv)]
+    rows = [v_encoder[j, :, : int(v_dims[j])].to(per_head.device, torch.float64).T @ per_head[j] for j in range(Hkv)]
     return torch.cat(rows).to(v_weight.dtype)
 
 
@@ -502,7 +502,7 @@ def fold_output_projection(o_weight: torch.Tensor, v_decoder: torch.Tensor, v_di
     o_weight: (hidden, H * D); v_decoder: (H_kv, D, D); v_dims: H_kv widths. Returns (hidden, sum_h v_dims[kv(h)])."""
     Hkv, D = v_decoder.shape[0], v_decoder.shape[1]
     per_head = o_weight.to(torch.float64).view(o_weight.shape[0], Hkv * group, D)
-    columns = [per_head[:, h] @ v_decoder[h // group, :, : int(v_dims[h // group])].to(torch.float64)
+    columns = [per_head[:, h] @ v_decoder[h // group, :, : int(v_dims[h // group])].to(per_head.device, torch.float64)
                for h in range(Hkv * group)]
     return torch.cat(columns, dim=1).to(o_weight.dtype)
 
@@ -530,7 +530,8 @@ def fold_value_and_output(v_weight: torch.Tensor, o_weight: torch.Tensor, v_enco
                           v_bias: torch.Tensor | None = None, o_bias: torch.Tensor | None = None) -> FoldedValueOutput:
     """Every fold of one layer's value path, as each integration (fdc_ops.hf.compress, the vLLM plugin) applies it:
     A_V (fold_value_projection), W_O' (fold_output_projection), and a V bias moved into the output bias
-    (fold_value_bias, exact at any rank), added to the layer's own output bias if it has one.
+    (fold_value_bias, exact at any rank), added to the layer's own output bias if it has one. The results are on
+    the weights' device, wherever the factors are (an artifact loads on the CPU).
 
     v_weight: (H_kv * D, hidden); o_weight: (hidden, H * D); v_encoder, v_decoder: (H_kv, D, D); v_dims: H_kv widths;
     group: G = H / H_kv; v_bias: (H_kv * D,) or None; o_bias: (hidden,) or None."""

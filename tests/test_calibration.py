@@ -523,6 +523,18 @@ def test_bundled_artifact_is_current_and_valid():
             assert families.fingerprint(model) == fingerprint, "recalibrate the bundled artifact for this model"
 
 
+def test_fold_value_and_output_follows_the_weights_device():
+    """Artifacts load on the CPU; the weights may live elsewhere (a GPU in vLLM): the folds compute on the weights'
+    device. The meta device stands in for one here: a CPU factor times a meta weight would raise."""
+    encoder = torch.eye(HEAD_DIM, dtype=torch.float64).expand(2, HEAD_DIM, HEAD_DIM)  # (H_kv, D, D), on the CPU
+    v_weight = torch.zeros(2 * HEAD_DIM, 48, device="meta")  # (H_kv * D, hidden)
+    o_weight = torch.zeros(48, 4 * HEAD_DIM, device="meta")  # (hidden, H * D), groups of 2
+    folded = calibration.fold_value_and_output(v_weight, o_weight, encoder, encoder, [8, 16], 2,
+                                               v_bias=torch.zeros(2 * HEAD_DIM, device="meta"))
+    assert folded.value_weight.device.type == folded.output_weight.device.type == "meta"
+    assert folded.value_weight.shape == (24, 48) and folded.output_weight.shape == (48, 48)
+
+
 def test_fold_value_and_output_names_mismatched_shapes():
     encoder = torch.eye(HEAD_DIM, dtype=torch.float64).expand(2, HEAD_DIM, HEAD_DIM)  # (H_kv, D, D)
     v_weight, o_weight = torch.zeros(2 * HEAD_DIM, 48), torch.zeros(48, 3 * HEAD_DIM)  # 3 query heads: not G * H_kv
