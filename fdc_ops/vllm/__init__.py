@@ -44,6 +44,20 @@ def register() -> None:
             ModelRegistry.register_model(name, f"fdc_ops.vllm.models:{name}")
 
 
+def cpu_thread_binding(ranks: int) -> str:
+    """A value of vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` tensor-parallel workers of vLLM's CPU backend:
+    this process's CPUs split into ``ranks`` equal runs ("0|1" for 2 ranks on 2 CPUs), or "nobind" when there are
+    fewer CPUs than ranks. vLLM's default ("auto") binds each rank to a NUMA node of its own and refuses a machine
+    with fewer nodes than ranks ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers")."""
+    if ranks < 1:
+        raise ValueError(f"fdc_ops.vllm.cpu_thread_binding: ranks must be positive, got {ranks}")
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < ranks:
+        return "nobind"
+    share = len(cpus) // ranks
+    return "|".join(",".join(str(cpu) for cpu in cpus[r * share:(r + 1) * share]) for r in range(ranks))
+
+
 def hf_overrides(model: str | os.PathLike, artifact: str | os.PathLike, *, compression: float | None = None,
                  removal_rate: float | None = None, rule: str | None = None, qk_dims=None, v_dims=None) -> dict:
     """vLLM's ``hf_overrides`` that serve the Hugging Face checkpoint ``model`` (a directory) compressed by FDC: its

@@ -7,7 +7,6 @@ SmolLM2 (9 query / 3 KV heads) divides only over 3 ranks; this model is cheaper 
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -23,16 +22,6 @@ SHAPE = dict(num_attention_heads=8, num_key_value_heads=4, head_dim=32, hidden_s
 # 112, balanced 72 and 80): both the permutation and pages with unused columns are exercised.
 QK_DIMS = [[32, 24, 8, 8], [8, 16, 32, 24]]
 V_DIMS = [[32, 16, 8, 16], [8, 8, 24, 32]]
-
-
-def cpu_binding(ranks: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for ``ranks`` workers: this process's CPUs split between them. vLLM's automatic
-    binding wants one NUMA node per rank and refuses a one-node machine; with fewer CPUs than ranks, no binding."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < ranks:
-        return "nobind"
-    share = len(cpus) // ranks
-    return "|".join(",".join(str(cpu) for cpu in cpus[r * share:(r + 1) * share]) for r in range(ranks))
 
 
 def expected_kv_tokens(bytes_per_token: int, block_size: int = 128) -> int:
@@ -58,7 +47,8 @@ def test_two_ranks_generate_what_one_rank_generates(tmp_path, monkeypatch):
     overrides = fdc_ops.vllm.hf_overrides(model_dir, artifact_dir, qk_dims=QK_DIMS, v_dims=V_DIMS)
 
     results = {}
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(RANKS))
+    # vLLM's automatic binding wants a NUMA node per rank, which this machine may not have.
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", fdc_ops.vllm.cpu_thread_binding(RANKS))
     for ranks in (1, RANKS):
         engine = Engine(model_dir, overrides, max_model_len=MAX_MODEL_LEN, tensor_parallel_size=ranks)
         try:
