@@ -24,16 +24,19 @@ left as they are: the same model as at one rank, token for token.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from dataclasses import dataclass
 
 import torch
 
 from .calibration import FDCArtifact, RankAllocation
 
-# Partitions searched per layer after the greedy start, before the best found is kept: all equal-count partitions of
-# up to 14 heads into 2 ranks (1716) or 8 heads into 4 (105) are searched exhaustively many times over, and a layer
-# of 32 heads stops within about a second of Python.
-SEARCH_NODES = 200_000
+# Nodes of the exact search per layer after the greedy start, before the best partition found is kept: layers of up
+# to 8 KV heads (at most 105 equal-count partitions) are always searched to the end. Measured on random widths
+# (multiples of 8 up to 128, 8 layers): 32 or 64 heads over 8 ranks take about 15 ms a layer and fill 0.970 and 0.991
+# of the pages; 200,000 nodes took ten times longer and gained at most 0.002 (16 heads over 4 ranks).
+SEARCH_NODES = 20_000
 
 
 def check_ranks(num_heads: int, num_kv_heads: int, ranks: int) -> None:
@@ -51,7 +54,8 @@ def check_ranks(num_heads: int, num_kv_heads: int, ranks: int) -> None:
 def _balanced_partition(widths: list[int], ranks: int) -> list[list[int]]:
     """``ranks`` sets of ``len(widths) / ranks`` head indices each whose largest sum of ``widths`` is the smallest
     found: greedy LPT (widest head first, to the narrowest set with room), then a branch-and-bound search that stops
-    at the lower bound ``ceil(sum / ranks)`` or after SEARCH_NODES nodes."""
+    at a lower bound (the mean, rounded up to the widths' common divisor; the widest head with the narrowest others)
+    or after SEARCH_NODES nodes."""
     size = len(widths) // ranks
     heads = sorted(range(len(widths)), key=lambda j: (-widths[j], j))
     sets: list[list[int]] = [[] for _ in range(ranks)]
@@ -61,7 +65,11 @@ def _balanced_partition(widths: list[int], ranks: int) -> list[list[int]]:
         sets[r].append(j)
         sums[r] += widths[j]
     best, best_max = [list(s) for s in sets], max(sums)
-    bound = max(-(-sum(widths) // ranks), max(widths))
+    # Every set's sum is a multiple of the widths' common divisor (8 for servable widths); some set holds at least the
+    # mean, and the widest head's set holds it and size - 1 others, at least the narrowest ones.
+    quantum = functools.reduce(math.gcd, widths)
+    narrowest = sorted(widths)
+    bound = max(-(-sum(widths) // (ranks * quantum)) * quantum, narrowest[-1] + sum(narrowest[:size - 1]))
     if best_max == bound:
         return best
 
