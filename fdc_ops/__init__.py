@@ -7,7 +7,8 @@ for importing transformers (tests/test_package.py checks it). The rest is import
 - the library: :mod:`fdc_ops.ops` (typed wrappers of the ops), :mod:`fdc_ops.plans` (the plan formats, decoded and
   built; loaded with the ops), :mod:`fdc_ops.reference` (float64 references),
   :mod:`fdc_ops.calibration` (the FDC artifact: rotations, V factors, width allocation), :mod:`fdc_ops.datasets`
-  (the bundled calibration and evaluation text), :mod:`fdc_ops.progress`;
+  (the bundled calibration and evaluation text), :mod:`fdc_ops.progress`, :mod:`fdc_ops.parallel` (KV heads over
+  tensor-parallel ranks);
 - :mod:`fdc_ops.hf`: the Hugging Face integration (compressed attention modules, model families, model loading);
 - :mod:`fdc_ops.apps`: the command-line applications (``python -m fdc_ops demo | ops-demo | eval | calibrate |
   report``).
@@ -18,7 +19,7 @@ import importlib
 from . import ops
 from .ops import append_kv, decode_attention, decode_plan, prefill_attention, prefill_plan, rotate_compress
 
-_SUBMODULES = ("apps", "calibration", "datasets", "hf", "plans", "progress", "reference")
+_SUBMODULES = ("apps", "calibration", "datasets", "hf", "parallel", "plans", "progress", "reference")
 _CALIBRATION_NAMES = ("FDCArtifact", "calibrate")
 
 __all__ = ["ops", "rotate_compress", "prefill_plan", "prefill_attention", "decode_plan", "decode_attention",

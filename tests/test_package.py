@@ -23,7 +23,7 @@ def test_operator_library_imports_no_model_side(statement):
 
 
 def test_every_layer_imports():
-    loaded = _modules_after("import fdc_ops.calibration, fdc_ops.hf, fdc_ops.hf.loading, fdc_ops.apps.cli, "
-                            "fdc_ops.apps.demo, fdc_ops.apps.eval, fdc_ops.apps.calibration_report, "
+    loaded = _modules_after("import fdc_ops.calibration, fdc_ops.parallel, fdc_ops.hf, fdc_ops.hf.loading, "
+                            "fdc_ops.apps.cli, fdc_ops.apps.demo, fdc_ops.apps.eval, fdc_ops.apps.calibration_report, "
                             "fdc_ops.apps.ops_demo")
     assert "fdc_ops" in loaded and "transformers" in loaded

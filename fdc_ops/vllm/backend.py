@@ -7,7 +7,9 @@ k_width``, ``head_size_v = v_width``; see :func:`fdc_ops.vllm.layer.FDCPagedAtte
 backend lays that page out as the ops' paged cache wants it (fdc_ops/ops.py): the K part first, ``(k_width,
 block_size)`` column-major (each column's tokens contiguous, so KV head ``j`` owns one contiguous ``(qk_dim[j],
 block_size)`` block), then the V part ``(v_width, block_size)``. The K and V caches handed to the ops are strided
-views of vLLM's buffer: page stride ``block_size * (k_width + v_width)``, contiguous pages.
+views of vLLM's buffer: page stride ``block_size * (k_width + v_width)``, contiguous pages. With tensor parallelism,
+each rank's K and V parts are its own heads' widths, and its pages are as wide as the layer's widest rank share
+(vLLM requires one spec per layer on every rank), so a narrower rank's pages end in unused columns.
 
 One step of a layer (:meth:`FDCAttentionImpl.forward`):
 
@@ -140,11 +142,13 @@ class FDCAttentionMetadataBuilder(AttentionMetadataBuilder[FDCAttentionMetadata]
 def paged_caches(kv_cache: torch.Tensor, k_width: int, v_width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ops' paged K and V caches inside vLLM's per-layer cache view.
 
-    kv_cache: ``(num_blocks, 1, block_size, k_width + v_width)``, vLLM's view of the layer's pages (each page dense).
-    Returns ``(num_blocks, k_width, block_size)`` and ``(num_blocks, v_width, block_size)`` views of the same memory
-    (see the module docstring for the in-page layout)."""
-    if kv_cache.dim() != 4 or kv_cache.shape[1] != 1 or kv_cache.shape[3] != k_width + v_width:
-        raise ValueError(f"fdc_ops.vllm: the KV cache view must have shape (num_blocks, 1, block_size, "
+    kv_cache: ``(num_blocks, 1, block_size, page width)``, vLLM's view of the layer's pages (each page dense); the
+    page width is ``k_width + v_width``, or more with tensor parallelism on a rank whose heads are narrower than the
+    layer's widest rank share (the columns past ``k_width + v_width`` are unused). Returns ``(num_blocks, k_width,
+    block_size)`` and ``(num_blocks, v_width, block_size)`` views of the same memory (see the module docstring for the
+    in-page layout)."""
+    if kv_cache.dim() != 4 or kv_cache.shape[1] != 1 or kv_cache.shape[3] < k_width + v_width:
+        raise ValueError(f"fdc_ops.vllm: the KV cache view must have shape (num_blocks, 1, block_size, >= "
                          f"{k_width + v_width}) but got {tuple(kv_cache.shape)}")
     num_blocks, _, block_size, width = kv_cache.shape
     if kv_cache.stride(3) != 1 or kv_cache.stride(2) != width or kv_cache.stride(0) < block_size * width:

@@ -23,10 +23,13 @@ class FDCPagedAttention(Attention):
     compressed attention output ``(T, G * v_width)`` that the folded output projection W_O' consumes.
 
     rotation: ``(H_kv, D, max qk dim)`` truncated rotations R (a buffer, in the model dtype); qk_offsets, v_offsets:
-    ``(H_kv + 1,)`` int32 CPU prefix sums of this layer's widths."""
+    ``(H_kv + 1,)`` int32 CPU prefix sums of this layer's widths (with tensor parallelism, all of these are this
+    rank's heads'). page: ``(key columns, columns)`` per token of the layer's KV cache page as every rank declares
+    it, at least ``(k_width, k_width + v_width)``; None for exactly this layer's widths (one rank)."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, rotation: torch.Tensor,
-                 qk_offsets: torch.Tensor, v_offsets: torch.Tensor, cache_config: CacheConfig | None, prefix: str):
+                 qk_offsets: torch.Tensor, v_offsets: torch.Tensor, cache_config: CacheConfig | None, prefix: str,
+                 page: tuple[int, int] | None = None):
         register_attention_backend()
         super().__init__(num_heads, head_size, scale, num_kv_heads=num_kv_heads, cache_config=cache_config,
                          prefix=prefix, attn_backend=FDCAttentionBackend)
@@ -38,14 +41,25 @@ class FDCPagedAttention(Attention):
         self.register_buffer("rotation", rotation.contiguous(), persistent=False)
         self.qk_offsets, self.v_offsets = qk_offsets, v_offsets  # CPU, as the ops take them: not buffers
         self.k_width, self.v_width = int(qk_offsets[-1]), int(v_offsets[-1])
+        self.page_key_width, self.page_width = page or (self.k_width, self.k_width + self.v_width)
+        if self.page_width < self.k_width + self.v_width or not 0 < self.page_key_width <= self.page_width:
+            raise ValueError(f"fdc_ops.vllm: page must be (key columns, columns) with 0 < key columns <= columns and "
+                             f"columns >= {self.k_width + self.v_width} (this layer's widths), but got {page}")
         self.layout_key = (tuple(qk_offsets.tolist()), tuple(v_offsets.tolist()))
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
-        """One "head" of ``k_width`` key and ``v_width`` value columns: a page is exactly ``block_size * (k_width +
-        v_width)`` elements. Layers of different widths get pages of different sizes in one KV cache group
-        (vLLM's UniformTypeKVCacheSpecs: one block table, each layer's pages its own size), so no layer is padded."""
+        """One "head" of ``page_key_width`` key and ``page_width - page_key_width`` value columns: on one rank
+        exactly the layer's ``k_width`` and ``v_width``, so a page is exactly ``block_size * (k_width + v_width)``
+        elements. Layers of different widths get pages of different sizes in one KV cache group (vLLM's
+        UniformTypeKVCacheSpecs: one block table, each layer's pages its own size), so no layer is padded.
+
+        With tensor parallelism vLLM requires a layer's spec to be the same on every rank (get_kv_cache_configs
+        asserts it), so every rank declares the layer's widest rank share, and a rank with narrower heads leaves
+        the last ``page_width - k_width - v_width`` columns of its pages unused (the backend reads the first
+        ``k_width`` columns as K, the next ``v_width`` as V)."""
         return FullAttentionSpec(block_size=vllm_config.cache_config.block_size, num_kv_heads=1,
-                                 head_size=self.k_width, head_size_v=self.v_width, dtype=self.kv_cache_torch_dtype)
+                                 head_size=self.page_key_width, head_size_v=self.page_width - self.page_key_width,
+                                 dtype=self.kv_cache_torch_dtype)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output_shape=None,
                 output_dtype=None) -> torch.Tensor:

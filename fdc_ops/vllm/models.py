@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from vllm.config import get_current_vllm_config
-from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.distributed import get_tensor_model_parallel_rank, tensor_model_parallel_all_reduce
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.mistral import MistralForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
@@ -39,7 +39,7 @@ from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionType
 
-from .. import calibration, hf
+from .. import calibration, hf, parallel
 from ..calibration import FDCArtifact, RankAllocation
 from ..hf import families
 from .layer import FDCPagedAttention
@@ -55,10 +55,13 @@ QK_NORM_FAMILIES = {"llama": False, "mistral": False, "qwen2": False, "qwen3": T
 class FDCSettings:
     artifact: FDCArtifact
     allocation: RankAllocation
+    # which KV heads each tensor-parallel rank holds (fdc_ops.parallel); None with one rank
+    partition: parallel.HeadPartition | None = None
 
 
-def settings(hf_config) -> FDCSettings:
-    """The artifact and allocation named by the config's ``fdc`` entry (validated; loaded once per process)."""
+def settings(hf_config, ranks: int = 1) -> FDCSettings:
+    """The artifact and allocation named by the config's ``fdc`` entry (validated; loaded once per process), and the
+    partition of every layer's KV heads over ``ranks`` tensor-parallel ranks."""
     entry = getattr(hf_config, CONFIG_KEY, None)
     if not isinstance(entry, dict):
         raise ValueError(f"fdc_ops.vllm: an FDC model needs an '{CONFIG_KEY}' entry in its config (the artifact "
@@ -70,16 +73,19 @@ def settings(hf_config) -> FDCSettings:
                          f"{', '.join(SETTINGS_KEYS)}")
     if "artifact" not in entry:
         raise ValueError(f"fdc_ops.vllm: the config's '{CONFIG_KEY}' entry names no 'artifact' directory")
-    return _settings(json.dumps(entry, sort_keys=True))
+    return _settings(json.dumps(entry, sort_keys=True), ranks)
 
 
 @functools.lru_cache(maxsize=4)
-def _settings(entry_json: str) -> FDCSettings:
+def _settings(entry_json: str, ranks: int) -> FDCSettings:
     entry = json.loads(entry_json)
     artifact = FDCArtifact.load(entry["artifact"])
     allocation = hf.resolve_allocation(artifact, "fdc", entry.get("removal_rate"), entry.get("compression"), None,
                                        entry.get("qk_dims"), entry.get("v_dims"), None, entry.get("rule"), False)
-    return FDCSettings(artifact, allocation)
+    partition = None
+    if ranks > 1:
+        partition = parallel.balance(allocation.qk_dims, allocation.v_dims, ranks, artifact.shape.num_heads)
+    return FDCSettings(artifact, allocation, partition)
 
 
 def _check_shape(hf_config, artifact: FDCArtifact) -> None:
@@ -115,10 +121,14 @@ class FDCAttention(nn.Module):
     for the layer (``qkv_proj``, ``o_proj``, ``rotary_emb``, and ``q_norm``/``k_norm`` where the family has them:
     same names, so vLLM's weight loading finds them) and an FDC attention layer in place of its ``attn``.
 
+    With tensor parallelism, every size here is this rank's: vLLM's module holds the rank's contiguous shard of the
+    heads, which (the checkpoint's KV heads being permuted while it loads: FDCModelMixin) are the original KV heads
+    ``fdc.partition.heads(layer, rank)``, and this rank's widths, rotations and V factors are theirs.
+
     After :meth:`fold`: ``qkv_proj`` (hidden) -> (H * D + H_kv * D + v_width) = [W_Q | W_K | A_V], ``o_proj``
     (G * v_width) -> (hidden) = W_O'."""
 
-    def __init__(self, original: nn.Module, hf_config, cache_config):
+    def __init__(self, original: nn.Module, hf_config, cache_config, fdc: FDCSettings, rank: int = 0):
         super().__init__()
         attn_prefix = original.attn.layer_name  # e.g. model.layers.3.self_attn.attn
         reason = unsupported(original, getattr(hf_config, "model_type", None))
@@ -130,33 +140,51 @@ class FDCAttention(nn.Module):
             self.q_norm, self.k_norm = original.q_norm, original.k_norm
         self.num_heads, self.num_kv_heads, self.head_dim = original.num_heads, original.num_kv_heads, original.head_dim
         self.q_size, self.kv_size, self.scaling = original.q_size, original.kv_size, original.scaling
-        fdc = settings(hf_config)
         _check_shape(hf_config, fdc.artifact)
-        self.layer_index = extract_layer_index(attn_prefix)
+        self.layer_index = layer = extract_layer_index(attn_prefix)
         self.fdc = fdc
-        qk_offsets, v_offsets = fdc.allocation.offsets(self.layer_index)
-        max_qk = int(fdc.allocation.qk_dims[self.layer_index].max())
-        # (H_kv, D, max qk dim)
-        rotation = fdc.artifact.qk_rotation[self.layer_index, :, :, :max_qk].to(torch.get_default_dtype())
+        partition = fdc.partition
+        # (H_kv local,) int64: the artifact's indices of this rank's KV heads, in the order its shard holds them
+        self.kv_heads = torch.arange(self.num_kv_heads) if partition is None else partition.heads(layer, rank)
+        if self.kv_heads.numel() != self.num_kv_heads:
+            raise ValueError(f"fdc_ops.vllm: layer {attn_prefix}: vLLM gives this rank {self.num_kv_heads} KV heads, "
+                             f"the FDC partition {self.kv_heads.numel()}")
+        self.v_dims = fdc.allocation.v_dims[layer, self.kv_heads]  # (H_kv local,)
+        qk_dims = fdc.allocation.qk_dims[layer, self.kv_heads]  # (H_kv local,)
+        qk_offsets, v_offsets = (torch.cat([dims.new_zeros(1), dims.cumsum(0)]).to(torch.int32)
+                                 for dims in (qk_dims, self.v_dims))
+        # (H_kv local, D, max qk dim)
+        rotation = fdc.artifact.qk_rotation[layer, self.kv_heads, :, :int(qk_dims.max())]
+        rotation = rotation.to(torch.get_default_dtype())
+        # Every rank's page of this layer has the widest rank's width (vLLM needs one spec per layer for all ranks).
+        page = None if partition is None else (int(partition.page_key_widths[layer]), int(partition.page_widths[layer]))
         # vLLM's own Attention layer registered itself under this name; the FDC layer takes its place.
         get_current_vllm_config().compilation_config.static_forward_context.pop(attn_prefix)
         self.attn = FDCPagedAttention(self.num_heads, self.head_dim, self.scaling, self.num_kv_heads, rotation,
-                                      qk_offsets, v_offsets, cache_config, attn_prefix)
+                                      qk_offsets, v_offsets, cache_config, attn_prefix, page)
+        # (hidden,): with several ranks and a V bias, this rank's share of the folded V bias (see fold)
+        self.register_buffer("output_bias_share", None, persistent=False)
         self.folded = False
 
     def fold(self) -> None:
         """Replaces the loaded W_V by A_V and W_O by W_O', and a V bias by the output bias it amounts to
-        (fdc_ops.calibration.fold_value_and_output, float64: what fdc_ops.hf.compress does)."""
-        layer = self.layer_index
+        (fdc_ops.calibration.fold_value_and_output, float64: what fdc_ops.hf.compress does).
+
+        With several ranks, each folds its own heads' shards. The folded V bias is then a sum over all heads, so each
+        rank's share must enter the output projection's all-reduce, whereas vLLM's row-parallel output projection
+        adds its bias on rank 0 only: the share is kept here and added before the all-reduce, which forward then does
+        itself (the projection's own bias, replicated on every rank, stays with rank 0)."""
+        layer, heads = self.layer_index, self.kv_heads
         v_encoder, v_decoder = self.fdc.artifact.v_factors("fdc")
         weight = self.qkv_proj.weight.data  # (q_size + 2 * kv_size, hidden)
         q_weight, k_weight, v_weight = weight.split([self.q_size, self.kv_size, self.kv_size])
         qkv_bias = self.qkv_proj.bias
         q_bias, k_bias, v_bias = (None,) * 3 if qkv_bias is None else qkv_bias.data.split(
             [self.q_size, self.kv_size, self.kv_size])
-        o_bias = None if self.o_proj.bias is None else self.o_proj.bias.data
-        folded = calibration.fold_value_and_output(v_weight, self.o_proj.weight.data, v_encoder[layer],
-                                                   v_decoder[layer], self.fdc.allocation.v_dims[layer].tolist(),
+        sharded = self.fdc.partition is not None
+        o_bias = None if self.o_proj.bias is None or sharded else self.o_proj.bias.data
+        folded = calibration.fold_value_and_output(v_weight, self.o_proj.weight.data, v_encoder[layer][heads],
+                                                   v_decoder[layer][heads], self.v_dims.tolist(),
                                                    self.num_heads // self.num_kv_heads, v_bias, o_bias)
         self.qkv_proj.weight = nn.Parameter(torch.cat([q_weight, k_weight, folded.value_weight]), requires_grad=False)
         if qkv_bias is not None:
@@ -165,7 +193,11 @@ class FDCAttention(nn.Module):
                                               requires_grad=False)
         self.o_proj.weight = nn.Parameter(folded.output_weight, requires_grad=False)
         if folded.output_bias is not None:
-            self.o_proj.bias = nn.Parameter(folded.output_bias, requires_grad=False)
+            if sharded:
+                self.output_bias_share = folded.output_bias
+                self.o_proj.reduce_results = False
+            else:
+                self.o_proj.bias = nn.Parameter(folded.output_bias, requires_grad=False)
         self.folded = True
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -180,45 +212,70 @@ class FDCAttention(nn.Module):
             k = self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim)).view(tokens, self.kv_size)
         q, k = self.rotary_emb(positions, q, k)
         output, _ = self.o_proj(self.attn(q, k, v))  # attention: (T, G * v_width)
+        if self.output_bias_share is not None:  # several ranks and a V bias: o_proj left the all-reduce to this
+            output = tensor_model_parallel_all_reduce(output + self.output_bias_share)
         return output
 
 
 _FINGERPRINT_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.weight$")
+# The per-head tensors of a layer's attention in a Hugging Face checkpoint: their heads are permuted while vLLM loads
+# them when there are several tensor-parallel ranks. group(3): weight or bias; o_proj's bias is not per head.
+_HEAD_TENSOR_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.(weight|bias)$")
 
 
 class FDCModelMixin:
     """What turns one of vLLM's causal LM classes into its FDC class (put first among the bases): after vLLM's own
     constructor, every decoder layer's attention becomes an FDCAttention; after vLLM's own weight loading, the
-    artifact is checked against the checkpoint's tensors and the projections are folded."""
+    artifact is checked against the checkpoint's tensors and the projections are folded.
+
+    Tensor parallelism: vLLM gives rank ``r`` the contiguous KV heads ``[r * n, (r + 1) * n)`` of every layer (with
+    their query heads and W_O columns). FDC's heads differ in width, so the plugin permutes each layer's KV heads in
+    the checkpoint's tensors as vLLM loads them (rows of W_Q, W_K, W_V and their biases, columns of W_O), by the
+    per-layer balanced order of fdc_ops.parallel.balance; the contiguous shards are then the balanced sets, and each
+    rank takes the artifact's rotations, V factors and widths of its own heads. The model computes what it computes
+    on one rank (attention is per head; the output projection sums over heads). Every rank's KV cache page of a layer
+    is as wide as that layer's widest rank share: vLLM requires the same KV cache spec for a layer on every rank."""
 
     def __init__(self, *, vllm_config, prefix: str = ""):
+        ranks = vllm_config.parallel_config.tensor_parallel_size
+        shape = families.attention_shape(SimpleNamespace(config=vllm_config.model_config.hf_config))
+        # Before vLLM's constructor, which would replicate KV heads over ranks when there are more ranks than heads.
+        parallel.check_ranks(shape.num_heads, shape.num_kv_heads, ranks)
         super().__init__(vllm_config=vllm_config, prefix=prefix)
-        if get_tensor_model_parallel_world_size() != 1:
-            raise NotImplementedError("fdc_ops.vllm: FDC models run with tensor_parallel_size=1 (heads of different "
-                                      "widths need equal per-rank widths first: README, 'Serving with vLLM')")
         if vllm_config.quant_config is not None:
             raise NotImplementedError("fdc_ops.vllm: FDC folds A_V and W_O' into unquantized projections; quantized "
                                       "checkpoints are not supported")
+        fdc = settings(self.config, ranks)
+        rank = get_tensor_model_parallel_rank() if ranks > 1 else 0
         for layer in self.model.layers:
             if hasattr(layer, "self_attn"):  # pipeline stages hold placeholders for other stages' layers
-                layer.self_attn = FDCAttention(layer.self_attn, self.config, vllm_config.cache_config)
+                layer.self_attn = FDCAttention(layer.self_attn, self.config, vllm_config.cache_config, fdc, rank)
+        self.fdc_settings = fdc
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """vLLM's loading of the Hugging Face checkpoint, then the folds; the artifact is checked against the
-        checkpoint's own tensors (the fingerprint fdc_ops.hf.families computes for the Hugging Face model)."""
+        """vLLM's loading of the Hugging Face checkpoint (each layer's KV heads permuted by the balanced order when
+        there are several ranks), then the folds; the artifact is checked against the checkpoint's own tensors (the
+        fingerprint fdc_ops.hf.families computes for the Hugging Face model, of the tensors as stored)."""
         config = self.config
         last = config.num_hidden_layers - 1
         seen: dict[tuple[int, str], torch.Tensor] = {}
+        partition = self.fdc_settings.partition
+        permuted: set[tuple[int, str]] = set()
 
         def recording(stream):
             for name, tensor in stream:
                 match = _FINGERPRINT_NAME.match(name)
                 if match and int(match.group(1)) in (0, last):
                     seen[(int(match.group(1)), match.group(2))] = tensor.detach().to("cpu", torch.float32).clone()
+                match = _HEAD_TENSOR_NAME.match(name)
+                if partition is not None and match and name != f"model.layers.{match.group(1)}.self_attn.o_proj.bias":
+                    layer, part, kind = int(match.group(1)), match.group(2), match.group(3)
+                    tensor = parallel.permute_heads(tensor, partition.order[layer], dim=1 if part == "o" else 0)
+                    permuted.add((layer, f"{part}_proj.{kind}"))
                 yield name, tensor
 
         loaded = super().load_weights(recording(weights))
-        artifact = settings(config).artifact
+        artifact = self.fdc_settings.artifact
         missing = [(layer, part) for layer in (0, last) for part in "qkv" if (layer, part) not in seen]
         if missing:
             raise calibration.ArtifactError(f"fdc_ops.vllm: the checkpoint has no separate q/k/v projection weights "
@@ -230,9 +287,21 @@ class FDCModelMixin:
                 f"fdc_ops.vllm: the artifact was calibrated on model {artifact.metadata['model_id']!r} (fingerprint "
                 f"{artifact.metadata['fingerprint'][:12]}), this checkpoint's fingerprint is {actual[:12]}: "
                 "recalibrate for this model")
-        for layer in self.model.layers:
-            if isinstance(getattr(layer, "self_attn", None), FDCAttention):
-                layer.self_attn.fold()
+        attention = [(index, layer.self_attn) for index, layer in enumerate(self.model.layers)
+                     if isinstance(getattr(layer, "self_attn", None), FDCAttention)]
+        if partition is not None:
+            # Every tensor a shard is cut from must have been permuted, or a rank would hold other heads than its own.
+            unpermuted = [(index, name) for index, module in attention
+                          for name in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")
+                          + (("q_proj.bias", "k_proj.bias", "v_proj.bias") if module.qkv_proj.bias is not None else ())
+                          if (index, name) not in permuted]
+            if unpermuted:
+                raise calibration.ArtifactError(
+                    f"fdc_ops.vllm: with tensor_parallel_size={partition.ranks}, each layer's KV heads are permuted "
+                    f"as the checkpoint loads, but these tensors were not found under their Hugging Face names "
+                    f"(model.layers.N.self_attn.q_proj.weight, ...): {unpermuted[:6]}")
+        for _, module in attention:
+            module.fold()
         return loaded
 
 

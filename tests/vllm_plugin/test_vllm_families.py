@@ -36,9 +36,9 @@ PROJECTION_STD = 0.15
 EMBED_STD = 0.5
 
 
-def write_checkpoint(family: str, directory: Path):
-    """A tiny random-weight checkpoint of ``family`` (float32 safetensors, the SmolLM2 tokenizer); returns the Hugging
-    Face (model, tokenizer) loaded back from it."""
+def write_checkpoint(family: str, directory: Path, **overrides):
+    """A tiny random-weight checkpoint of ``family`` (float32 safetensors, the SmolLM2 tokenizer; ``overrides``
+    replace config fields); returns the Hugging Face (model, tokenizer) loaded back from it."""
     import transformers
 
     from fdc_ops.hf import loading
@@ -46,7 +46,8 @@ def write_checkpoint(family: str, directory: Path):
     tokenizer = transformers.AutoTokenizer.from_pretrained(loading.smollm2_path())
     config_name, specific = FAMILIES[family]
     config = getattr(transformers, config_name)(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                                                eos_token_id=tokenizer.eos_token_id, **COMMON, **specific)
+                                                eos_token_id=tokenizer.eos_token_id,
+                                                **{**COMMON, **specific, **overrides})
     torch.manual_seed(list(FAMILIES).index(family))
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
