@@ -98,9 +98,9 @@ def main() -> None:
                            help="length of each calibration sequence (RoPE statistics depend on position)")
     calibrate.add_argument("--seed", type=int, default=0)
     calibrate.add_argument("--v-method", choices=["output", "activation", "weight", "attention_output"],
-                           default="activation",
-                           help="V factors: SVD of the captured values (default), output-aware from the values' or "
-                                "from the attention outputs' covariance, or SVD of W_V")
+                           default="attention_output",
+                           help="V factors: output-aware from the attention outputs' covariance (default) or from "
+                                "the values', SVD of the captured values, or SVD of W_V")
     calibrate.add_argument("--sensitivity-tokens", type=int, default=8192,
                            help="calibration tokens that measure each head's sensitivity (0: skip)")
 

@@ -3,8 +3,8 @@ same modules (fdc_ops.hf.compress) and operators:
 
 - ``FDC (paper)``: the paper's rule (one singular-value removal rate for every head, searched to the byte budget)
   with the V basis from the activations;
-- ``FDC (defaults)``: this package's defaults (V basis from the activations, widths from the measured
-  sensitivities by an exact knapsack over the byte budget);
+- ``FDC (defaults)``: this package's defaults (output-aware V factors from the attention outputs, widths from the
+  measured sensitivities by an exact knapsack over the byte budget);
 - ``uniform ranks``: one Q/K width and one V width for every head (the paper's /AC ablation), default artifact;
 - ``Palu``: Palu as Palu builds it: low-rank K latent before RoPE and V from the whitened SVD (principal axes of the
   keys and values), widths by its Fisher-information rank search.
@@ -41,19 +41,19 @@ from . import metrics, provenance
 from .metrics import best_compression
 
 METHODS = {
-    "FDC (paper)": {"artifact": "default", "rule": "singular_value"},
+    "FDC (paper)": {"artifact": "activation", "rule": "singular_value"},
     "FDC (defaults)": {"artifact": "default"},
     "uniform ranks": {"artifact": "default", "uniform": True},
     "Palu": {"artifact": "default", "method": "palu"},
 }
-# The measurements behind the defaults (bench/results/eval/README.md): the output-aware V factors (from the values'
-# and from the attention outputs' covariance) against the default activation V, each with the sensitivity allocation.
+# The measurements behind the defaults (bench/results/eval/README.md): the other V factors (the values' principal
+# axes, the output-aware pair from the values' covariance) against the default, each with the sensitivity allocation.
 ABLATIONS = {
+    "activation V, sensitivity": {"artifact": "activation"},
     "output V, sensitivity": {"artifact": "output"},
-    "attention-output V, sensitivity": {"artifact": "attention_output"},
 }
 # load_or_calibrate's settings beyond the text, per artifact a method names
-ARTIFACTS = {"default": {}, "output": {"v_method": "output"}, "attention_output": {"v_method": "attention_output"}}
+ARTIFACTS = {"default": {}, "activation": {"v_method": "activation"}, "output": {"v_method": "output"}}
 GRID = (0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)  # dense where 99% is decided, to 0.5
 LEVELS = tuple(round(0.90 + 0.01 * i, 2) for i in range(10))  # accuracy levels tabulated: 0.90 .. 0.99
 METRICS = ("perplexity", "edit_similarity")
