@@ -189,6 +189,8 @@ def print_table(rows: list[Row]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__, repeats_help="timed calls per measurement (median)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32", "all"], default="all")
+    parser.add_argument("--phase", choices=["decode", "prefill", "all"], default="all",
+                        help="time only decode or only prefill (a full CPU run takes minutes)")
     args = parser.parse_args(argv)
     device, repeats = setup(args)
     timer = Timer(device, repeats, warmup=WARMUP)
@@ -204,9 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     copy_gbps = copy_bandwidth(device, copy_mb, timer)
     rows: list[Row] = []
     for dtype in dtypes:
-        for batch, context in decode_shapes:
+        for batch, context in decode_shapes if args.phase != "prefill" else []:
             rows += bench_decode(batch, context, qk_dims, v_dims, dtype, device, copy_gbps, timer)
-        for lengths in prefill_shapes:
+        for lengths in prefill_shapes if args.phase != "decode" else []:
             for causal in (True, False):
                 rows += bench_prefill(lengths, causal, qk_dims, v_dims, dtype, device, timer)
 
@@ -218,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows)
 
     report = {**provenance("ops", name, commit, dirty, device, args.quick), "repeats": repeats,
-              "dtypes": [dtype_name(d) for d in dtypes], "copy_bandwidth_gbps": copy_gbps,
+              "dtypes": [dtype_name(d) for d in dtypes], "phase": args.phase, "copy_bandwidth_gbps": copy_gbps,
               "layout": layout_record(qk_dims, v_dims), "rows": [asdict(r) for r in rows]}
     write_json(report, args.out, name, "ops", args.quick)
     return 0

@@ -24,9 +24,10 @@ namespace fdc::cpu {
 namespace {
 
 // Keys per block: per KV head, G x 64 scores plus one 64 x 256 key and one 64 x 256 value block in float (136 KiB at
-// most) stay in L2 between the block's scores, its softmax update and its value accumulation. In the row-wise path a
-// block is 64 whole rows of K and of V (100 KiB for the benchmark's 8 bf16 heads of ~50 columns each, plus as much
-// read ahead for the next block); 16 rows, one dot_rows group, would leave the read-ahead too little time.
+// most) stay in L2 between the block's scores, its softmax update and its value accumulation. In the row-wise path
+// with plain-load read-ahead (ReadAhead::kLoads) a block is 64 whole rows of K and of V (100 KiB for the benchmark's
+// 8 bf16 heads of ~50 columns each, plus as much read ahead for the next block): 16 rows, one dot_rows group, were
+// judged to leave the loads too little time; with prefetch instructions 16 rows measured fastest (block_rows).
 constexpr int64_t kKeyBlock = 64;
 
 // Degree of the exp polynomial (vec_avx512.h exp16) of the AVX-512 kernels: half-precision outputs are rounded to 8
@@ -304,25 +305,51 @@ struct RowScratch {
       : q(group * qk_width), acc(group * v_width), scores(group * kKeyBlock), softmax(heads) {}
 };
 
-// Brings bytes [first, first + bytes) towards the core ahead of use by reading one byte per cache line. Measured
-// on the 2-core AMD EPYC (bench/bench_ops.py shapes, one thread): prefetcht0 of the next block made no difference
-// (16 ms for B=4 x 8K bf16, as without), prefetcht1 gave 9.6 ms, these plain loads 8.1 ms: the loads cannot be
-// dropped when the miss buffers are full, and the out-of-order core keeps working on the current block meanwhile.
-inline void touch_range(const void* first, int64_t bytes) {
+// How read_ahead brings the next block towards the core: the best way was measured to differ between vendors.
+// - kLoads: plain loads, one byte per cache line. On the 2-core AMD EPYC (bench/bench_ops.py shapes, one thread),
+//   prefetcht0 of the next block made no difference (16 ms for B=4 x 8K bf16, as without), prefetcht1 gave 9.6 ms,
+//   these loads 8.1 ms: loads cannot be dropped when the miss buffers are full, and the out-of-order core keeps
+//   working on the current block meanwhile.
+// - kPrefetchL2: prefetcht1 per cache line. On the 2-core Intel Xeon with AMX (bench_ops shapes, 2 threads, the
+//   variants taken in turn in one process), B=8 x 16K took 17.1 ms in bf16 and 27.5 ms in fp32 with loads, 15.8 and
+//   26.2 with prefetcht0, 15.5 and 25.9 with prefetcht1 (prefetcht2 alike), 19.9 and 29.0 without reading ahead:
+//   there a load that misses holds up retirement, so the block's arithmetic waited behind the loads it follows.
+//   Reading 2, 3 or 4 blocks ahead instead of 1 was slower (bf16 16.3, 16.8, 16.9 ms; fp32 27.9, 28.4, 29.2).
+enum class ReadAhead { kLoads, kPrefetchL2 };
+
+ReadAhead read_ahead_for_this_cpu() {
+  static const ReadAhead way = __builtin_cpu_is("intel") ? ReadAhead::kPrefetchL2 : ReadAhead::kLoads;
+  return way;
+}
+
+// Rows per block of a piece. With kLoads, kKeyBlock (64: see there). With kPrefetchL2, 16, one dot_rows group and the
+// fewest: on the Intel Xeon (same A/B as above, reading 1 block ahead) B=8 x 16K took 13.5 / 15.0 / 15.2 / 16.1 ms
+// in bf16 and 22.8 / 23.9 / 24.4 / 24.8 ms in fp32 with blocks of 16 / 32 / 48 / 64 rows, and B=4 x 8K 2.56 / 2.67 /
+// 2.59 / 2.74 ms (bf16); 128 and 256 rows were slower than 64 again. A block of 16 rows (26 KiB of K and V in bf16
+// for the benchmark's layout) stays in L1 from its scores to its value sums, and each head's share of the read-ahead
+// is a short burst between its products.
+int64_t block_rows(ReadAhead way) { return way == ReadAhead::kPrefetchL2 ? 16 : kKeyBlock; }
+
+// Brings bytes [first, first + bytes) towards the core ahead of use, one access per cache line.
+inline void read_ahead(const void* first, int64_t bytes, ReadAhead way) {
   constexpr int64_t kLine = 64;
   const char* p = static_cast<const char*>(first);
+  if (way == ReadAhead::kPrefetchL2) {
+    for (int64_t byte = 0; byte < bytes; byte += kLine) _mm_prefetch(p + byte, _MM_HINT_T1);
+    return;
+  }
   char sink = 0;
   for (int64_t byte = 0; byte < bytes; byte += kLine) sink ^= *static_cast<const volatile char*>(p + byte);
   asm volatile("" : : "r"(sink));
 }
 
-// One piece of a contiguous cache on AVX-512: blocks of kKeyBlock rows, each scored and accumulated for every KV
+// One piece of a contiguous cache on AVX-512: blocks of block_rows(way) rows, each scored and accumulated for every KV
 // head in turn. Before KV head j works on a block, the j-th share of the next block's K and V rows is read ahead
-// (touch_range), so the reads ahead are spread over the block's work (a block is contiguous: n * W elements).
+// (read_ahead), so the reads ahead are spread over the block's work (a block is contiguous: n * W elements).
 template <typename T>
 FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const T* q, int64_t q_ld,
                                  const CacheView<T>& kc, const CacheView<T>& vc, T* out, int64_t out_ld, RowScratch& ws,
-                                 bool bf16_dot) {
+                                 bool bf16_dot, ReadAhead way) {
   const checks::HostLayout& layout = *pb.layout;
   const int64_t hkv = layout.num_kv_heads(), group = layout.group, b = piece.b;
   const int64_t qk_width = layout.qk_offsets[hkv], v_width = layout.v_offsets[hkv];
@@ -332,17 +359,18 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
   std::fill(ws.softmax.begin(), ws.softmax.end(), OnlineSoftmax{});
   float* scores = ws.scores.data();
 
-  for (int64_t t0 = piece.t0; t0 < piece.t1; t0 += kKeyBlock) {
-    const int64_t n = std::min(kKeyBlock, piece.t1 - t0);
-    const int64_t next = std::min(kKeyBlock, piece.t1 - t0 - n);  // rows of the next block
+  const int64_t rows = block_rows(way);  // at most kKeyBlock, the scores' leading dimension
+  for (int64_t t0 = piece.t0; t0 < piece.t1; t0 += rows) {
+    const int64_t n = std::min(rows, piece.t1 - t0);
+    const int64_t next = std::min(rows, piece.t1 - t0 - n);  // rows of the next block
     const int64_t k_bytes = next * kc.stride1 * int64_t(sizeof(T)), v_bytes = next * vc.stride1 * int64_t(sizeof(T));
     const T* k_block = kc.at(b, t0, 0);
     const T* v_block = vc.at(b, t0, 0);
     for (int64_t j = 0; j < hkv; ++j) {
       if (next > 0) {
         const int64_t k0 = k_bytes * j / hkv, v0 = v_bytes * j / hkv;
-        touch_range(reinterpret_cast<const char*>(k_block + n * kc.stride1) + k0, k_bytes * (j + 1) / hkv - k0);
-        touch_range(reinterpret_cast<const char*>(v_block + n * vc.stride1) + v0, v_bytes * (j + 1) / hkv - v0);
+        read_ahead(reinterpret_cast<const char*>(k_block + n * kc.stride1) + k0, k_bytes * (j + 1) / hkv - k0, way);
+        read_ahead(reinterpret_cast<const char*>(v_block + n * vc.stride1) + v0, v_bytes * (j + 1) / hkv - v0, way);
       }
       const int64_t k_col = layout.qk_offsets[j], v_col = layout.v_offsets[j];
       const int64_t dq = layout.qk_offsets[j + 1] - k_col, dv = layout.v_offsets[j + 1] - v_col;
@@ -495,11 +523,12 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
     scalar_t* op_out = out.data_ptr<scalar_t>();
     const scalar_t* qp = qc.data_ptr<scalar_t>();
     if (by_rows) {
+      const ReadAhead way = read_ahead_for_this_cpu();
       at::parallel_for(0, int64_t(pieces.size()), 1, [&](int64_t p0, int64_t p1) {
         RowScratch ws(group, layout.qk_offsets[hkv], layout.v_offsets[hkv], hkv * group);
         for (int64_t p = p0; p < p1; ++p) {
           run_piece_avx512(pieces[p], pb, qp, qc.stride(0), kview, vview, op_out, out.stride(0), ws,
-                           isa == CpuIsa::kAvx512Bf16);
+                           isa == CpuIsa::kAvx512Bf16, way);
         }
       });
     } else {

@@ -42,6 +42,18 @@ class CallRows:
     def __init__(self, valid: torch.Tensor | None, counts: torch.Tensor, host_counts: list[int]):
         self.valid, self.counts, self.host_counts = valid, counts, host_counts
         self.cu = _prefix(counts)
+        self._rope: tuple | None = None  # (cos, sin, dtype, (cos rows, sin rows)) of the call seen last
+
+    def rope_rows(self, position_embeddings, batch: int, length: int, dtype: torch.dtype):
+        """The decoder's RoPE tables ((B or 1, S, rotary_dim) cos and sin) at the real tokens, as (T, rotary_dim)
+        of ``dtype``: computed by the call's first layer and reused by the others, which get the same tensors (6 ops
+        per layer, 4 us, before)."""
+        cos, sin = position_embeddings
+        seen = self._rope
+        if seen is None or seen[0] is not cos or seen[1] is not sin or seen[2] != dtype:
+            rows = tuple(self.take(t.expand(batch, length, -1)).to(dtype) for t in (cos, sin))
+            seen = self._rope = (cos, sin, dtype, rows)
+        return seen[3]
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
         """(B, S, ...) -> (T, ...): the real tokens' rows, request after request."""
@@ -273,8 +285,8 @@ class FDCAttention(_CompressedAttentionBase):
         q = self._heads(self.q_proj, self.q_norm, hidden_states, H)  # (B, S, H, D)
         k = self._heads(self.k_proj, self.k_norm, hidden_states, Hkv)  # (B, S, H_kv, D)
         # The family's RoPE tables (B or 1, S, rotary_dim), per real token; RoPE and the rotation in one pass.
-        cos, sin = (rows.take(t.expand(B, S, -1)).to(q.dtype) for t in position_embeddings)  # (T, rotary_dim)
-        rotation = self.rotation.to(q.dtype)
+        cos, sin = rows.rope_rows(position_embeddings, B, S, q.dtype)  # (T, rotary_dim)
+        rotation = self.rotation if self.rotation.dtype == q.dtype else self.rotation.to(q.dtype)
         q_rows = ops.rope_rotate_compress(rows.take(q), cos, sin, rotation, self.qk_offsets, G)
         k_rows = ops.rope_rotate_compress(rows.take(k), cos, sin, rotation, self.qk_offsets, 1)
         v_rows = self.v_proj(rows.take(hidden_states))  # (T, v_width)
