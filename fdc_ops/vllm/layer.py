@@ -38,7 +38,6 @@ class FDCPagedAttention(Attention):
         self.register_buffer("rotation", rotation.contiguous(), persistent=False)
         self.qk_offsets, self.v_offsets = qk_offsets, v_offsets  # CPU, as the ops take them: not buffers
         self.k_width, self.v_width = int(qk_offsets[-1]), int(v_offsets[-1])
-        self.layout_key = (tuple(qk_offsets.tolist()), tuple(v_offsets.tolist()))
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
         """One "head" of ``k_width`` key and ``v_width`` value columns: a page is exactly ``block_size * (k_width +
