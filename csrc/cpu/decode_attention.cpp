@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -23,12 +24,20 @@
 namespace fdc::cpu {
 namespace {
 
-// Keys per block: per KV head, G x 64 scores plus one 64 x 256 key and one 64 x 256 value block in float (136 KiB at
-// most) stay in L2 between the block's scores, its softmax update and its value accumulation. In the row-wise path
-// with plain-load read-ahead (ReadAhead::kLoads) a block is 64 whole rows of K and of V (100 KiB for the benchmark's
-// 8 bf16 heads of ~50 columns each, plus as much read ahead for the next block): 16 rows, one dot_rows group, were
-// judged to leave the loads too little time; with prefetch instructions 16 rows measured fastest (block_rows).
+// Keys per block of the row-wise path (run_piece_avx512): per KV head, G x 64 scores plus one 64 x 256 key and one
+// 64 x 256 value block in float (136 KiB at most) stay in L2 between the block's scores, its softmax update and its
+// value accumulation. With plain-load read-ahead (ReadAhead::kLoads) a block is 64 whole rows of K and of V (100 KiB
+// for the benchmark's 8 bf16 heads of ~50 columns each, plus as much read ahead for the next block): 16 rows, one
+// dot_rows group, were judged to leave the loads too little time; with prefetch instructions 16 rows measured
+// fastest (block_rows).
 constexpr int64_t kKeyBlock = 64;
+// Keys per block of the task kernels (run_task, run_task_avx512: paged caches, and contiguous ones on the portable
+// path): a whole page at vLLM's CPU page size, so a KV head's block of a dim-major page is one contiguous run of
+// d * 128 elements instead of two halves read one after the other, column by column. Measured on the 2-core Intel
+// Xeon (float32, SmolLM2's widths at compression 0.1, 8 requests, pages of 128, caches far larger than the LLC):
+// decode_attention took 206 us per layer at 256 keys (222 with 64-key blocks) and 1380 us at 2048 (1535). Scores,
+// one 128 x 256 key and one value block in float stay at 272 KiB at most, within L2.
+constexpr int64_t kTaskKeyBlock = 128;
 
 // Degree of the exp polynomial (vec_avx512.h exp16) of the AVX-512 kernels: half-precision outputs are rounded to 8
 // (bf16) or 11 (fp16) significant bits, far coarser than degree 4's 5e-5 relative error; float32 keeps degree 6.
@@ -53,9 +62,9 @@ struct CacheView {
 
   bool paged() const { return block_table != nullptr; }
 
-  // End of the block starting at t0: kKeyBlock keys, cut at the chunk end and, when paged, at the page end.
+  // End of the block starting at t0: kTaskKeyBlock keys, cut at the chunk end and, when paged, at the page end.
   int64_t block_end(int64_t t0, int64_t chunk_end) const {
-    int64_t end = std::min(chunk_end, t0 + kKeyBlock);
+    int64_t end = std::min(chunk_end, t0 + kTaskKeyBlock);
     if (paged()) end = std::min(end, (t0 / page_size + 1) * page_size);
     return end;
   }
@@ -106,13 +115,22 @@ struct CacheView {
   }
 };
 
-// Per-thread scratch of one task.
+// A float buffer of n elements left uninitialised: every user writes what it reads first (the tests pass with these
+// buffers filled with NaN), and zero-filling the task scratch (136 KiB per call when it always held the two widened
+// blocks) cost more than a short decode task's own work.
+inline std::unique_ptr<float[]> uninitialized_floats(int64_t n) { return std::unique_ptr<float[]>(new float[n]); }
+
+// Per-thread scratch of one task. k and v, the widened key and value blocks, only the portable kernels use
+// (`widen`): the AVX-512 ones read the cache in place.
 struct TaskScratch {
-  std::vector<float> q, k, v, scores, acc;
+  std::unique_ptr<float[]> q, k, v, scores, acc;
   std::vector<OnlineSoftmax> softmax;
-  explicit TaskScratch(int64_t group)
-      : q(group * kMaxHeadDim), k(kMaxHeadDim * kKeyBlock), v(kKeyBlock * kMaxHeadDim), scores(group * kKeyBlock),
-        acc(group * kMaxHeadDim), softmax(group) {}
+  TaskScratch(int64_t group, bool widen)
+      : q(uninitialized_floats(group * kMaxHeadDim)),
+        k(widen ? uninitialized_floats(kMaxHeadDim * kTaskKeyBlock) : nullptr),
+        v(widen ? uninitialized_floats(kTaskKeyBlock * kMaxHeadDim) : nullptr),
+        scores(uninitialized_floats(group * kTaskKeyBlock)), acc(uninitialized_floats(group * kMaxHeadDim)),
+        softmax(group) {}
 };
 
 struct Problem {
@@ -166,9 +184,9 @@ void run_task(const int32_t* record, const Problem& pb, const T* q, int64_t q_ld
     const T* qi = q + b * q_ld + view.q_column(static_cast<int32_t>(j * group + i));
     for (int64_t c = 0; c < dq; ++c) ws.q[i * dq + c] = to_float(qi[c]) * pb.scale;
   }
-  std::fill(ws.acc.begin(), ws.acc.begin() + group * dv, 0.f);
+  std::fill(ws.acc.get(), ws.acc.get() + group * dv, 0.f);
   std::vector<OnlineSoftmax> softmax(group);
-  float* scores = ws.scores.data();
+  float* scores = ws.scores.get();
 
   for (int64_t t0 = kv_start; t0 < kv_end;) {
     const int64_t t1 = kc.block_end(t0, kv_end), n = t1 - t0;
@@ -177,29 +195,29 @@ void run_task(const int32_t* record, const Problem& pb, const T* q, int64_t q_ld
       kc.prefetch(b, t1, t2, layout.qk_offsets[j], dq);
       vc.prefetch(b, t1, t2, layout.v_offsets[j], dv);
     }
-    const FloatRows keys = kc.block(b, t0, t1, layout.qk_offsets[j], dq, ws.k.data());
+    const FloatRows keys = kc.block(b, t0, t1, layout.qk_offsets[j], dq, ws.k.get());
     if (kc.paged()) {  // keys are dq rows of n tokens: scores = Q K, a weighted sum of key rows
-      std::fill(scores, scores + group * kKeyBlock, 0.f);
-      axpy_rows(ws.q.data(), dq, group, keys.data, keys.stride, dq, n, scores, kKeyBlock);
+      std::fill(scores, scores + group * kTaskKeyBlock, 0.f);
+      axpy_rows(ws.q.get(), dq, group, keys.data, keys.stride, dq, n, scores, kTaskKeyBlock);
     } else {  // keys are n rows of dq: one dot product per (query head, key)
-      dot_rows(ws.q.data(), dq, group, keys.data, keys.stride, n, dq, scores, kKeyBlock, false);
+      dot_rows(ws.q.get(), dq, group, keys.data, keys.stride, n, dq, scores, kTaskKeyBlock, false);
     }
     for (int64_t i = 0; i < group; ++i) {
-      float* si = scores + i * kKeyBlock;
+      float* si = scores + i * kTaskKeyBlock;
       const float factor = softmax[i].rescale_for(max_of(si, n));
-      if (factor != 1.f) scale_in_place(ws.acc.data() + i * dv, dv, factor);
+      if (factor != 1.f) scale_in_place(ws.acc.get() + i * dv, dv, factor);
       softmax[i].sum += exp_and_sum(si, n, 1.f, softmax[i].max);
     }
-    const FloatRows values = vc.block(b, t0, t1, layout.v_offsets[j], dv, ws.v.data());
+    const FloatRows values = vc.block(b, t0, t1, layout.v_offsets[j], dv, ws.v.get());
     if (vc.paged()) {  // values are dv rows of n tokens: acc[i][c] += p_i . V[c]
-      dot_rows(scores, kKeyBlock, group, values.data, values.stride, dv, n, ws.acc.data(), dv, true);
+      dot_rows(scores, kTaskKeyBlock, group, values.data, values.stride, dv, n, ws.acc.get(), dv, true);
     } else {  // values are n rows of dv: acc_i += sum_t p_i[t] V[t]
-      axpy_rows(scores, kKeyBlock, group, values.data, values.stride, n, dv, ws.acc.data(), dv);
+      axpy_rows(scores, kTaskKeyBlock, group, values.data, values.stride, n, dv, ws.acc.get(), dv);
     }
     t0 = t1;
   }
 
-  finish_task(record, pb, ws.acc.data(), softmax.data(), out, out_ld);
+  finish_task(record, pb, ws.acc.get(), softmax.data(), out, out_ld);
 }
 
 // run_task with the AVX-512 row kernels (vec_avx512.h), which read the cache in place in every dtype. With
@@ -218,10 +236,10 @@ FDC_AVX512 void run_task_avx512(const int32_t* record, const Problem& pb, const 
   // The G query heads of KV head j are consecutive dq-wide column blocks of q's row b.
   const T* qj = q + b * q_ld + layout.view().q_column(static_cast<int32_t>(j * group));
   for (int64_t c = 0; c < group * dq; ++c) ws.q[c] = to_float(qj[c]);
-  std::fill(ws.acc.begin(), ws.acc.begin() + group * dv, 0.f);
+  std::fill(ws.acc.get(), ws.acc.get() + group * dv, 0.f);
   OnlineSoftmax* softmax = ws.softmax.data();
   std::fill(softmax, softmax + group, OnlineSoftmax{});
-  float* scores = ws.scores.data();
+  float* scores = ws.scores.get();
 
   for (int64_t t0 = kv_start; t0 < kv_end;) {
     const int64_t t1 = kc.block_end(t0, kv_end), n = t1 - t0;
@@ -232,33 +250,33 @@ FDC_AVX512 void run_task_avx512(const int32_t* record, const Problem& pb, const 
     }
     const T* keys = kc.at(b, t0, k_col);
     if (kc.paged()) {  // keys are dq columns of n consecutive tokens: scores = sum_c q[c] K[c]
-      for (int64_t i = 0; i < group; ++i) std::fill(scores + i * kKeyBlock, scores + i * kKeyBlock + n, 0.f);
-      avx512::axpy_rows(ws.q.data(), dq, group, keys, kc.col_stride(), dq, n, scores, kKeyBlock);
+      for (int64_t i = 0; i < group; ++i) std::fill(scores + i * kTaskKeyBlock, scores + i * kTaskKeyBlock + n, 0.f);
+      avx512::axpy_rows(ws.q.get(), dq, group, keys, kc.col_stride(), dq, n, scores, kTaskKeyBlock);
     } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
       if (bf16_dot) {
         avx512::dot_rows_bf16(reinterpret_cast<const uint16_t*>(qj), dq, group, keys, kc.row_stride(), n, dq, scores,
-                              kKeyBlock);
+                              kTaskKeyBlock);
       } else {
-        avx512::dot_rows(ws.q.data(), dq, group, keys, kc.row_stride(), n, dq, scores, kKeyBlock, false);
+        avx512::dot_rows(ws.q.get(), dq, group, keys, kc.row_stride(), n, dq, scores, kTaskKeyBlock, false);
       }
     } else {
-      avx512::dot_rows(ws.q.data(), dq, group, keys, kc.row_stride(), n, dq, scores, kKeyBlock, false);
+      avx512::dot_rows(ws.q.get(), dq, group, keys, kc.row_stride(), n, dq, scores, kTaskKeyBlock, false);
     }
     for (int64_t i = 0; i < group; ++i) {
-      float* si = scores + i * kKeyBlock;
+      float* si = scores + i * kTaskKeyBlock;
       const float factor = softmax[i].rescale_for(avx512::max_of(si, n) * pb.scale);
-      if (factor != 1.f) avx512::scale_in_place(ws.acc.data() + i * dv, dv, factor);
+      if (factor != 1.f) avx512::scale_in_place(ws.acc.get() + i * dv, dv, factor);
       softmax[i].sum += avx512::exp_and_sum<kExpDegree<T>>(si, n, pb.scale, softmax[i].max);
     }
     const T* values = vc.at(b, t0, v_col);
     if (vc.paged()) {  // values are dv columns of n consecutive tokens: acc[i][c] += p_i . V[c]
-      avx512::dot_rows(scores, kKeyBlock, group, values, vc.col_stride(), dv, n, ws.acc.data(), dv, true);
+      avx512::dot_rows(scores, kTaskKeyBlock, group, values, vc.col_stride(), dv, n, ws.acc.get(), dv, true);
     } else {  // values are n rows of dv: acc_i += sum_t p_i[t] V[t]
-      avx512::axpy_rows(scores, kKeyBlock, group, values, vc.row_stride(), n, dv, ws.acc.data(), dv);
+      avx512::axpy_rows(scores, kTaskKeyBlock, group, values, vc.row_stride(), n, dv, ws.acc.get(), dv);
     }
     t0 = t1;
   }
-  finish_task(record, pb, ws.acc.data(), softmax, out, out_ld);
+  finish_task(record, pb, ws.acc.get(), softmax, out, out_ld);
 }
 
 // Rows of a contiguous cache, for decode_rows_avx512: a piece is keys [t0, t1) of request b for every KV head.
@@ -500,17 +518,23 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
   }
 
   const at::Tensor qc = checks::unit_last_stride(q);
-  at::Tensor out = at::zeros({batch, group * layout.v_width()}, q.options());
+  // Every output row is written by its request's tasks, or by merge_splits, except the rows of empty requests, which
+  // are zeros.
+  at::Tensor out = at::empty({batch, group * layout.v_width()}, q.options());
+  for (int64_t b = 0; b < batch; ++b) {
+    if (seqlens[b] == 0) out[b].zero_();
+  }
   const int64_t max_v_dim = layout.max_v_dim(), hkv = layout.num_kv_heads();
   std::vector<int32_t> piece_splits;
   const std::vector<RowPiece> pieces =
       by_rows ? cut_rows(seqlens, hkv, at::get_num_threads(), piece_splits) : std::vector<RowPiece>{};
   const DecodePlanView view{by_rows ? nullptr : schedule.data_ptr<int32_t>()};
   const int64_t slots = by_rows ? piece_splits.back() : view.num_tasks();
-  std::vector<float> partial_out(slots * group * max_v_dim);
-  std::vector<float> partial_lse(slots * group);
+  // Only split (request, KV head) pairs write and read their slots here.
+  const std::unique_ptr<float[]> partial_out = uninitialized_floats(slots * group * max_v_dim);
+  const std::unique_ptr<float[]> partial_lse = uninitialized_floats(slots * group);
   const int32_t* splits = by_rows ? piece_splits.data() : view.split_offsets();  // (B * H_kv + 1)
-  const Problem pb{&layout, static_cast<float>(scale), splits, partial_out.data(), partial_lse.data(), max_v_dim};
+  const Problem pb{&layout, static_cast<float>(scale), splits, partial_out.get(), partial_lse.get(), max_v_dim};
 
   FDC_DISPATCH_FLOAT_TYPES(q.scalar_type(), "fdc::decode_attention", [&] {
     const int32_t* bt = block_table ? table.data_ptr<int32_t>() : nullptr;
@@ -533,7 +557,7 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
       });
     } else {
       at::parallel_for(0, view.num_workers(), 1, [&](int64_t w0, int64_t w1) {
-        TaskScratch ws(group);
+        TaskScratch ws(group, isa == CpuIsa::kPortable && !std::is_same_v<scalar_t, float>);
         for (int64_t w = w0; w < w1; ++w) {
           for (int64_t r = view.worker_offsets()[w]; r < view.worker_offsets()[w + 1]; ++r) {
             const int32_t* record = view.records() + r * kDecodeRecordFields;

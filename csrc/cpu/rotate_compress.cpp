@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "cpu/cpu_common.h"
+#include "cpu/vec_avx512.h"
 #include "cpu/vec_math.h"
 
 namespace fdc::cpu {
@@ -18,6 +19,7 @@ void rotate_rows(const at::Tensor& x, const at::Tensor& rot, const checks::HostL
   const float* xp = x.data_ptr<float>();
   const float* rp = rot.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  const bool wide = cpu_isa("rotate_compress") != CpuIsa::kPortable;
   at::parallel_for(0, tokens * hkv, 1, [&](int64_t begin, int64_t end) {
     for (int64_t tj = begin; tj < end; ++tj) {
       const int64_t t = tj / hkv, j = tj % hkv;
@@ -25,8 +27,13 @@ void rotate_rows(const at::Tensor& x, const at::Tensor& rot, const checks::HostL
       float* o = op + t * width + group * layout.qk_offsets[j];
       std::fill(o, o + group * dim, 0.f);
       // The G rows x[t, j * G + i, :] weigh the D rows of R_j (first dim columns each).
-      axpy_rows(xp + t * x.stride(0) + j * group * x.stride(1), x.stride(1), group, rp + j * head_dim * r_max, r_max,
-                head_dim, dim, o, dim);
+      const float* w = xp + t * x.stride(0) + j * group * x.stride(1);
+      const float* r = rp + j * head_dim * r_max;
+      if (wide) {  // tiles of up to 4 query heads x 64 columns: each row of R_j is loaded once for the whole tile
+        avx512::axpy_rows(w, x.stride(1), group, r, r_max, head_dim, dim, o, dim);
+      } else {
+        axpy_rows(w, x.stride(1), group, r, r_max, head_dim, dim, o, dim);
+      }
     }
   });
 }
@@ -37,7 +44,7 @@ void rotate_rows(const at::Tensor& x, const at::Tensor& rot, const checks::HostL
 void rotate_into_packed(const at::Tensor& x_float, const at::Tensor& rot, const checks::HostLayout& layout,
                         int64_t group, at::Tensor& out) {
   const int64_t tokens = x_float.size(0);
-  const at::Tensor rotf = rot.to(at::kFloat).contiguous();  // (H_kv, D, R_max)
+  const at::Tensor rotf = checks::as_float(rot).contiguous();  // (H_kv, D, R_max)
   if (tokens <= kRowLoopTokens) {
     if (out.scalar_type() == at::kFloat) {
       rotate_rows(checks::unit_last_stride(x_float), rotf, layout, group, out);
@@ -61,7 +68,7 @@ at::Tensor rotate_compress_cpu(const at::Tensor& x, const at::Tensor& rot, const
                                int64_t group) {
   const checks::RotateShape shape = checks::check_rotate_compress("rotate_compress", x, rot, qk_offsets, group);
   at::Tensor out = at::empty({shape.tokens, group * shape.layout.qk_width()}, x.options());
-  rotate_into_packed(x.to(at::kFloat), rot, shape.layout, group, out);
+  rotate_into_packed(checks::as_float(x), rot, shape.layout, group, out);
   return out;
 }
 

@@ -45,7 +45,6 @@ class FDCPagedAttention(Attention):
         if self.page_width < self.k_width + self.v_width or not 0 < self.page_key_width <= self.page_width:
             raise ValueError(f"fdc_ops.vllm: page must be (key columns, columns) with 0 < key columns <= columns and "
                              f"columns >= {self.k_width + self.v_width} (this layer's widths), but got {page}")
-        self.layout_key = (tuple(qk_offsets.tolist()), tuple(v_offsets.tolist()))
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
         """One "head" of ``page_key_width`` key and ``page_width - page_key_width`` value columns: on one rank
