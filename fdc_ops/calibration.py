@@ -952,7 +952,7 @@ def calibrate(model, tokenizer=None, *, text: str = "wikipedia", num_tokens: int
         if balance:
             extra = random_token_batches(vocab_size, num_tokens + balance * seq_len, seq_len, seed, 1)
             held_out = extra[-balance:]
-        source = {"source": "random_tokens", "sampling": "uniform", "seed": seed}
+        source = {"source": "random_tokens", "sampling": text_sampling(text), "seed": seed}
     elif input_ids is None:
         from . import datasets
 
@@ -965,7 +965,7 @@ def calibrate(model, tokenizer=None, *, text: str = "wikipedia", num_tokens: int
         windows = datasets.calibration_windows(*datasets.text_documents(tokenizer, text), count + balance, seq_len)
         batches = list(torch.cat(windows[:count]).split(batch_size))
         held_out = windows[count:]
-        source = {"source": text, "sampling": "documents", "seed": None}
+        source = {"source": text, "sampling": text_sampling(text), "seed": None}
     else:
         if input_ids.dim() == 1:
             usable = max(seq_len, min(num_tokens, input_ids.numel() // seq_len * seq_len))
@@ -994,6 +994,12 @@ def calibrate(model, tokenizer=None, *, text: str = "wikipedia", num_tokens: int
 BUNDLED_ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 
 
+def text_sampling(text: str) -> str:
+    """How calibrate samples ``text`` (recorded in the artifact, and part of load_or_calibrate's key): ``uniform``
+    random token ids, or ``documents``: a bundled text's windows (datasets.calibration_windows)."""
+    return "uniform" if text == "random" else "documents"
+
+
 def load_or_calibrate(model, tokenizer=None, *, text: str = "wikipedia", num_tokens: int = 8192,
                       seq_len: int = 1024, seed: int = 0, v_method: str = "attention_output",
                       sensitivity_tokens: int = 8192,
@@ -1003,9 +1009,8 @@ def load_or_calibrate(model, tokenizer=None, *, text: str = "wikipedia", num_tok
     same keys), calibrating and saving it on first use. ``text``: a bundled text (needs the tokenizer) or
     ``random``. An artifact that fails validation is recalibrated."""
     fingerprint = families.fingerprint(model)
-    sampling = "uniform" if text == "random" else "documents"  # as calibrate samples: the key changes with it
-    key = (f"v{FORMAT_VERSION}-{fingerprint[:16]}-{text}-{sampling}-{num_tokens}-{seq_len}-{seed}-{v_method}-"
-           f"{sensitivity_tokens}")
+    key = (f"v{FORMAT_VERSION}-{fingerprint[:16]}-{text}-{text_sampling(text)}-{num_tokens}-{seq_len}-{seed}-"
+           f"{v_method}-{sensitivity_tokens}")
     path = Path(directory or cache_dir() / "artifacts") / key
     for candidate in (path, BUNDLED_ARTIFACTS / key):
         if candidate.is_dir():

@@ -66,17 +66,15 @@ def token_stream(tokenizer, documents, separator: str = "\n\n") -> torch.Tensor:
     return _stream_and_starts(tokenizer, documents, separator)[0]
 
 
-TEXTS = ("wikipedia", "humaneval")
+DOCUMENTS = {"wikipedia": wikipedia_articles, "humaneval": humaneval_programs}  # bundled text -> its documents
 
 
 def text_documents(tokenizer, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """A bundled text, ``wikipedia`` or ``humaneval``, as (token stream (N,) int64, where each document starts in
     it (num_documents,) int64, ascending)."""
-    if name == "wikipedia":
-        return _stream_and_starts(tokenizer, wikipedia_articles(), "\n\n")
-    if name == "humaneval":
-        return _stream_and_starts(tokenizer, humaneval_programs(), "\n\n")
-    raise ValueError(f"fdc_ops: unknown text {name!r}; bundled texts: {', '.join(TEXTS)}")
+    if name not in DOCUMENTS:
+        raise ValueError(f"fdc_ops: unknown text {name!r}; bundled texts: {', '.join(DOCUMENTS)}")
+    return _stream_and_starts(tokenizer, DOCUMENTS[name](), "\n\n")
 
 
 def text_tokens(tokenizer, name: str) -> torch.Tensor:
