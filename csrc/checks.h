@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <optional>
@@ -451,14 +452,15 @@ inline void check_prefill_plan_header(const char* op, const int32_t* header, int
             " records)");
 }
 
-// A plan from the caller must describe exactly these sequences: every record in range and the rows of each
-// (sequence, head) covered in total exactly once.
+// A plan from the caller must describe exactly these sequences: every record in range, and the rows of each
+// (sequence, head) split into records exactly once (no row computed twice, none left out), whatever the order.
 inline void check_prefill_plan_records(const char* op, const PrefillPlanView& plan, const std::vector<int32_t>& cu_q) {
   const int64_t heads = plan.num_heads(), batch = plan.batch();
   const int32_t* workers = plan.worker_offsets();
   FDC_CHECK(workers[0] == 0 && workers[plan.num_workers()] == plan.num_records(), op,
             "plan is corrupt: its record counts disagree");
-  std::vector<int64_t> covered(batch * heads, 0);
+  std::vector<std::array<int64_t, 3>> spans;  // (sequence * heads + head, row_start, row_end) of every record
+  spans.reserve(plan.num_records());
   for (int64_t i = 0; i < plan.num_records(); ++i) {
     const int32_t* rec = plan.records() + i * kPrefillRecordFields;
     FDC_CHECK(rec[0] >= 0 && rec[0] < batch && rec[1] >= 0 && rec[1] < heads, op, "plan record ", i, " names sequence ",
@@ -468,12 +470,23 @@ inline void check_prefill_plan_records(const char* op, const PrefillPlanView& pl
               " of sequence ", rec[0], " with ", s_q,
               " queries) does not fit cu_seqlens_q: make the plan "
               "from the same cu_seqlens");
-    covered[rec[0] * heads + rec[1]] += rec[3] - rec[2];
+    spans.push_back({rec[0] * heads + rec[1], rec[2], rec[3]});
   }
+  std::sort(spans.begin(), spans.end());
+  size_t next = 0;
   for (int64_t bh = 0; bh < batch * heads; ++bh) {
-    const int64_t s_q = cu_q[bh / heads + 1] - cu_q[bh / heads];
-    FDC_CHECK(covered[bh] == s_q, op, "plan covers ", covered[bh], " rows of sequence ", bh / heads, ", head ",
-              bh % heads, " but it has ", s_q, ": make the plan from the same cu_seqlens");
+    const int64_t b = bh / heads, h = bh % heads, s_q = cu_q[b + 1] - cu_q[b];
+    int64_t covered = 0;  // rows [0, covered) of (b, h) are in exactly one record so far
+    for (; next < spans.size() && spans[next][0] == bh; ++next) {
+      FDC_CHECK(spans[next][1] <= covered, op, "plan leaves rows ", covered, "..", spans[next][1], " of sequence ", b,
+                ", head ", h, " to no record: make the plan from the same cu_seqlens");
+      FDC_CHECK(spans[next][1] == covered, op, "plan computes rows ", spans[next][1], "..",
+                std::min(covered, spans[next][2]), " of sequence ", b, ", head ", h,
+                " in two records: make the plan with prefill_plan");
+      covered = spans[next][2];
+    }
+    FDC_CHECK(covered == s_q, op, "plan covers rows 0..", covered, " of sequence ", b, ", head ", h, " but it has ",
+              s_q, " queries: make the plan from the same cu_seqlens");
   }
 }
 

@@ -7,6 +7,7 @@ import torch
 
 from conftest import offsets
 from fdc_ops import ops
+from fdc_ops.plans import PREFILL_HEADER
 
 QK, V, G = offsets([8, 16]), offsets([16, 8]), 2  # widths 24 and 24, 4 query heads
 
@@ -159,6 +160,35 @@ def test_plans_must_match_their_inputs():
         ops.decode_plan(torch.tensor([3, 6], dtype=torch.int32), QK, V, G, num_workers=0)
     with raises("prefill_plan", "row_block must be a positive multiple of 16"):
         ops.prefill_plan(prefill["cu_seqlens_q"], prefill["cu_seqlens_k"], QK, V, G, True, row_block=24)
+
+
+def test_prefill_plan_records_must_split_each_head_exactly_once():
+    """A caller's plan whose records overlap (rows computed twice, others never) is refused even where its row
+    counts add up; records of one (sequence, head) may come in any order."""
+    cu = torch.tensor([0, 32], dtype=torch.int32)
+    args = prefill_args(q=torch.randn(32, G * 24), k=torch.randn(32, 24), v=torch.randn(32, 24), cu_seqlens_q=cu,
+                        cu_seqlens_k=cu)
+    workers = 3
+    plan = ops.prefill_plan(cu, cu, QK, V, G, True, num_workers=workers, row_block=16)
+
+    def records(p: torch.Tensor) -> torch.Tensor:  # (R, 4) view of (b, h, row_start, row_end)
+        return p[PREFILL_HEADER + workers + 1:].view(-1, 4)
+
+    head = 1
+    first, second = (records(plan)[:, 1] == head).nonzero().flatten().tolist()
+    assert sorted(records(plan)[[first, second], 2].tolist()) == [0, 16], "the planner splits 32 rows into 16 + 16"
+    expected = ops.prefill_attention(**args, plan=plan)
+    swapped = plan.clone()
+    records(swapped)[[first, second], 2:] = records(plan)[[second, first], 2:]
+    torch.testing.assert_close(ops.prefill_attention(**args, plan=swapped), expected, rtol=0, atol=0)
+    overlapping = plan.clone()
+    records(overlapping)[[first, second], 2:] = torch.tensor([0, 16], dtype=torch.int32)
+    with raises("prefill_attention", f"plan computes rows 0..16 of sequence 0, head {head} in two records"):
+        ops.prefill_attention(**args, plan=overlapping)
+    gap = plan.clone()
+    records(gap)[[first, second], 2:] = torch.tensor([16, 32], dtype=torch.int32)
+    with raises("prefill_attention", f"plan leaves rows 0..16 of sequence 0, head {head} to no record"):
+        ops.prefill_attention(**args, plan=gap)
 
 
 def test_rotate_compress_bad_input():
