@@ -174,7 +174,7 @@ void run_task(const int32_t* record, const Problem& pb, const T* q, int64_t q_ld
               const CacheView<T>& vc, T* out, int64_t out_ld, TaskScratch& ws) {
   const checks::HostLayout& layout = *pb.layout;
   const int64_t hkv = layout.num_kv_heads(), group = layout.group;
-  const int64_t b = record[0] / hkv, j = record[0] % hkv, chunk = record[1];
+  const int64_t b = record[0] / hkv, j = record[0] % hkv;
   const int64_t kv_start = record[2], kv_end = record[3];
   const int64_t dq = layout.qk_offsets[j + 1] - layout.qk_offsets[j];
   const int64_t dv = layout.v_offsets[j + 1] - layout.v_offsets[j];
@@ -370,7 +370,7 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
                                  bool bf16_dot, ReadAhead way) {
   const checks::HostLayout& layout = *pb.layout;
   const int64_t hkv = layout.num_kv_heads(), group = layout.group, b = piece.b;
-  const int64_t qk_width = layout.qk_offsets[hkv], v_width = layout.v_offsets[hkv];
+  const int64_t qk_width = layout.qk_offsets[hkv];
   const T* qb = q + b * q_ld;
   for (int64_t c = 0; c < group * qk_width; ++c) ws.q[c] = to_float(qb[c]);
   std::fill(ws.acc.begin(), ws.acc.end(), 0.f);
