@@ -104,6 +104,10 @@ def extension():
     gencode = []
     for arch in archs.split(";"):
         gencode += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+    # Also the newest architecture's PTX: a GPU newer than every binary built (sm_100, sm_120) compiles it when the
+    # library loads instead of finding no kernel image.
+    newest = max(archs.split(";"), key=lambda arch: int("".join(c for c in arch if c.isdigit())))
+    gencode += ["-gencode", f"arch=compute_{newest},code=compute_{newest}"]
     nvcc_flags = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"] + gencode
     return CUDAExtension("fdc_ops._C", cpu_sources + cuda_sources, include_dirs=include_dirs,
                          extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags}, extra_link_args=link_flags)

@@ -139,6 +139,27 @@ def test_long_sequences(dtype, paged):
 
 
 @pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_widest_heads(dtype, paged):
+    """Heads up to 256 wide beside narrow ones, at G = 16: the shared-memory layouts of include/fdc/decode_tiles.h
+    at their largest (one staging tile on a paged cache where two do not fit), on every device whose limit holds
+    them; elsewhere the op must refuse with the bytes it needs."""
+    gen, rng, replay = case_generator(f"cuda decode widest {dtype} paged={paged}", 0)
+    limit = torch.cuda.get_device_properties(DEVICE).shared_memory_per_block_optin
+    for qk_dims, v_dims in (([256, 8], [256, 128]), ([128, 64], [128, 8]), ([256, 16], [128, 8])):
+        layout = Layout(qk_dims, v_dims, 16)
+        inputs = DecodeInputs(gen, rng, layout, dtype, [1, 200, 1500], paged, 16)
+        what = f"cuda decode widest qk={qk_dims} v={v_dims} {dtype} paged={paged} {replay}"
+        if max(qk_dims) + max(v_dims) <= 336 or limit >= 166912:  # tests/cpp/test_planners.cpp: what must fit
+            inputs.check(inputs.run_cuda(), what)
+        else:
+            try:
+                inputs.check(inputs.run_cuda(), what)
+            except RuntimeError as error:
+                assert "bytes of shared memory per CTA but the device allows" in str(error), what
+
+
+@pytest.mark.parametrize("paged", [False, True])
 def test_one_long_request_among_many_short(paged):
     """One very long request and many short ones: the long one is split over SMs, the short ones are not."""
     gen, rng, replay = case_generator(f"cuda decode mixed paged={paged}", 0)

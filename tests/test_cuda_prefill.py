@@ -204,6 +204,34 @@ def test_contiguous_and_single_rows():
                 inputs.check(inputs.run_cuda(), f"cuda prefill {inputs.describe()} {replay}")
 
 
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """t's values on the GPU in a contiguous tensor that starts one element past an allocation's (16-byte aligned)
+    start, as buf[1:].view(...) does: contiguous, so .contiguous() would return it unchanged."""
+    buffer = torch.full((t.numel() + 1,), float("nan"), dtype=t.dtype, device=DEVICE)
+    view = buffer[1:].view(t.shape)
+    view.copy_(t)
+    assert view.is_contiguous() and view.data_ptr() % 16 != 0
+    return view
+
+
+def test_misaligned_contiguous_inputs():
+    """K and V that are contiguous but start off a 16-byte boundary (and a single-row column slice) must be read
+    through an aligned copy, not faulted on by the 16-byte cp.async loads: same results as aligned inputs."""
+    gen, rng, replay = case_generator("cuda prefill misaligned", 0)
+    for dtype in DTYPES:
+        layout = random_layout(rng, max_kv_heads=3, max_group=3)
+        for lengths in ([37, 5], [1]):
+            inputs = PrefillInputs(gen, rng, layout, dtype, lengths, lengths, True, strided=False, poison=False)
+            expected = inputs.run_cuda()
+            inputs.k_dev, inputs.v_dev = _misaligned(inputs.k), _misaligned(inputs.v)
+            if lengths == [1]:  # one row inside a wider row, at an odd column
+                wide = torch.full((1, layout.qk_width + 1), float("nan"), dtype=dtype, device=DEVICE)
+                wide[:, 1:] = inputs.k.to(DEVICE)
+                inputs.k_dev = wide[:, 1:]
+            torch.testing.assert_close(inputs.run_cuda(), expected, rtol=0, atol=0,
+                                       msg=f"misaligned k/v, {inputs.describe()} {replay}")
+
+
 def test_empty_batch_and_no_rows():
     """No sequence at all (cu_seqlens [0]) and only rows outside the sequences: zeros of the right shape."""
     gen, rng, replay = case_generator("cuda prefill empty", 0)

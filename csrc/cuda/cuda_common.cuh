@@ -45,6 +45,19 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
+// Lets `kernel` use all the dynamic shared memory the current device gives a block (its opt-in maximum less the
+// kernel's static shared memory) and returns that many bytes. The attribute is the same value on every call: a host
+// thread launching with a smaller size cannot lower it between another thread's set and launch.
+template <typename Kernel>
+int64_t allow_all_shared_memory(Kernel kernel) {
+  cudaFuncAttributes attributes;
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  const int64_t limit =
+      int64_t(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin) - int64_t(attributes.sharedSizeBytes);
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(limit)));
+  return limit;
+}
+
 // Streaming multiprocessors of the current device: the default worker count of the device planners.
 inline int num_sms() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
 

@@ -32,7 +32,6 @@ using decode::kMaxKvHeads;
 using decode::kThreads;
 using decode::launch_layout;
 using decode::plan_is_usable;
-using decode::shared_bytes;
 
 // One CTA per (request, KV head): zeros for an empty request, the log-sum-exp merge of a split one, NaN everywhere
 // if the plan cannot be used. Unsplit requests were written by the attention kernel.
@@ -87,9 +86,6 @@ int64_t plan_workers_from_size(const char* op, int64_t plan_size, int64_t batch,
             ": make the plan with fdc::decode_plan for these shapes");
   return workers;
 }
-
-// Query heads a pass handles: templates for 4, 8 and 16 heads; larger groups take several passes of 16.
-int heads_per_pass(int64_t group) { return group <= 4 ? 4 : (group <= 8 ? 8 : 16); }
 
 }  // namespace
 
@@ -168,21 +164,22 @@ at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
     args.max_v_dim = max_v_dim;
     args.scale = static_cast<float>(scale);
     args.max_qk_dim = max_qk_dim;
+    // Query heads per pass (groups over 16 take several passes) and staging tiles, as many as the device's shared
+    // memory allows: fdc/decode_tiles.h.
     const int64_t smem_limit = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
-    // Fewer query heads per pass (more passes over the keys) when the widest paged heads leave too little room.
-    int heads = heads_per_pass(group);
-    int64_t smem = shared_bytes<scalar_t>(max_qk_dim, max_v_dim, heads, paged, &args.stage_elems, &args.compute_elems);
-    while (smem > smem_limit && heads > 4) {
-      heads /= 2;
-      smem = shared_bytes<scalar_t>(max_qk_dim, max_v_dim, heads, paged, &args.stage_elems, &args.compute_elems);
-    }
-    FDC_CHECK(smem <= smem_limit, op, "heads of widths up to ", max_qk_dim, " (qk) and ", max_v_dim, " (v) in ",
-              c10::toString(q.scalar_type()), " need ", smem, " bytes of shared memory per CTA but the ",
-              "device allows ", smem_limit);
+    const DecodeSharedLayout smem =
+        choose_decode_shared_layout(sizeof(scalar_t), max_qk_dim, max_v_dim, group, paged, smem_limit);
+    FDC_CHECK(smem.bytes <= smem_limit, op, "heads of widths up to ", max_qk_dim, " (qk) and ", max_v_dim, " (v) in ",
+              c10::toString(q.scalar_type()), paged ? " on a paged cache" : "", " need ", smem.bytes,
+              " bytes of shared memory per CTA but the device allows ", smem_limit);
+    args.stages = smem.stages;
+    args.stage_elems = smem.stage_elems;
+    args.compute_elems = smem.compute_elems;
+    const int heads = smem.heads;
     switch (heads) {
-      case 4: launch_layout<scalar_t, 4>(args, paged, smem, stream); break;
-      case 8: launch_layout<scalar_t, 8>(args, paged, smem, stream); break;
-      case 16: launch_layout<scalar_t, 16>(args, paged, smem, stream); break;
+      case 4: launch_layout<scalar_t, 4>(args, paged, smem.bytes, stream); break;
+      case 8: launch_layout<scalar_t, 8>(args, paged, smem.bytes, stream); break;
+      case 16: launch_layout<scalar_t, 16>(args, paged, smem.bytes, stream); break;
       default: FDC_CHECK(false, op, "no kernel for ", heads, " query heads per pass");
     }
     decode_combine_kernel<scalar_t><<<static_cast<unsigned>(batch * hkv), kThreads, 0, stream>>>(args);

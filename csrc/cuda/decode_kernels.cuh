@@ -9,36 +9,29 @@
 
 #include "cuda/cuda_common.cuh"
 #include "fdc/decode_plan.h"
+#include "fdc/decode_tiles.h"
 
 namespace fdc::cuda::decode {
 
 // Four warps: enough threads to keep a few 16-byte copies per thread in flight for a tile, few enough that a CTA's
-// per-thread accumulators (2 value columns x up to 16 query heads) stay in registers.
-constexpr int kThreads = 128;
+// per-thread accumulators (2 value columns x up to 16 query heads) stay in registers. Tile sizes, row paddings and
+// the shared-memory layout are in include/fdc/decode_tiles.h.
+constexpr int kThreads = kDecodeThreads;
+static_assert(kThreads == 128, "the score loop's bank-conflict padding and the reduction bound assume 128 threads");
 
-// Keys per tile: 64 for 2-byte caches, 32 for float ones, so a tile of the widest heads (256 + 256 dims) is 64 KiB
-// or less in either dtype and two of them (the one being computed and the one in flight) fit in shared memory.
 template <typename T>
 constexpr int tile_keys() {
-  return sizeof(T) == 4 ? 32 : 64;
+  return decode_tile_keys(sizeof(T));
 }
 
-// Rows of a dim-major staging tile are padded by one 16-byte packet: with rows of tile_keys() elements (128 bytes)
-// every row would start on bank 0, and the transposing reads (consecutive dims, same keys) would all collide.
 template <typename T>
 constexpr int staged_row() {
-  return tile_keys<T>() + kPacket<T>;
+  return decode_staged_row(sizeof(T));
 }
 
-// Token-major K rows are padded so that the score loop, in which the kThreads / tile_keys() threads of a key read
-// interleaved 16-byte packets of its row, touches 8 distinct 16-byte bank groups per quarter warp: a row stride
-// of L packets with L = kThreadsPerKey (mod 2 * kThreadsPerKey) does that.
 template <typename T>
 __host__ __device__ constexpr int padded_k_row(int dim) {
-  constexpr int per_key = kThreads / tile_keys<T>();
-  int packets = dim / kPacket<T>;
-  while (packets % (2 * per_key) != per_key) ++packets;
-  return packets * kPacket<T>;
+  return decode_padded_k_row(sizeof(T), dim);
 }
 
 // KV heads a launch takes: the head layout travels in the kernel's parameters (captured by value in a CUDA graph,
@@ -66,8 +59,9 @@ struct DecodeArgs {
   int32_t batch, num_kv_heads, group, num_workers, plan_capacity, max_v_dim;
   int32_t max_qk_dim;  // the widest qk head: the row length of the scaled queries in shared memory
   float scale;
-  // Shared-memory carve-up, in elements of T: two staging tiles, then (paged) one token-major compute tile.
-  int32_t stage_elems, compute_elems;
+  // Shared-memory carve-up, in elements of T (fdc/decode_tiles.h): `stages` staging tiles (2, or 1 for a paged
+  // cache), then (paged) one token-major compute tile.
+  int32_t stages, stage_elems, compute_elems;
   int32_t qk_offsets[kMaxKvHeads + 1];  // (H_kv + 1) prefix sums of the qk widths
   int32_t v_offsets[kMaxKvHeads + 1];   // (H_kv + 1) prefix sums of the v widths
 };
@@ -174,10 +168,10 @@ __device__ void run_pass(const DecodeArgs<T>& a, int64_t b, int j, int64_t kv_st
   const int v_col = a.v_offsets[j], dv = a.v_offsets[j + 1] - v_col;
   const int ldk = padded_k_row<T>(dq), ldv = dv;
 
-  // Carve-up: [stage 0 | stage 1 | compute tile (paged)] in T, then q (kHeads x max_qk_dim) and scores
-  // (kHeads x kTile) in float, then the softmax state.
+  // Carve-up (fdc/decode_tiles.h): [stage 0 | stage 1 if two | compute tile (paged)] in T, then q (kHeads x
+  // max_qk_dim) and scores (kHeads x kTile) in float, then the softmax state.
   T* stages = reinterpret_cast<T*>(smem);
-  T* compute = stages + 2 * a.stage_elems;
+  T* compute = stages + a.stages * a.stage_elems;
   float* s_q = reinterpret_cast<float*>(compute + a.compute_elems);
   float* s_scores = s_q + kHeads * a.max_qk_dim;
   SoftmaxState<kHeads>* state = reinterpret_cast<SoftmaxState<kHeads>*>(s_scores + kHeads * kTile);
@@ -214,11 +208,15 @@ __device__ void run_pass(const DecodeArgs<T>& a, int64_t b, int j, int64_t kv_st
     cp_async_commit();
   };
 
+  // Two stages: the next tile's copy is issued before waiting for the current one. One (paged): it is issued into
+  // the stage just emptied into the compute tile, and overlaps the tile's compute only.
+  const bool double_buffered = a.stages == 2;
   issue(0, kv_start);
   int s = 0;
-  for (int64_t t0 = kv_start; t0 < kv_end; t0 += kTile, s ^= 1) {
+  for (int64_t t0 = kv_start; t0 < kv_end; t0 += kTile) {
     const int n = static_cast<int>(min64(kTile, kv_end - t0));
-    if (t0 + kTile < kv_end) {
+    const bool more = t0 + kTile < kv_end;
+    if (double_buffered && more) {
       issue(s ^ 1, t0 + kTile);
       cp_async_wait<1>();
     } else {
@@ -231,6 +229,7 @@ __device__ void run_pass(const DecodeArgs<T>& a, int64_t b, int j, int64_t kv_st
       transpose_tile(stage_k(s), dq, n, ldk, compute);
       transpose_tile(stage_v(s), dv, n, ldv, compute + kTile * ldk);
       __syncthreads();
+      if (!double_buffered && more) issue(s, t0 + kTile);
       k_tile = compute;
       v_tile = compute + kTile * ldk;
     }
@@ -316,10 +315,12 @@ __device__ void run_pass(const DecodeArgs<T>& a, int64_t b, int j, int64_t kv_st
         }
       }
     }
-    __syncthreads();  // the stage just read is the next issue's target
+    __syncthreads();  // the tiles just read are the next issue's or transpose's target
+    if (double_buffered) s ^= 1;
   }
 
-  // Reduce the key groups' accumulators through shared memory (the staging tiles are free now), then normalise.
+  // Reduce the key groups' accumulators through shared memory (the staging and compute tiles are free now: every
+  // copy was waited for), then normalise.
   const bool valid = __syncthreads_and(pages_ok);
   float* reduce = reinterpret_cast<float*>(stages);  // (key_groups, kHeads, dv)
   if (accumulates) {
@@ -402,8 +403,9 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const __grid
 template <typename T, int kHeads, bool kPaged>
 void launch(const DecodeArgs<T>& args, int64_t smem_bytes, cudaStream_t stream) {
   auto kernel = decode_attention_kernel<T, kHeads, kPaged>;
-  C10_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes)));
+  const int64_t limit = allow_all_shared_memory(kernel);
+  FDC_CHECK(smem_bytes <= limit, "decode_attention", "the kernel needs ", smem_bytes,
+            " bytes of shared memory per CTA but ", "the device allows ", limit);
   kernel<<<args.num_workers, kThreads, smem_bytes, stream>>>(args);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -415,24 +417,6 @@ void launch_layout(const DecodeArgs<T>& args, bool paged, int64_t smem_bytes, cu
   } else {
     launch<T, kHeads, false>(args, smem_bytes, stream);
   }
-}
-
-// Shared memory of one CTA for the layout's widest heads, in bytes.
-template <typename T>
-int64_t shared_bytes(int max_qk_dim, int max_v_dim, int heads, bool paged, int32_t* stage_elems,
-                     int32_t* compute_elems) {
-  constexpr int kTile = tile_keys<T>();
-  const int64_t token_major = int64_t(kTile) * (padded_k_row<T>(max_qk_dim) + max_v_dim);
-  const int64_t dim_major = int64_t(max_qk_dim + max_v_dim) * staged_row<T>();
-  // The staging tiles also hold the final (key_groups, heads, dv) float reduction: key_groups * dv <= 2 * kThreads.
-  const int64_t reduction = (2 * kThreads * heads * int64_t(sizeof(float)) + sizeof(T) - 1) / sizeof(T);
-  int64_t stage = paged ? dim_major : token_major;
-  stage = std::max(stage, (reduction + 1) / 2);
-  stage = round_up(stage, kPacket<T>);  // each stage starts 16-byte aligned
-  *stage_elems = static_cast<int32_t>(stage);
-  *compute_elems = static_cast<int32_t>(paged ? round_up(token_major, kPacket<T>) : 0);
-  const int64_t floats = int64_t(heads) * max_qk_dim + int64_t(heads) * kTile + 3 * heads;
-  return (2 * stage + *compute_elems) * int64_t(sizeof(T)) + floats * int64_t(sizeof(float));
 }
 
 }  // namespace fdc::cuda::decode

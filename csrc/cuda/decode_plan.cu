@@ -311,18 +311,10 @@ __global__ void __launch_bounds__(kThreads) decode_plan_kernel(const __grid_cons
 template <int kKeysPerLane>
 void launch_decode_plan(DecodePlanParams params, int64_t scratch_bytes, const at::Tensor& like, cudaStream_t stream) {
   const auto kernel = decode_plan_kernel<kKeysPerLane>;
-  cudaFuncAttributes attributes;
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-  const int64_t shared_limit =
-      int64_t(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin) - int64_t(attributes.sharedSizeBytes);
   int64_t dynamic_bytes = 0;
   at::Tensor workspace;
-  if (scratch_bytes <= shared_limit) {
+  if (scratch_bytes <= allow_all_shared_memory(kernel)) {
     dynamic_bytes = scratch_bytes;
-    // Always the same value, the device's whole limit: calls from several host threads cannot lower it between
-    // another call's attribute and its launch.
-    C10_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_limit)));
   } else {
     // The caching allocator keeps this valid past the launch (it is stream-ordered) and inside graph captures.
     workspace = at::empty({scratch_bytes}, like.options().dtype(at::kByte));

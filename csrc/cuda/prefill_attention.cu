@@ -96,12 +96,18 @@ __global__ void __launch_bounds__(kThreads) prefill_fp32_kernel(const __grid_con
 }
 
 // t if its rows can be read in 16-byte packets (aligned start, row stride a multiple of 16 bytes, unit column
-// stride), else a contiguous copy: k and v are read-only inputs, and the copy costs O(T) against O(T^2) attention.
+// stride), else a copy into a fresh allocation: the caching allocator's blocks start 512-byte aligned and every packed
+// width is a multiple of 8 elements, so the copy's rows are whole packets. Not t.contiguous(): a contiguous tensor at
+// a misaligned address (buf[1:].view(...)) would come back as itself, and the kernel's cp.async would fault. k and v
+// are read-only inputs, and the copy costs O(T) against O(T^2) attention.
 at::Tensor packet_rows(const at::Tensor& t) {
   const int64_t packet = 16 / static_cast<int64_t>(t.element_size());
   const bool aligned =
       (t.stride(-1) == 1 || t.size(-1) <= 1) && t.stride(0) % packet == 0 && is_aligned16(t.data_ptr());
-  return aligned ? t : t.contiguous();
+  if (aligned) return t;
+  at::Tensor copy = at::empty(t.sizes(), t.options());
+  copy.copy_(t);
+  return copy;
 }
 
 // Float32 runs the exact kernel; fp16/bf16 the tensor-core kernel of the layout's width bucket (max_dim: the
@@ -156,6 +162,9 @@ at::Tensor prefill_attention_cuda(const at::Tensor& q, const at::Tensor& k, cons
         cached_prefill_plan(cu_q, cu_k, qk_offsets, v_offsets, group, causal, num_sms(), kDefaultRowBlock, q.device());
     schedule = plans.device;
     host_plan = plans.host;
+    // The cache may drop this plan while the kernel below still reads it; its memory must not be handed out on the
+    // stream it was made on before this stream's work is done.
+    schedule.record_stream(at::cuda::getCurrentCUDAStream());
   }
   const PrefillPlanView view{host_plan.data_ptr<int32_t>()};
 

@@ -14,6 +14,7 @@
 
 #include "fdc/decode_plan.h"
 #include "fdc/decode_plan_device.h"
+#include "fdc/decode_tiles.h"
 #include "fdc/head_layout.h"
 #include "fdc/lpt.h"
 #include "fdc/prefill_plan.h"
@@ -466,6 +467,72 @@ void test_device_keys(std::mt19937& rng) {
           fdc::decode_task_pair(offsets, 6, t));
 }
 
+// The CUDA decode kernel's shared memory (fdc/decode_tiles.h), for every layout of widths 8..256 (qk and v), both
+// dtype sizes, contiguous and paged caches and every group size's heads per pass, against each architecture's opt-in
+// limit per block: the carve-up is sound (tiles hold what is staged and transposed, the reduction fits, regions stay
+// 16-byte aligned, the bytes add up), and the layouts that must fit do: all of them on sm_80 (A100, 163 KiB) and
+// sm_90 (H100/H200, 227 KiB); on the 99 KiB parts (sm_86, sm_89, sm_120) those with qk + v <= 336, paged or not.
+void test_decode_shared_memory() {
+  struct Arch {
+    const char* name;
+    int64_t limit;      // cudaDevAttrMaxSharedMemoryPerBlockOptin
+    int32_t fits_upto;  // every layout with qk + v up to this fits
+  };
+  const Arch archs[] = {{"sm_80", 166912, 512}, {"sm_86/89/120", 101376, 336}, {"sm_90/100", 232448, 512}};
+  for (const int32_t bytes : {2, 4}) {
+    const int64_t packet = fdc::decode_packet(bytes), keys = fdc::decode_tile_keys(bytes);
+    for (const bool paged : {false, true}) {
+      for (int32_t qk = 8; qk <= 256; qk += 8) {
+        for (int32_t v = 8; v <= 256; v += 8) {
+          for (const int32_t heads : {4, 8, 16}) {
+            for (int32_t stages = paged ? 1 : 2; stages <= 2; ++stages) {
+              const fdc::DecodeSharedLayout l = fdc::decode_shared_layout(bytes, qk, v, heads, paged, stages);
+              const int64_t token_major = keys * (fdc::decode_padded_k_row(bytes, qk) + v);
+              const int64_t dim_major = int64_t(qk + v) * fdc::decode_staged_row(bytes);
+              const int64_t tiles = int64_t(stages) * l.stage_elems + l.compute_elems;
+              const int64_t floats = int64_t(heads) * (qk + keys + 3);
+              CHECK(l.stage_elems >= (paged ? dim_major : token_major) && l.compute_elems >= (paged ? token_major : 0),
+                    "bytes %d qk %d v %d paged %d: the tiles do not hold a tile", bytes, qk, v, paged);
+              CHECK(tiles * bytes >= int64_t(2) * fdc::kDecodeThreads * heads * 4,
+                    "bytes %d qk %d v %d heads %d stages %d: the reduction does not fit", bytes, qk, v, heads, stages);
+              CHECK(l.stage_elems % packet == 0 && l.compute_elems % packet == 0,
+                    "bytes %d qk %d v %d: a region is not 16-byte aligned", bytes, qk, v);
+              CHECK(l.bytes == tiles * bytes + floats * 4, "bytes %d qk %d v %d: the sizes do not add up", bytes, qk,
+                    v);
+            }
+          }
+          for (const Arch& arch : archs) {
+            for (const int64_t group : {1, 4, 7, 8, 16, 32}) {
+              const fdc::DecodeSharedLayout l =
+                  fdc::choose_decode_shared_layout(bytes, qk, v, group, paged, arch.limit);
+              if (qk + v <= arch.fits_upto) {
+                CHECK(l.bytes <= arch.limit, "%s: bytes %d qk %d v %d group %lld paged %d needs %lld bytes", arch.name,
+                      bytes, qk, v, static_cast<long long>(group), paged, static_cast<long long>(l.bytes));
+              }
+              if (l.bytes <= arch.limit) {
+                CHECK(l.heads >= 4 && l.heads <= fdc::decode_heads_per_pass(group) && (l.stages == 2 || paged),
+                      "%s: bytes %d qk %d v %d: %d heads, %d stages", arch.name, bytes, qk, v, l.heads, l.stages);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  // On an H100 the widest paged heads keep every query head of a 16-group in one pass (one stage: two would need
+  // 235,712 bytes), and heads up to 128 wide keep two stages.
+  const fdc::DecodeSharedLayout widest = fdc::choose_decode_shared_layout(2, 256, 256, 16, true, 232448);
+  CHECK(widest.heads == 16 && widest.stages == 1, "H100 paged bf16 256/256: %d heads, %d stages", widest.heads,
+        widest.stages);
+  const fdc::DecodeSharedLayout common = fdc::choose_decode_shared_layout(2, 128, 128, 16, true, 232448);
+  CHECK(common.heads == 16 && common.stages == 2, "H100 paged bf16 128/128: %d heads, %d stages", common.heads,
+        common.stages);
+  // The case the one-stage layout exists for: an A100, paged bf16 qk 256 / v 128 (166,960 bytes with two stages).
+  const fdc::DecodeSharedLayout a100 = fdc::choose_decode_shared_layout(2, 256, 128, 4, true, 166912);
+  CHECK(a100.bytes <= 166912 && a100.stages == 1, "A100 paged bf16 256/128: %lld bytes, %d stages",
+        static_cast<long long>(a100.bytes), a100.stages);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -474,6 +541,7 @@ int main(int argc, char** argv) {
   std::mt19937 rng(seed);
   test_building_blocks(rng);
   test_visible_keys(rng);
+  test_decode_shared_memory();
 
   const Layout fixed{{0, 64, 80}, {0, 32, 96}, 2};
   test_decode_plan(fixed, {}, 4);                        // empty batch
