@@ -4,8 +4,9 @@ benchmark (bench_decode.py and bench_prefill.py are the GPU ones, with more base
 
 What is measured (docs/design.md section 6):
 - copy bandwidth of the machine: one large tensor copy, (bytes read + bytes written) / time;
-- decode: one query token per request against a long cache; achieved bandwidth = bytes of compressed K/V the step
-  needs (sum over requests of length x (qk width + v width) x element size) / time, as a share of copy bandwidth;
+- decode: one query token per request against a long cache, contiguous and paged (pages of 16 and 128 tokens);
+  achieved bandwidth = bytes of compressed K/V the step needs (sum over requests of length x (qk width + v width) x
+  element size) / time, as a share of copy bandwidth;
 - prefill: useful TFLOP/s = sum over query heads of 2 (d_qk + d_v) x visible keys (causal: s(s+1)/2 per sequence),
   / time.
 Baselines: "SDPA padded" pads every head to the widest width of the layer; "SDPA per bucket" makes one call per bucket
@@ -44,6 +45,9 @@ from fdc_ops.apps.provenance import device_name, git_commit
 DIM_MEAN = 51
 # Warm-up calls before each measurement: the first call allocates and faults in its buffers.
 WARMUP = 2
+# Page sizes of the paged decode rows: 16 tokens (a GPU engine's usual block) and 128 (vLLM's CPU block size, what
+# the vLLM plugin's steps read).
+PAGE_SIZES = (16, 128)
 
 
 @dataclass
@@ -107,13 +111,28 @@ def bench_decode(batch: int, context: int, qk_dims: list[int], v_dims: list[int]
     needed = batch * context * width * dtype.itemsize
     plan = ops.decode_plan(seqlens, qk_offsets, v_offsets, GROUP)
     time_limit, bandwidth_floor = goal.full_ratio_slack * share, goal.copy_share * copy_gbps
-    for method, call in (
-        ("fdc decode, plan passed", lambda: ops.decode_attention(q, k_cache, v_cache, seqlens, qk_offsets, v_offsets,
-                                                                 GROUP, SCALE, plan)),
-        ("fdc decode, plan inside", lambda: ops.decode_attention(q, k_cache, v_cache, seqlens, qk_offsets, v_offsets,
-                                                                 GROUP, SCALE)),
+
+    def paged(page_size: int):
+        """The same lengths in a paged cache ((num_pages, width, page_size), docs/design.md section 3) whose pages
+        are shuffled over the pool, as a serving engine's block tables leave them."""
+        per_request = -(-context // page_size)
+        order = torch.randperm(batch * per_request, generator=torch.Generator().manual_seed(0))
+        table = order.view(batch, per_request).to(device=device, dtype=torch.int32)
+        k_pages = torch.randn(batch * per_request, sum(qk_dims), page_size, dtype=dtype, device=device)
+        v_pages = torch.randn(batch * per_request, sum(v_dims), page_size, dtype=dtype, device=device)
+        return lambda: ops.decode_attention(q, k_pages, v_pages, seqlens, qk_offsets, v_offsets, GROUP, SCALE, plan,
+                                            table)
+
+    for method, make_call in (
+        ("fdc decode, plan passed", lambda: lambda: ops.decode_attention(q, k_cache, v_cache, seqlens, qk_offsets,
+                                                                         v_offsets, GROUP, SCALE, plan)),
+        ("fdc decode, plan inside", lambda: lambda: ops.decode_attention(q, k_cache, v_cache, seqlens, qk_offsets,
+                                                                         v_offsets, GROUP, SCALE)),
+        *((f"fdc decode, paged ({size}-token pages)", lambda size=size: paged(size)) for size in PAGE_SIZES),
     ):
+        call = make_call()
         seconds = median(timer(call))
+        call = None  # a paged cache is released before the next one is made
         gbps = needed / seconds / 1e9
         time_ok, bandwidth_ok = seconds <= time_limit * full, gbps >= bandwidth_floor
         beats_ok = seconds < min(padded, bucketed)
@@ -177,12 +196,12 @@ def width_buckets(qk_dims: list[int], v_dims: list[int]) -> list[tuple[int, int]
 
 
 def print_table(rows: list[Row]) -> None:
-    header = f"{'phase':<8} {'config':<40} {'dtype':<15} {'method':<24} {'ms':>9} {'rate':>14} {'vs full':>8}  target"
+    header = f"{'phase':<8} {'config':<40} {'dtype':<15} {'method':<34} {'ms':>9} {'rate':>14} {'vs full':>8}  target"
     print(header)
     print("-" * len(header))
     for r in rows:
         rate = f"{r.metric:.2f} {r.metric_unit}" if r.metric_unit == "GB/s" else f"{r.metric:.4f} {r.metric_unit}"
-        print(f"{r.phase:<8} {r.config:<40} {r.dtype:<15} {r.method:<24} {r.millis:>9.2f} {rate:>14} "
+        print(f"{r.phase:<8} {r.config:<40} {r.dtype:<15} {r.method:<34} {r.millis:>9.2f} {rate:>14} "
               f"{r.vs_full:>7.3f}x  {r.target} {r.verdict}")
 
 
