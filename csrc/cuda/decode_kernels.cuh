@@ -208,9 +208,9 @@ __device__ void run_pass(const DecodeArgs<T>& a, int64_t b, int j, int64_t kv_st
     cp_async_commit();
   };
 
-  // Two stages: the next tile's copy is issued before waiting for the current one. One (paged): it is issued into
-  // the stage just emptied into the compute tile, and overlaps the tile's compute only.
-  const bool double_buffered = a.stages == 2;
+  // Two stages: the next tile's copy is issued before waiting for the current one. One (paged caches only): it is
+  // issued into the stage just emptied into the compute tile, and overlaps the tile's compute only.
+  const bool double_buffered = !kPaged || a.stages == 2;
   issue(0, kv_start);
   int s = 0;
   for (int64_t t0 = kv_start; t0 < kv_end; t0 += kTile) {
