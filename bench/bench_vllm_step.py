@@ -5,6 +5,10 @@ ratio of the two medians compares them on the same machine state. Where bench_se
 load, this isolates the model step, which is what the attention backend changes; ``--profile`` also records a
 torch.profiler table of a few decode steps of each engine.
 
+``--mixed-steps N`` then times N mixed steps of each engine, alternating too: in each, a new prompt of
+``--mixed-prompt-tokens`` random tokens (asking for one token, so it leaves in the same step) is prefilled while the
+batch's requests each decode a token, which is what a server's steps look like while requests keep arriving.
+
 Runs in .venv-vllm: ``PYTHONSAFEPATH=1 .venv-vllm/bin/python bench/bench_vllm_step.py``. The engine core runs in this
 process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and eager (no torch.compile warm-up, and Python's share of a step shows).
 The JSON report goes to bench/results (``--out``).
@@ -13,7 +17,9 @@ The JSON report goes to bench/results (``--out``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import fcntl
 import gc
 import importlib.metadata
 import json
@@ -30,6 +36,10 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
+# Decode tokens a request may take before the timed steps: vLLM's chunked prefill takes the batch's prompts over several
+# steps (4096 tokens per step by default on the CPU), and the requests prefilled first decode in the later ones. 64
+# covers batches of up to 64 prompts or 256K prompt tokens, so no request ends during the timed steps.
+PREFILL_SLACK_TOKENS = 64
 
 
 def parse_args():
@@ -43,8 +53,14 @@ def parse_args():
     parser.add_argument("--block-size", type=int, default=None, help="tokens per page (vLLM's default if not given)")
     parser.add_argument("--models", nargs="+", default=["uncompressed", "fdc"], choices=["uncompressed", "fdc"])
     parser.add_argument("--profile", type=int, default=0, help="profile this many decode steps (after the timed ones)")
+    parser.add_argument("--mixed-steps", type=int, default=0,
+                        help="then time this many steps that each prefill a new prompt beside the decodes")
+    parser.add_argument("--mixed-prompt-tokens", type=int, default=256, help="tokens of each mixed step's prompt")
     parser.add_argument("--profile-rows", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lock", default=None,
+                        help="a file to hold a shared flock on while the engines start and an exclusive one while "
+                             "they are timed (on a shared machine: other jobs that take the lock wait)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder of the JSON report")
     return parser.parse_args()
 
@@ -71,16 +87,18 @@ class Engine:
 
         options = {} if args.block_size is None else {"block_size": args.block_size}
         self.name = name
+        decode_steps = args.steps + args.profile + args.mixed_steps + PREFILL_SLACK_TOKENS
         self.llm = LLM(model=model, dtype="float32", seed=0, enforce_eager=True, hf_overrides=overrides,
-                       max_model_len=args.prompt_tokens + args.steps + args.profile + 8, **options)
+                       max_model_len=max(args.prompt_tokens + decode_steps, args.mixed_prompt_tokens) + 8, **options)
         self.engine = self.llm.llm_engine
-        params = SamplingParams(temperature=0.0, max_tokens=args.steps + args.profile + 1, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)
         for index, prompt in enumerate(prompts):
             self.engine.add_request(str(index), {"prompt_token_ids": prompt}, params)
         self.block_size = self.engine.vllm_config.cache_config.block_size
         self.requests = len(prompts)
         self.prefill_times: list[float] = []
         self.times: list[float] = []
+        self.mixed_times: list[float] = []
 
     def prefill(self) -> None:
         """Steps until every request has its first token: one step, or several where vLLM's chunked prefill cuts
@@ -97,6 +115,20 @@ class Engine:
         self.engine.step()
         self.times.append(time.perf_counter() - start)
 
+    def mixed_step(self, request_id: str, prompt: list[int]) -> None:
+        """One step that prefills ``prompt`` (asking for one token) while every running request decodes one."""
+        from vllm import SamplingParams
+
+        self.engine.add_request(request_id, {"prompt_token_ids": prompt},
+                                SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        start = time.perf_counter()
+        outputs = self.engine.step()
+        self.mixed_times.append(time.perf_counter() - start)
+        finished = {output.request_id for output in outputs if output.finished}
+        if request_id not in finished or len(outputs) != self.requests + 1:
+            raise RuntimeError(f"{self.name}: the step was not one prompt beside {self.requests} decodes (outputs "
+                               f"{sorted(output.request_id for output in outputs)}, finished {sorted(finished)})")
+
     def profile(self, steps: int, rows: int) -> str:
         import torch
 
@@ -112,14 +144,38 @@ class Engine:
 
     def result(self) -> dict:
         decode = self.times
-        return {"prefill_s": sum(self.prefill_times), "prefill_steps": len(self.prefill_times),
-                "decode_ms_median": 1e3 * statistics.median(decode),
-                "decode_ms_min": 1e3 * min(decode), "decode_ms": [1e3 * t for t in decode],
-                "block_size": self.block_size}
+        result = {"prefill_s": sum(self.prefill_times), "prefill_steps": len(self.prefill_times),
+                  "decode_ms_median": 1e3 * statistics.median(decode),
+                  "decode_ms_min": 1e3 * min(decode), "decode_ms": [1e3 * t for t in decode],
+                  "block_size": self.block_size}
+        if self.mixed_times:
+            result.update(mixed_ms_median=1e3 * statistics.median(self.mixed_times),
+                          mixed_ms_min=1e3 * min(self.mixed_times), mixed_ms=[1e3 * t for t in self.mixed_times])
+        return result
+
+
+@contextlib.contextmanager
+def shared_then_exclusive(lock_path: str | None):
+    """Holds a shared flock on lock_path, and yields a function that turns it exclusive; released at the end (nothing
+    when lock_path is None)."""
+    if lock_path is None:
+        yield lambda: None
+        return
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_SH)
+        try:
+            yield lambda: fcntl.flock(handle, fcntl.LOCK_EX)
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def main() -> None:
     args = parse_args()
+    with shared_then_exclusive(args.lock) as timing:
+        run(args, timing)
+
+
+def run(args, timing) -> None:
     import torch
     from vllm.distributed import cleanup_dist_env_and_memory
 
@@ -144,12 +200,17 @@ def main() -> None:
         else:
             overrides = fdc_ops.vllm.hf_overrides(model, artifact, compression=args.compression)
         engines.append(Engine(name, model, overrides, prompts, args))
+    timing()
     for engine in engines:
         engine.prefill()
     for _ in range(args.steps):  # the decode steps, alternating
         for engine in engines:
             engine.step()
     profiles = {engine.name: engine.profile(args.profile, args.profile_rows) for engine in engines if args.profile}
+    for index in range(args.mixed_steps):  # the mixed steps, alternating
+        prompt = [rng.randrange(vocab_size) for _ in range(args.mixed_prompt_tokens)]
+        for engine in engines:
+            engine.mixed_step(f"mixed-{index}", prompt)
     results = {engine.name: engine.result() for engine in engines}
     for engine in engines:
         engine.close()
@@ -163,9 +224,15 @@ def main() -> None:
         print(f"{name:>13} (block {result['block_size']:>3}): prefill {result['prefill_s']:.2f} s in "
               f"{result['prefill_steps']} steps, decode step "
               f"median {result['decode_ms_median']:.1f} ms (min {result['decode_ms_min']:.1f})")
+        if "mixed_ms_median" in result:
+            print(f"{'':>13} mixed step ({args.requests} decodes + a prompt of {args.mixed_prompt_tokens}): median "
+                  f"{result['mixed_ms_median']:.1f} ms (min {result['mixed_ms_min']:.1f})")
     if "uncompressed" in results and "fdc" in results:
         ratio = results["fdc"]["decode_ms_median"] / results["uncompressed"]["decode_ms_median"]
         print(f"FDC / uncompressed decode step: {ratio:.3f}")
+        if args.mixed_steps:
+            ratio = results["fdc"]["mixed_ms_median"] / results["uncompressed"]["mixed_ms_median"]
+            print(f"FDC / uncompressed mixed step: {ratio:.3f}")
     device = provenance.device_name(torch.device("cpu"))
     commit, dirty = git_commit()
     report = {"benchmark": "vllm_step", "device": device, "torch": torch.__version__,
