@@ -3,7 +3,7 @@ random prompts, for vLLM's own model and for the FDC model, in one run. Both eng
 decode steps alternate (one step of each in turn), so slow phases of a shared machine fall on both alike and the
 ratio of the two medians compares them on the same machine state. Where bench_serving.py measures a server under
 load, this isolates the model step, which is what the attention backend changes; ``--profile`` also records a
-torch.profiler table of a few decode steps of each engine.
+torch.profiler table of a few decode steps of each engine (of mixed steps with ``--profile-mixed``).
 
 ``--mixed-steps N`` then times N mixed steps of each engine, alternating too: in each, a new prompt of
 ``--mixed-prompt-tokens`` random tokens (asking for one token, so it leaves in the same step) is prefilled while the
@@ -57,6 +57,8 @@ def parse_args():
                         help="then time this many steps that each prefill a new prompt beside the decodes")
     parser.add_argument("--mixed-prompt-tokens", type=int, default=256, help="tokens of each mixed step's prompt")
     parser.add_argument("--profile-rows", type=int, default=40)
+    parser.add_argument("--profile-mixed", action="store_true",
+                        help="profile mixed steps (after the timed ones) instead of decode steps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lock", default=None,
                         help="a file to hold a shared flock on while the engines start and an exclusive one while "
@@ -115,7 +117,7 @@ class Engine:
         self.engine.step()
         self.times.append(time.perf_counter() - start)
 
-    def mixed_step(self, request_id: str, prompt: list[int]) -> None:
+    def mixed_step(self, request_id: str, prompt: list[int], timed: bool = True) -> None:
         """One step that prefills ``prompt`` (asking for one token) while every running request decodes one."""
         from vllm import SamplingParams
 
@@ -123,18 +125,23 @@ class Engine:
                                 SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
         start = time.perf_counter()
         outputs = self.engine.step()
-        self.mixed_times.append(time.perf_counter() - start)
+        if timed:
+            self.mixed_times.append(time.perf_counter() - start)
         finished = {output.request_id for output in outputs if output.finished}
         if request_id not in finished or len(outputs) != self.requests + 1:
             raise RuntimeError(f"{self.name}: the step was not one prompt beside {self.requests} decodes (outputs "
                                f"{sorted(output.request_id for output in outputs)}, finished {sorted(finished)})")
 
-    def profile(self, steps: int, rows: int) -> str:
+    def profile(self, steps: int, rows: int, prompts: list[list[int]] | None = None) -> str:
+        """A profile of ``steps`` decode steps, or of mixed steps prefilling ``prompts`` (one per step)."""
         import torch
 
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
-            for _ in range(steps):
-                self.engine.step()
+            for index in range(steps):
+                if prompts is None:
+                    self.engine.step()
+                else:
+                    self.mixed_step(f"profiled-{index}", prompts[index], timed=False)
         return profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
     def close(self) -> None:
@@ -206,18 +213,23 @@ def run(args, timing) -> None:
     for _ in range(args.steps):  # the decode steps, alternating
         for engine in engines:
             engine.step()
-    profiles = {engine.name: engine.profile(args.profile, args.profile_rows) for engine in engines if args.profile}
+    profiles = {}
+    if args.profile and not args.profile_mixed:
+        profiles = {engine.name: engine.profile(args.profile, args.profile_rows) for engine in engines}
     for index in range(args.mixed_steps):  # the mixed steps, alternating
         prompt = [rng.randrange(vocab_size) for _ in range(args.mixed_prompt_tokens)]
         for engine in engines:
             engine.mixed_step(f"mixed-{index}", prompt)
+    if args.profile and args.profile_mixed:
+        prompts = [[rng.randrange(vocab_size) for _ in range(args.mixed_prompt_tokens)] for _ in range(args.profile)]
+        profiles = {engine.name: engine.profile(args.profile, args.profile_rows, prompts) for engine in engines}
     results = {engine.name: engine.result() for engine in engines}
     for engine in engines:
         engine.close()
     cleanup_dist_env_and_memory()
 
     for name, table in profiles.items():
-        print(f"--- profile of {args.profile} decode steps, {name}\n{table}")
+        print(f"--- profile of {args.profile} {'mixed' if args.profile_mixed else 'decode'} steps, {name}\n{table}")
     print(f"{args.requests} requests x {args.prompt_tokens} prompt tokens, {args.steps} decode steps, float32, eager, "
           f"{torch.get_num_threads()} threads")
     for name, result in results.items():
