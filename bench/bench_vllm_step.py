@@ -5,9 +5,10 @@ ratio of the two medians compares them on the same machine state. Where bench_se
 load, this isolates the model step, which is what the attention backend changes; ``--profile`` also records a
 torch.profiler table of a few decode steps of each engine (of mixed steps with ``--profile-mixed``).
 
-``--mixed-steps N`` then times N mixed steps of each engine, alternating too: in each, a new prompt of
-``--mixed-prompt-tokens`` random tokens (asking for one token, so it leaves in the same step) is prefilled while the
-batch's requests each decode a token, which is what a server's steps look like while requests keep arriving.
+``--mixed-steps N`` then times N mixed steps of each engine, alternating too: in each, ``--mixed-prompts`` new
+prompts of ``--mixed-prompt-tokens`` random tokens (asking for one token, so they leave in the same step) are
+prefilled while the batch's requests each decode a token, which is what a server's steps look like while requests
+keep arriving.
 
 Runs in .venv-vllm: ``PYTHONSAFEPATH=1 .venv-vllm/bin/python bench/bench_vllm_step.py``. The engine core runs in this
 process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and eager (no torch.compile warm-up, and Python's share of a step shows).
@@ -55,7 +56,8 @@ def parse_args():
     parser.add_argument("--profile", type=int, default=0, help="profile this many decode steps (after the timed ones)")
     parser.add_argument("--mixed-steps", type=int, default=0,
                         help="then time this many steps that each prefill a new prompt beside the decodes")
-    parser.add_argument("--mixed-prompt-tokens", type=int, default=256, help="tokens of each mixed step's prompt")
+    parser.add_argument("--mixed-prompt-tokens", type=int, default=256, help="tokens of each mixed step's prompts")
+    parser.add_argument("--mixed-prompts", type=int, default=1, help="new prompts in each mixed step")
     parser.add_argument("--profile-rows", type=int, default=40)
     parser.add_argument("--profile-mixed", action="store_true",
                         help="profile mixed steps (after the timed ones) instead of decode steps")
@@ -117,23 +119,26 @@ class Engine:
         self.engine.step()
         self.times.append(time.perf_counter() - start)
 
-    def mixed_step(self, request_id: str, prompt: list[int], timed: bool = True) -> None:
-        """One step that prefills ``prompt`` (asking for one token) while every running request decodes one."""
+    def mixed_step(self, request_id: str, prompts: list[list[int]], timed: bool = True) -> None:
+        """One step that prefills ``prompts`` (each asking for one token) while every running request decodes one."""
         from vllm import SamplingParams
 
-        self.engine.add_request(request_id, {"prompt_token_ids": prompt},
-                                SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        names = [f"{request_id}-{index}" for index in range(len(prompts))]
+        for name, prompt in zip(names, prompts):
+            self.engine.add_request(name, {"prompt_token_ids": prompt},
+                                    SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
         start = time.perf_counter()
         outputs = self.engine.step()
         if timed:
             self.mixed_times.append(time.perf_counter() - start)
         finished = {output.request_id for output in outputs if output.finished}
-        if request_id not in finished or len(outputs) != self.requests + 1:
-            raise RuntimeError(f"{self.name}: the step was not one prompt beside {self.requests} decodes (outputs "
-                               f"{sorted(output.request_id for output in outputs)}, finished {sorted(finished)})")
+        if not finished.issuperset(names) or len(outputs) != self.requests + len(prompts):
+            raise RuntimeError(f"{self.name}: the step was not {len(prompts)} prompts beside {self.requests} decodes "
+                               f"(outputs {sorted(output.request_id for output in outputs)}, finished "
+                               f"{sorted(finished)})")
 
-    def profile(self, steps: int, rows: int, prompts: list[list[int]] | None = None) -> str:
-        """A profile of ``steps`` decode steps, or of mixed steps prefilling ``prompts`` (one per step)."""
+    def profile(self, steps: int, rows: int, prompts: list[list[list[int]]] | None = None) -> str:
+        """A profile of ``steps`` decode steps, or of mixed steps prefilling ``prompts`` (a list per step)."""
         import torch
 
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
@@ -216,12 +221,15 @@ def run(args, timing) -> None:
     profiles = {}
     if args.profile and not args.profile_mixed:
         profiles = {engine.name: engine.profile(args.profile, args.profile_rows) for engine in engines}
+    def new_prompts() -> list[list[int]]:
+        return [[rng.randrange(vocab_size) for _ in range(args.mixed_prompt_tokens)] for _ in range(args.mixed_prompts)]
+
     for index in range(args.mixed_steps):  # the mixed steps, alternating
-        prompt = [rng.randrange(vocab_size) for _ in range(args.mixed_prompt_tokens)]
+        prompts = new_prompts()
         for engine in engines:
-            engine.mixed_step(f"mixed-{index}", prompt)
+            engine.mixed_step(f"mixed-{index}", prompts)
     if args.profile and args.profile_mixed:
-        prompts = [[rng.randrange(vocab_size) for _ in range(args.mixed_prompt_tokens)] for _ in range(args.profile)]
+        prompts = [new_prompts() for _ in range(args.profile)]
         profiles = {engine.name: engine.profile(args.profile, args.profile_rows, prompts) for engine in engines}
     results = {engine.name: engine.result() for engine in engines}
     for engine in engines:
@@ -237,8 +245,8 @@ def run(args, timing) -> None:
               f"{result['prefill_steps']} steps, decode step "
               f"median {result['decode_ms_median']:.1f} ms (min {result['decode_ms_min']:.1f})")
         if "mixed_ms_median" in result:
-            print(f"{'':>13} mixed step ({args.requests} decodes + a prompt of {args.mixed_prompt_tokens}): median "
-                  f"{result['mixed_ms_median']:.1f} ms (min {result['mixed_ms_min']:.1f})")
+            print(f"{'':>13} mixed step ({args.requests} decodes + {args.mixed_prompts} x {args.mixed_prompt_tokens} "
+                  f"prompt tokens): median {result['mixed_ms_median']:.1f} ms (min {result['mixed_ms_min']:.1f})")
     if "uncompressed" in results and "fdc" in results:
         ratio = results["fdc"]["decode_ms_median"] / results["uncompressed"]["decode_ms_median"]
         print(f"FDC / uncompressed decode step: {ratio:.3f}")
