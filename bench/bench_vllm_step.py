@@ -3,7 +3,12 @@ random prompts, for vLLM's own model and for the FDC model, in one run. Both eng
 decode steps alternate (one step of each in turn), so slow phases of a shared machine fall on both alike and the
 ratio of the two medians compares them on the same machine state. Where bench_serving.py measures a server under
 load, this isolates the model step, which is what the attention backend changes; ``--profile`` also records a
-torch.profiler table of a few decode steps of each engine.
+torch.profiler table of a few decode steps of each engine (of mixed steps with ``--profile-mixed``).
+
+``--mixed-steps N`` then times N mixed steps of each engine, alternating too: in each, ``--mixed-prompts`` new
+prompts of ``--mixed-prompt-tokens`` random tokens (asking for one token, so they leave in the same step) are
+prefilled while the batch's requests each decode a token, which is what a server's steps look like while requests
+keep arriving.
 
 Runs in .venv-vllm: ``PYTHONSAFEPATH=1 .venv-vllm/bin/python bench/bench_vllm_step.py``. The engine core runs in this
 process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and eager (no torch.compile warm-up, and Python's share of a step shows).
@@ -13,7 +18,9 @@ The JSON report goes to bench/results (``--out``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import fcntl
 import gc
 import importlib.metadata
 import json
@@ -30,6 +37,10 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
+# Decode tokens a request may take before the timed steps: vLLM's chunked prefill takes the batch's prompts over several
+# steps (4096 tokens per step by default on the CPU), and the requests prefilled first decode in the later ones. 64
+# covers batches of up to 64 prompts or 256K prompt tokens, so no request ends during the timed steps.
+PREFILL_SLACK_TOKENS = 64
 
 
 def parse_args():
@@ -43,8 +54,17 @@ def parse_args():
     parser.add_argument("--block-size", type=int, default=None, help="tokens per page (vLLM's default if not given)")
     parser.add_argument("--models", nargs="+", default=["uncompressed", "fdc"], choices=["uncompressed", "fdc"])
     parser.add_argument("--profile", type=int, default=0, help="profile this many decode steps (after the timed ones)")
+    parser.add_argument("--mixed-steps", type=int, default=0,
+                        help="then time this many steps that each prefill a new prompt beside the decodes")
+    parser.add_argument("--mixed-prompt-tokens", type=int, default=256, help="tokens of each mixed step's prompts")
+    parser.add_argument("--mixed-prompts", type=int, default=1, help="new prompts in each mixed step")
     parser.add_argument("--profile-rows", type=int, default=40)
+    parser.add_argument("--profile-mixed", action="store_true",
+                        help="profile mixed steps (after the timed ones) instead of decode steps")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lock", default=None,
+                        help="a file to hold a shared flock on while the engines start and an exclusive one while "
+                             "they are timed (on a shared machine: other jobs that take the lock wait)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder of the JSON report")
     return parser.parse_args()
 
@@ -71,16 +91,18 @@ class Engine:
 
         options = {} if args.block_size is None else {"block_size": args.block_size}
         self.name = name
+        decode_steps = args.steps + args.profile + args.mixed_steps + PREFILL_SLACK_TOKENS
         self.llm = LLM(model=model, dtype="float32", seed=0, enforce_eager=True, hf_overrides=overrides,
-                       max_model_len=args.prompt_tokens + args.steps + args.profile + 8, **options)
+                       max_model_len=max(args.prompt_tokens + decode_steps, args.mixed_prompt_tokens) + 8, **options)
         self.engine = self.llm.llm_engine
-        params = SamplingParams(temperature=0.0, max_tokens=args.steps + args.profile + 1, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)
         for index, prompt in enumerate(prompts):
             self.engine.add_request(str(index), {"prompt_token_ids": prompt}, params)
         self.block_size = self.engine.vllm_config.cache_config.block_size
         self.requests = len(prompts)
         self.prefill_times: list[float] = []
         self.times: list[float] = []
+        self.mixed_times: list[float] = []
 
     def prefill(self) -> None:
         """Steps until every request has its first token: one step, or several where vLLM's chunked prefill cuts
@@ -97,12 +119,34 @@ class Engine:
         self.engine.step()
         self.times.append(time.perf_counter() - start)
 
-    def profile(self, steps: int, rows: int) -> str:
+    def mixed_step(self, request_id: str, prompts: list[list[int]], timed: bool = True) -> None:
+        """One step that prefills ``prompts`` (each asking for one token) while every running request decodes one."""
+        from vllm import SamplingParams
+
+        names = [f"{request_id}-{index}" for index in range(len(prompts))]
+        for name, prompt in zip(names, prompts):
+            self.engine.add_request(name, {"prompt_token_ids": prompt},
+                                    SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        start = time.perf_counter()
+        outputs = self.engine.step()
+        if timed:
+            self.mixed_times.append(time.perf_counter() - start)
+        finished = {output.request_id for output in outputs if output.finished}
+        if not finished.issuperset(names) or len(outputs) != self.requests + len(prompts):
+            raise RuntimeError(f"{self.name}: the step was not {len(prompts)} prompts beside {self.requests} decodes "
+                               f"(outputs {sorted(output.request_id for output in outputs)}, finished "
+                               f"{sorted(finished)})")
+
+    def profile(self, steps: int, rows: int, prompts: list[list[list[int]]] | None = None) -> str:
+        """A profile of ``steps`` decode steps, or of mixed steps prefilling ``prompts`` (a list per step)."""
         import torch
 
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
-            for _ in range(steps):
-                self.engine.step()
+            for index in range(steps):
+                if prompts is None:
+                    self.engine.step()
+                else:
+                    self.mixed_step(f"profiled-{index}", prompts[index], timed=False)
         return profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
     def close(self) -> None:
@@ -112,14 +156,38 @@ class Engine:
 
     def result(self) -> dict:
         decode = self.times
-        return {"prefill_s": sum(self.prefill_times), "prefill_steps": len(self.prefill_times),
-                "decode_ms_median": 1e3 * statistics.median(decode),
-                "decode_ms_min": 1e3 * min(decode), "decode_ms": [1e3 * t for t in decode],
-                "block_size": self.block_size}
+        result = {"prefill_s": sum(self.prefill_times), "prefill_steps": len(self.prefill_times),
+                  "decode_ms_median": 1e3 * statistics.median(decode),
+                  "decode_ms_min": 1e3 * min(decode), "decode_ms": [1e3 * t for t in decode],
+                  "block_size": self.block_size}
+        if self.mixed_times:
+            result.update(mixed_ms_median=1e3 * statistics.median(self.mixed_times),
+                          mixed_ms_min=1e3 * min(self.mixed_times), mixed_ms=[1e3 * t for t in self.mixed_times])
+        return result
+
+
+@contextlib.contextmanager
+def shared_then_exclusive(lock_path: str | None):
+    """Holds a shared flock on lock_path, and yields a function that turns it exclusive; released at the end (nothing
+    when lock_path is None)."""
+    if lock_path is None:
+        yield lambda: None
+        return
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_SH)
+        try:
+            yield lambda: fcntl.flock(handle, fcntl.LOCK_EX)
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def main() -> None:
     args = parse_args()
+    with shared_then_exclusive(args.lock) as timing:
+        run(args, timing)
+
+
+def run(args, timing) -> None:
     import torch
     from vllm.distributed import cleanup_dist_env_and_memory
 
@@ -144,28 +212,47 @@ def main() -> None:
         else:
             overrides = fdc_ops.vllm.hf_overrides(model, artifact, compression=args.compression)
         engines.append(Engine(name, model, overrides, prompts, args))
+    timing()
     for engine in engines:
         engine.prefill()
     for _ in range(args.steps):  # the decode steps, alternating
         for engine in engines:
             engine.step()
-    profiles = {engine.name: engine.profile(args.profile, args.profile_rows) for engine in engines if args.profile}
+    profiles = {}
+    if args.profile and not args.profile_mixed:
+        profiles = {engine.name: engine.profile(args.profile, args.profile_rows) for engine in engines}
+    def new_prompts() -> list[list[int]]:
+        return [[rng.randrange(vocab_size) for _ in range(args.mixed_prompt_tokens)] for _ in range(args.mixed_prompts)]
+
+    for index in range(args.mixed_steps):  # the mixed steps, alternating
+        prompts = new_prompts()
+        for engine in engines:
+            engine.mixed_step(f"mixed-{index}", prompts)
+    if args.profile and args.profile_mixed:
+        prompts = [new_prompts() for _ in range(args.profile)]
+        profiles = {engine.name: engine.profile(args.profile, args.profile_rows, prompts) for engine in engines}
     results = {engine.name: engine.result() for engine in engines}
     for engine in engines:
         engine.close()
     cleanup_dist_env_and_memory()
 
     for name, table in profiles.items():
-        print(f"--- profile of {args.profile} decode steps, {name}\n{table}")
+        print(f"--- profile of {args.profile} {'mixed' if args.profile_mixed else 'decode'} steps, {name}\n{table}")
     print(f"{args.requests} requests x {args.prompt_tokens} prompt tokens, {args.steps} decode steps, float32, eager, "
           f"{torch.get_num_threads()} threads")
     for name, result in results.items():
         print(f"{name:>13} (block {result['block_size']:>3}): prefill {result['prefill_s']:.2f} s in "
               f"{result['prefill_steps']} steps, decode step "
               f"median {result['decode_ms_median']:.1f} ms (min {result['decode_ms_min']:.1f})")
+        if "mixed_ms_median" in result:
+            print(f"{'':>13} mixed step ({args.requests} decodes + {args.mixed_prompts} x {args.mixed_prompt_tokens} "
+                  f"prompt tokens): median {result['mixed_ms_median']:.1f} ms (min {result['mixed_ms_min']:.1f})")
     if "uncompressed" in results and "fdc" in results:
         ratio = results["fdc"]["decode_ms_median"] / results["uncompressed"]["decode_ms_median"]
         print(f"FDC / uncompressed decode step: {ratio:.3f}")
+        if args.mixed_steps:
+            ratio = results["fdc"]["mixed_ms_median"] / results["uncompressed"]["mixed_ms_median"]
+            print(f"FDC / uncompressed mixed step: {ratio:.3f}")
     device = provenance.device_name(torch.device("cpu"))
     commit, dirty = git_commit()
     report = {"benchmark": "vllm_step", "device": device, "torch": torch.__version__,

@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -17,10 +18,25 @@ void append_contiguous(const T* src, int64_t src_ld, T* cache, int64_t cache_ld,
   for (int64_t i = 0; i < n; ++i) std::memcpy(cache + i * cache_ld, src + i * src_ld, width * sizeof(T));
 }
 
-// Scatters row `src` (width) to position `slot` of a dim-major page (width, page_size).
+// Columns per task of the paged copy: 16 float32 columns are one 64-byte line of each source row, so a task reads
+// whole lines of its rows and writes 16 runs of consecutive slots, one per column of the dim-major page.
+constexpr int64_t kColumnTile = 16;
+
+// n consecutive new rows of one request that land in one page: source rows [row, row + n), slots [slot, slot + n).
+struct PageRun {
+  int64_t row, page, slot, n;
+};
+
+// Columns [c0, c1) of rows src[0 .. n) (row stride src_ld) to slots [slot, slot + n) of a dim-major page
+// (width, page_size): row by row, each row's columns to their own runs, so every column's run is written in order.
 template <typename T>
-void append_paged_row(const T* src, T* page, int64_t width, int64_t page_size, int64_t slot) {
-  for (int64_t c = 0; c < width; ++c) page[c * page_size + slot] = src[c];
+void append_paged_tile(const T* src, int64_t src_ld, T* page, int64_t page_size, int64_t slot, int64_t n, int64_t c0,
+                       int64_t c1) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T* row = src + i * src_ld;
+    T* dst = page + slot + i;
+    for (int64_t c = c0; c < c1; ++c) dst[c * page_size] = row[c];
+  }
 }
 
 }  // namespace
@@ -60,25 +76,47 @@ void append_kv_cpu(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k
     const scalar_t* vp = vc.data_ptr<scalar_t>();
     scalar_t* kcp = k_cache.data_ptr<scalar_t>();
     scalar_t* vcp = v_cache.data_ptr<scalar_t>();
-    at::parallel_for(0, batch, 1, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) {
-        const int64_t n = cu[b + 1] - cu[b];
-        if (!block_table) {
+    if (!block_table) {
+      at::parallel_for(0, batch, 1, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; ++b) {
+          const int64_t n = cu[b + 1] - cu[b];
           append_contiguous(kp + cu[b] * kc.stride(0), kc.stride(0),
                             kcp + b * k_cache.stride(0) + pos[b] * k_cache.stride(1), k_cache.stride(1),
                             layout.qk_width(), n);
           append_contiguous(vp + cu[b] * vc.stride(0), vc.stride(0),
                             vcp + b * v_cache.stride(0) + pos[b] * v_cache.stride(1), v_cache.stride(1),
                             layout.v_width(), n);
-          continue;
         }
-        for (int64_t i = 0; i < n; ++i) {
-          const int64_t t = pos[b] + i;
-          const int64_t page = table[b * paged.max_pages + t / paged.page_size], slot = t % paged.page_size;
-          append_paged_row(kp + (cu[b] + i) * kc.stride(0), kcp + page * k_cache.stride(0), layout.qk_width(),
-                           paged.page_size, slot);
-          append_paged_row(vp + (cu[b] + i) * vc.stride(0), vcp + page * v_cache.stride(0), layout.v_width(),
-                           paged.page_size, slot);
+      });
+      return;
+    }
+    // Paged: a page stores each column's slots contiguously, so rows are copied a page run and a column tile at a
+    // time (a transpose) rather than row by row (which wrote one cache line per column for every row). Tasks are
+    // (column tile, run), tile-major, so each thread gets a share of every run's columns: a prompt's runs and the
+    // single-row runs of decodes in one step are spread over all threads alike.
+    std::vector<PageRun> runs;
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t t = pos[b], end = pos[b] + cu[b + 1] - cu[b]; t < end;) {
+        const int64_t slot = t % paged.page_size, n = std::min(end - t, paged.page_size - slot);
+        runs.push_back({cu[b] + t - pos[b], table[b * paged.max_pages + t / paged.page_size], slot, n});
+        t += n;
+      }
+    }
+    const int64_t num_runs = static_cast<int64_t>(runs.size());
+    const int64_t k_tiles = (layout.qk_width() + kColumnTile - 1) / kColumnTile;
+    const int64_t tiles = k_tiles + (layout.v_width() + kColumnTile - 1) / kColumnTile;
+    at::parallel_for(0, tiles * num_runs, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t tile = task / num_runs;
+        const PageRun& run = runs[task % num_runs];
+        if (tile < k_tiles) {
+          const int64_t c0 = tile * kColumnTile, c1 = std::min<int64_t>(c0 + kColumnTile, layout.qk_width());
+          append_paged_tile(kp + run.row * kc.stride(0), kc.stride(0), kcp + run.page * k_cache.stride(0),
+                            paged.page_size, run.slot, run.n, c0, c1);
+        } else {
+          const int64_t c0 = (tile - k_tiles) * kColumnTile, c1 = std::min<int64_t>(c0 + kColumnTile, layout.v_width());
+          append_paged_tile(vp + run.row * vc.stride(0), vc.stride(0), vcp + run.page * v_cache.stride(0),
+                            paged.page_size, run.slot, run.n, c0, c1);
         }
       }
     });

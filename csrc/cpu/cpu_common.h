@@ -32,7 +32,8 @@ at::Tensor decode_plan_cpu(const at::Tensor& cache_seqlens, const at::Tensor& qk
 // and rope_rotate_compress one RoPE loop per (token, head): their general paths are ATen calls (a broadcast matmul,
 // narrows and copies per KV head; RoPE's slices and products), fixed costs whatever the size, measured at 118 us per
 // rotate_compress call inside a vLLM decode step of SmolLM2 (8 requests: 9 query or 3 key heads of 64; 7 ms of a 60
-// ms step) and ~100 us per rope_rotate_compress call at B = 1 on a 2-core AMD EPYC. Above it matmul's blocking wins.
+// ms step) and ~100 us per rope_rotate_compress call at B = 1 on a 2-core AMD EPYC. Above it matmul's blocking wins
+// over the portable row kernel; rotate_into_packed takes the AVX-512 row kernel at any size (rotate_compress.cpp).
 constexpr int64_t kRowLoopTokens = 64;
 
 // The product of rotate_compress and rope_rotate_compress: x_float (T, G * H_kv, D) float32 times

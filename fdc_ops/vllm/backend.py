@@ -16,11 +16,13 @@ One step of a layer (:meth:`FDCAttentionImpl.forward`):
 1. post-RoPE queries and keys are rotated and truncated per KV head (``rotate_compress``); values arrive already
    compressed (A_V is folded into the V projection);
 2. the step's new K/V rows are written after each request's cached rows (``append_kv`` with vLLM's block table);
-3. a batch of decodes only (one new token per request) runs ``decode_attention`` on the paged cache with a
-   ``decode_plan`` (greedy LPT over (request, KV head, chunk) tasks); any other batch (prompts, chunked prefill,
-   prompts with a cached prefix, mixed with decodes) runs one causal ``prefill_attention`` over every request, its
-   keys being the request's whole context (gathered from the pages, or the step's own rows when no request has a
-   cached prefix).
+3. the step is split in two: vLLM puts the requests with one new token (decodes) first in the batch (the builder
+   asks for it with ``reorder_batch_threshold = 1``), and those run ``decode_attention`` on the paged cache with the
+   step's ``decode_plan`` (greedy LPT over (request, KV head, chunk) tasks); the rest (prompts, chunks of a chunked
+   prefill, prompts with a cached prefix) run one causal ``prefill_attention``, whose keys are each such request's
+   whole context (gathered from the pages, or the step's own rows when none of them has a cached prefix). So a
+   decoding request costs the same in a step that also takes a prompt as in a decode-only step: its context is read
+   in place, never copied out of the pages.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from vllm.v1.attention.backend import (
     AttentionType,
     CommonAttentionMetadata,
 )
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from .. import ops
@@ -87,8 +90,23 @@ class FDCAttentionBackend(AttentionBackend):
 
 
 @dataclass
+class FDCPrefillMetadata:
+    """The prefill part of a step: its requests (every request after the step's decodes, P of them) and what
+    ``prefill_attention`` takes for them."""
+
+    query_start_loc: torch.Tensor  # (P + 1,) int32: each request's new tokens among the prefill part's tokens
+    cu_seqlens_k: torch.Tensor  # (P + 1,) int32 prefix sums of the requests' seq_lens (their keys, back to back)
+    has_context: bool  # whether some of these requests attends cached tokens from earlier steps
+    gather_pages: torch.Tensor | None  # (sum seq_lens,) int64: page of each context token, when has_context
+    gather_slots: torch.Tensor | None  # (sum seq_lens,) int64: its position in the page
+
+
+@dataclass
 class FDCAttentionMetadata:
-    """One step's batch, shared by every FDC layer of a KV cache group (the layers differ in widths, not in tokens)."""
+    """One step's batch, shared by every FDC layer of a KV cache group (the layers differ in widths, not in tokens).
+
+    The first ``num_decodes`` requests have one new token each and run ``decode_attention``; the others, if any, run
+    ``prefill_attention`` (``prefill``)."""
 
     num_actual_tokens: int  # tokens of the step, padding excluded
     num_reqs: int
@@ -97,18 +115,18 @@ class FDCAttentionMetadata:
     seq_lens: torch.Tensor  # (B,) int32: each request's tokens once this step is cached
     context_lens: torch.Tensor  # (B,) int32: tokens cached before this step (seq_lens - new tokens)
     block_table: torch.Tensor  # (B, max_blocks) int32 page indices
-    has_context: bool  # whether some request attends cached tokens from earlier steps
-    cu_seqlens_k: torch.Tensor | None  # (B + 1,) int32 prefix sums of seq_lens; None for a decode-only step
-    gather_pages: torch.Tensor | None  # (sum seq_lens,) int64: page of each context token, when has_context
-    gather_slots: torch.Tensor | None  # (sum seq_lens,) int64: its position in the page
-    block_size: int  # tokens per page, which gather_pages and gather_slots were computed for
+    num_decodes: int  # the leading requests with one new token each (so also their tokens)
+    decode_seq_lens: torch.Tensor  # (num_decodes,) int32: seq_lens of the decodes
+    decode_block_table: torch.Tensor  # (num_decodes, max_blocks) int32: their block table rows
+    prefill: FDCPrefillMetadata | None  # the other requests; None when every request is a decode
+    block_size: int  # tokens per page, which prefill.gather_pages and prefill.gather_slots were computed for
     # the step's decode plans by (H_kv, G): one for every layer of that shape, whatever its widths (see
     # FDCAttentionImpl.decode_plan)
     decode_plans: dict = field(default_factory=dict)
 
     @property
     def is_decode_only(self) -> bool:
-        return self.max_query_len == 1
+        return self.prefill is None
 
 
 class FDCAttentionMetadataBuilder(AttentionMetadataBuilder[FDCAttentionMetadata]):
@@ -125,6 +143,9 @@ class FDCAttentionMetadataBuilder(AttentionMetadataBuilder[FDCAttentionMetadata]
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
+        # vLLM's model runner then puts the requests with at most one new token first in every batch, which the
+        # split of a step into decodes and prefills (_build) needs to give every decode to decode_attention.
+        self._init_reorder_batch_threshold(1)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> FDCAttentionMetadata:
@@ -143,21 +164,38 @@ class FDCAttentionMetadataBuilder(AttentionMetadataBuilder[FDCAttentionMetadata]
         seq_lens = common.seq_lens[:num_reqs].to(torch.int32)
         context_lens = seq_lens - (query_start_loc[1:] - query_start_loc[:-1])
         block_table = common.block_table_tensor[:num_reqs].to(torch.int32)
-        has_context = bool((context_lens > 0).any())
-        cu_seqlens_k = gather_pages = gather_slots = None
-        if common.max_query_len > 1:
-            cu_seqlens_k = torch.cat([seq_lens.new_zeros(1), seq_lens.cumsum(0)]).to(torch.int32)
-            if has_context:
-                # Token t of request b lives at page block_table[b, t // block_size], position t % block_size.
-                request = torch.repeat_interleave(torch.arange(num_reqs, device=seq_lens.device), seq_lens.long())
-                token = torch.arange(int(cu_seqlens_k[-1]), device=seq_lens.device) - cu_seqlens_k[:-1].long()[request]
-                gather_pages = block_table.long()[request, token // self.block_size]
-                gather_slots = token % self.block_size
+        num_decodes, _, num_decode_tokens, _ = split_decodes_and_prefills(common, decode_threshold=1)
+        if num_decode_tokens != num_decodes:
+            # A request of no new token among the leading ones (vLLM pads batches so for full CUDA graphs, which
+            # this backend does not declare it supports): decode_attention takes exactly one query row per request,
+            # so the whole step goes to prefill_attention, which takes any query lengths.
+            num_decodes = 0
+        prefill = None
+        if num_decodes < num_reqs:
+            prefill = self._build_prefill(query_start_loc[num_decodes:] - num_decodes, seq_lens[num_decodes:],
+                                          context_lens[num_decodes:], block_table[num_decodes:])
         return FDCAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens, num_reqs=num_reqs, max_query_len=common.max_query_len,
             query_start_loc=query_start_loc, seq_lens=seq_lens, context_lens=context_lens, block_table=block_table,
-            has_context=has_context, cu_seqlens_k=cu_seqlens_k, gather_pages=gather_pages, gather_slots=gather_slots,
-            block_size=self.block_size)
+            num_decodes=num_decodes, decode_seq_lens=seq_lens[:num_decodes],
+            decode_block_table=block_table[:num_decodes], prefill=prefill, block_size=self.block_size)
+
+    def _build_prefill(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, context_lens: torch.Tensor,
+                       block_table: torch.Tensor) -> FDCPrefillMetadata:
+        """query_start_loc: (P + 1,) int32 from 0; seq_lens, context_lens: (P,) int32; block_table: (P, max_blocks)
+        int32: the prefill requests' rows of the step's metadata."""
+        num_reqs = seq_lens.shape[0]
+        has_context = bool((context_lens > 0).any())
+        cu_seqlens_k = torch.cat([seq_lens.new_zeros(1), seq_lens.cumsum(0)]).to(torch.int32)
+        gather_pages = gather_slots = None
+        if has_context:
+            # Token t of request b lives at page block_table[b, t // block_size], position t % block_size.
+            request = torch.repeat_interleave(torch.arange(num_reqs, device=seq_lens.device), seq_lens.long())
+            token = torch.arange(int(cu_seqlens_k[-1]), device=seq_lens.device) - cu_seqlens_k[:-1].long()[request]
+            gather_pages = block_table.long()[request, token // self.block_size]
+            gather_slots = token % self.block_size
+        return FDCPrefillMetadata(query_start_loc=query_start_loc, cu_seqlens_k=cu_seqlens_k, has_context=has_context,
+                                  gather_pages=gather_pages, gather_slots=gather_slots)
 
 
 def paged_caches(kv_cache: torch.Tensor, k_width: int, v_width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,27 +275,36 @@ class FDCAttentionImpl(AttentionImpl):
         k_pages, v_pages = self.paged_caches(kv_cache, layer)
         ops.append_kv(k_pages, v_pages, k, v, meta.query_start_loc, meta.context_lens, qk_offsets, v_offsets,
                       meta.block_table)
-        if meta.is_decode_only:
-            out = ops.decode_attention(q, k_pages, v_pages, meta.seq_lens, qk_offsets, v_offsets, G, layer.scaling,
-                                       self.decode_plan(meta, layer), meta.block_table)
-        else:
-            if meta.has_context:  # every request's whole context, back to back, as prefill_attention takes keys
-                k_all = k_pages[meta.gather_pages, :, meta.gather_slots]  # (sum seq_lens, k_width)
-                v_all = v_pages[meta.gather_pages, :, meta.gather_slots]  # (sum seq_lens, v_width)
-            else:  # prompts from scratch: their keys are the step's own rows
-                k_all, v_all = k, v
-            out = ops.prefill_attention(q, k_all, v_all, meta.query_start_loc, meta.cu_seqlens_k, qk_offsets,
-                                        v_offsets, G, layer.scaling, True)
+        decodes = meta.num_decodes
+        if decodes:  # (num_decodes, G * v_width)
+            out_decode = ops.decode_attention(q[:decodes], k_pages, v_pages, meta.decode_seq_lens, qk_offsets,
+                                              v_offsets, G, layer.scaling, self.decode_plan(meta, layer),
+                                              meta.decode_block_table)
+            if meta.prefill is None:
+                if padded:
+                    output[:tokens] = out_decode
+                    output[tokens:] = 0
+                else:
+                    output.copy_(out_decode)
+                return output
+            output[:decodes] = out_decode
+        prefill = meta.prefill
+        if prefill.has_context:  # each prefill request's whole context, back to back, as prefill_attention takes keys
+            k_all = k_pages[prefill.gather_pages, :, prefill.gather_slots]  # (sum of their seq_lens, k_width)
+            v_all = v_pages[prefill.gather_pages, :, prefill.gather_slots]  # (sum of their seq_lens, v_width)
+        else:  # prompts from scratch: their keys are the step's own rows
+            k_all, v_all = k[decodes:], v[decodes:]
+        output[decodes:tokens] = ops.prefill_attention(q[decodes:], k_all, v_all, prefill.query_start_loc,
+                                                       prefill.cu_seqlens_k, qk_offsets, v_offsets, G, layer.scaling,
+                                                       True)
         if padded:
-            output[:tokens] = out
             output[tokens:] = 0
-        else:
-            output.copy_(out)
         return output
 
     @staticmethod
     def decode_plan(meta: FDCAttentionMetadata, layer) -> torch.Tensor:
-        """The step's decode plan for layers of the layer's (H_kv, G), made once per step by the first such layer.
+        """The plan of the step's decodes for layers of the layer's (H_kv, G), made once per step by the first such
+        layer.
 
         A plan is a valid schedule for any widths of that shape: decode_attention takes a plan made for the same
         lengths, batch, H_kv and G, and the widths only weigh the greedy LPT's task costs (``s_kv * d_sum``). So
@@ -268,7 +315,7 @@ class FDCAttentionImpl(AttentionImpl):
         key = (layer.num_kv_heads, layer.group)
         plan = meta.decode_plans.get(key)
         if plan is None:
-            plan = ops.decode_plan(meta.seq_lens, layer.qk_offsets, layer.v_offsets, layer.group)
+            plan = ops.decode_plan(meta.decode_seq_lens, layer.qk_offsets, layer.v_offsets, layer.group)
             meta.decode_plans[key] = plan
         return plan
 

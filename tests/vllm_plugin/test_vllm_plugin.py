@@ -34,6 +34,15 @@ LONG_PROMPT = ("The history of the printing press begins in the fifteenth centur
                "movable metal type, oil-based inks and a wooden press adapted from wine making. Within fifty years "
                "printing shops had spread to more than two hundred cities across Europe, and")
 CHUNKED_PREFILL_TOKENS = 16
+# For the mixed step: a prompt that is decoding when a second one arrives whose first 35 tokens are the same (so, with
+# pages of 32 tokens, one page of it comes from the prefix cache). Not the long prompt's text: its pages must not be
+# in the cache for the chunked-prefill test.
+DECODING_PROMPT = ("A lighthouse keeper's day began before sunrise: the lamp was trimmed, the lens polished and the "
+                   "clockwork that turned it wound by hand, while the logbook recorded the wind, the sea and every "
+                   "ship that passed. In winter storms the keeper")
+CACHED_PREFIX_PROMPT = ("A lighthouse keeper's day began before sunrise: the lamp was trimmed, the lens polished and "
+                        "the clockwork that turned it wound by hand, while the logbook recorded the wind. At night "
+                        "she read old letters from her brother")
 CPU_DEFAULT_BLOCK = 128  # vLLM's block size (tokens per page) on the CPU unless told otherwise
 FDC_BLOCK = 32
 
@@ -131,6 +140,67 @@ def test_compressed_fdc_generates_what_the_hf_fdc_model_generates(model_dir, art
     # The capacity grows by the compression ratio, up to vLLM's whole blocks.
     ratio = 1 / (1 - allocation.compression_rate)
     assert abs(capacity / uncompressed_capacity - ratio) <= (CPU_DEFAULT_BLOCK + FDC_BLOCK) / uncompressed_capacity
+
+
+def test_a_mixed_step_generates_what_the_hf_fdc_model_generates(model_dir, artifact_dir, hf_model, monkeypatch):
+    """One engine step holds decodes, a new prompt and a prompt with a cached prefix (the backend sends the decodes
+    to decode_attention, the prompts to one prefill_attention); every request still generates the Hugging Face FDC
+    model's greedy tokens.
+
+    The step is made so that it only splits this way if vLLM puts the decodes first (the builder's
+    reorder_batch_threshold): a short request finishes just before the two prompts arrive, and vLLM's input batch
+    gives its slot, the first, to the new prompt."""
+    from vllm import SamplingParams
+
+    import fdc_ops.vllm
+    from fdc_ops.vllm.backend import FDCAttentionMetadataBuilder
+
+    splits = []  # per step: (decodes, the other requests' cached tokens before the step)
+    build = FDCAttentionMetadataBuilder._build
+
+    def recording_build(self, common):
+        meta = build(self, common)
+        splits.append((meta.num_decodes, meta.context_lens[meta.num_decodes:].tolist()))
+        return meta
+
+    monkeypatch.setattr(FDCAttentionMetadataBuilder, "_build", recording_build)
+    prompts = {"short": PROMPTS[2], "decoding": DECODING_PROMPT, "decoding-2": PROMPTS[0], "new": PROMPTS[1],
+               "cached-prefix": CACHED_PREFIX_PROMPT}
+    expected = dict(zip(prompts, hf_fdc_tokens(hf_model, artifact_dir, list(prompts.values()),
+                                               compression=COMPRESSION)))
+    expected["short"] = expected["short"][:2]
+
+    engine = Engine(model_dir, fdc_ops.vllm.hf_overrides(model_dir, artifact_dir, compression=COMPRESSION),
+                    block_size=FDC_BLOCK, max_num_seqs=4, enable_prefix_caching=True)
+    tokens = {}
+    try:
+        core = engine.llm.llm_engine
+
+        def add(name: str, max_tokens: int = NEW_TOKENS) -> None:
+            core.add_request(name, {"prompt": prompts[name]},
+                             SamplingParams(temperature=0.0, max_tokens=max_tokens))
+
+        def step() -> None:
+            for output in core.step():
+                if output.finished:
+                    tokens[output.request_id] = list(output.outputs[0].token_ids)
+
+        add("short", max_tokens=2)
+        add("decoding")
+        add("decoding-2")
+        while "short" not in tokens:  # the three prompts, then decodes until the short request is done
+            step()
+        splits.clear()
+        add("new")
+        add("cached-prefix")
+        step()
+        mixed = splits[0] if splits else None
+        while core.has_unfinished_requests():
+            step()
+    finally:
+        engine.close()
+    assert mixed is not None and mixed[0] == 2 and sorted(mixed[1]) == [0, FDC_BLOCK], splits
+    assert tokens == expected
 
 
 def free_port() -> int:

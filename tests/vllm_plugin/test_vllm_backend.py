@@ -1,0 +1,165 @@
+"""The FDC attention backend without an engine: how a step's batch is split into decodes (decode_attention) and
+prefills (prefill_attention), and one layer's step over such a batch against the float64 reference."""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+BLOCK = 16  # tokens per page: small, so that the requests below span several pages
+# Two KV heads of different widths, two query heads each, head dim 32 (widths are multiples of 8, as the ops take).
+QK_DIMS, V_DIMS, GROUP, HEAD_DIM = (8, 16), (16, 8), 2, 32
+NUM_PAGES = 16
+
+# Batches as vLLM's model runner orders them for a builder with reorder_batch_threshold 1 (decodes, then requests
+# with a cached prefix, then new prompts), and one it did not reorder. Each: (query lens, seq lens).
+BATCHES = {
+    # two decodes (9 and 39 cached tokens), a prompt with a 32-token cached prefix, a new prompt
+    "mixed": ([1, 1, 5, 6], [10, 40, 37, 6]),
+    # what a server's steps mostly are: decodes and new prompts (whose keys are the step's own rows)
+    "decodes and a prompt": ([1, 1, 6], [10, 40, 6]),
+    "decodes": ([1, 1, 1], [10, 40, 3]),
+    "prompts": ([3, 4], [3, 4]),
+    # a prefill before a decode: the decode goes to prefill_attention with the rest (correct, only slower)
+    "unordered": ([4, 1], [4, 20]),
+}
+
+
+def offsets(dims: tuple[int, ...]) -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(dims)], dtype=torch.int32)
+
+
+def common_metadata(query_lens: list[int], seq_lens: list[int], block_table: torch.Tensor):
+    """vLLM's CommonAttentionMetadata of a batch on the CPU. block_table: (B, max_blocks) int32."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    query_start_loc = offsets(tuple(query_lens))
+    tokens = int(query_start_loc[-1])
+    return CommonAttentionMetadata(
+        query_start_loc=query_start_loc, query_start_loc_cpu=query_start_loc.clone(),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), num_reqs=len(seq_lens), num_actual_tokens=tokens,
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens), block_table_tensor=block_table,
+        slot_mapping=torch.zeros(tokens, dtype=torch.int64))
+
+
+def builder():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from fdc_ops.vllm.backend import FDCAttentionMetadataBuilder
+
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=sum(QK_DIMS), head_size_v=sum(V_DIMS),
+                             dtype=torch.float32)
+    config = SimpleNamespace(parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+                             speculative_config=None)
+    return FDCAttentionMetadataBuilder(spec, ["layer"], config, torch.device("cpu"))
+
+
+def random_block_table(num_reqs: int, seed: int) -> torch.Tensor:
+    """(num_reqs, 3) int32: distinct pages in a shuffled order (3 pages hold the longest request, 40 tokens)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randperm(NUM_PAGES, generator=generator)[: 3 * num_reqs].view(num_reqs, 3).to(torch.int32)
+
+
+def test_the_builder_asks_vllm_to_put_decodes_first():
+    assert builder().reorder_batch_threshold == 1
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+def test_a_step_is_split_into_decodes_and_prefills(batch):
+    query_lens, seq_lens = BATCHES[batch]
+    block_table = random_block_table(len(seq_lens), seed=1)
+    meta = builder().build(0, common_metadata(query_lens, seq_lens, block_table))
+
+    leading_decodes = next((i for i, length in enumerate(query_lens) if length != 1), len(query_lens))
+    expected_decodes = {"mixed": 2, "decodes and a prompt": 2, "decodes": 3, "prompts": 0, "unordered": 0}[batch]
+    assert meta.num_decodes == leading_decodes == expected_decodes
+    assert meta.decode_seq_lens.tolist() == seq_lens[:expected_decodes]
+    assert torch.equal(meta.decode_block_table, block_table[:expected_decodes])
+    if expected_decodes == len(seq_lens):
+        assert meta.is_decode_only and meta.prefill is None
+        return
+    prefill = meta.prefill
+    assert not meta.is_decode_only
+    rest_q, rest_k = query_lens[expected_decodes:], seq_lens[expected_decodes:]
+    assert prefill.query_start_loc.tolist() == offsets(tuple(rest_q)).tolist()
+    assert prefill.cu_seqlens_k.tolist() == offsets(tuple(rest_k)).tolist()
+    contexts = [s - q for q, s in zip(rest_q, rest_k)]
+    assert prefill.has_context == any(contexts)
+    if not prefill.has_context:
+        assert prefill.gather_pages is None and prefill.gather_slots is None
+        return
+    # Every token of every prefill request, in order: its page and its slot in the page.
+    pages, slots = [], []
+    for row, length in zip(block_table[expected_decodes:].tolist(), rest_k):
+        for token in range(length):
+            pages.append(row[token // BLOCK])
+            slots.append(token % BLOCK)
+    assert prefill.gather_pages.tolist() == pages
+    assert prefill.gather_slots.tolist() == slots
+
+
+def layer_and_impl(seed: int):
+    """A layer's layout as fdc_ops.vllm.layer.FDCPagedAttention carries it, and the backend's impl for it."""
+    from fdc_ops.vllm.backend import FDCAttentionImpl
+
+    generator = torch.Generator().manual_seed(seed)
+    kv_heads = len(QK_DIMS)
+    heads = GROUP * kv_heads
+    rotation = torch.linalg.qr(torch.randn(kv_heads, HEAD_DIM, HEAD_DIM, generator=generator,
+                                           dtype=torch.float64))[0][:, :, : max(QK_DIMS)].float()
+    scale = HEAD_DIM ** -0.5
+    layer = SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_size=HEAD_DIM, group=GROUP,
+                            qk_offsets=offsets(QK_DIMS), v_offsets=offsets(V_DIMS), rotation=rotation,
+                            scaling=scale, k_width=sum(QK_DIMS), v_width=sum(V_DIMS))
+    impl = FDCAttentionImpl(heads, HEAD_DIM, scale, kv_heads, alibi_slopes=None, sliding_window=None,
+                            kv_cache_dtype="auto")
+    return layer, impl
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+def test_a_split_step_attends_like_the_reference(batch):
+    """One layer's step over a batch whose earlier tokens are already in the pages: its output is causal attention
+    of each request's new queries over the request's whole context (float64 reference). The pages' unused slots
+    hold NaN, so a read of anything not written shows; two padding rows past the step's tokens must come out zero."""
+    from fdc_ops import ops, reference
+    from fdc_ops.vllm.backend import paged_caches
+
+    query_lens, seq_lens = BATCHES[batch]
+    layer, impl = layer_and_impl(seed=2)
+    generator = torch.Generator().manual_seed(3)
+    k_width, v_width = layer.k_width, layer.v_width
+    block_table = random_block_table(len(seq_lens), seed=4)
+    kv_cache = torch.full((NUM_PAGES, 1, BLOCK, k_width + v_width), float("nan"))  # (num_blocks, 1, block, width)
+    k_pages, v_pages = paged_caches(kv_cache, k_width, v_width)
+
+    contexts = [s - q for q, s in zip(query_lens, seq_lens)]
+    k_context = torch.randn(sum(contexts), k_width, generator=generator)  # (sum contexts, k_width) compressed
+    v_context = torch.randn(sum(contexts), v_width, generator=generator)  # (sum contexts, v_width)
+    cu_context = offsets(tuple(contexts))
+    ops.append_kv(k_pages, v_pages, k_context, v_context, cu_context, torch.zeros(len(seq_lens), dtype=torch.int32),
+                  layer.qk_offsets, layer.v_offsets, block_table)
+
+    tokens, padding = sum(query_lens), 2
+    query = torch.randn(tokens + padding, layer.num_heads * HEAD_DIM, generator=generator)  # (N, H * D) post-RoPE
+    key = torch.randn(tokens + padding, layer.num_kv_heads * HEAD_DIM, generator=generator)  # (N, H_kv * D)
+    value = torch.randn(tokens + padding, v_width, generator=generator)  # (N, v_width) compressed
+    output = torch.full((tokens + padding, GROUP * v_width), float("nan"))  # (N, G * v_width)
+    meta = builder().build(0, common_metadata(query_lens, seq_lens, block_table))
+    impl.forward(layer, query, key, value, kv_cache, meta, output)
+
+    q = reference.rotate_compress_ref(query[:tokens].view(tokens, -1, HEAD_DIM), layer.rotation, layer.qk_offsets,
+                                      GROUP)
+    k = reference.rotate_compress_ref(key[:tokens].view(tokens, -1, HEAD_DIM), layer.rotation, layer.qk_offsets, 1)
+    cu_q = offsets(tuple(query_lens))
+    k_all, v_all = [], []  # each request's context, then its new rows
+    for b in range(len(seq_lens)):
+        k_all += [k_context[cu_context[b]:cu_context[b + 1]].double(), k[cu_q[b]:cu_q[b + 1]]]
+        v_all += [v_context[cu_context[b]:cu_context[b + 1]].double(), value[cu_q[b]:cu_q[b + 1]].double()]
+    expected = reference.prefill_attention_ref(q, torch.cat(k_all), torch.cat(v_all), cu_q, offsets(tuple(seq_lens)),
+                                               layer.qk_offsets, layer.v_offsets, GROUP, layer.scaling, True)
+    # float32 against float64: the compressed products and the softmax over at most 40 keys
+    torch.testing.assert_close(output[:tokens].double(), expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(output[tokens:], torch.zeros(padding, GROUP * v_width))
