@@ -1,0 +1,80 @@
+"""Summarises a scripts/gpu_check.sh run as one JSON file (issue 11's evidence): the device, torch version and commit,
+each step's exit code, the pytest counts of the test steps and the error count each compute-sanitizer tool reported.
+
+    python scripts/gpu_summary.py OUT_DIR      reads OUT_DIR/*.log and OUT_DIR/exit-codes, writes OUT_DIR/summary.json
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
+PYTEST_COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)")
+
+
+def pytest_counts(log: str) -> dict[str, int]:
+    """The counts of pytest's last summary line ("3 failed, 120 passed, 4 skipped in 10.2s"), {} if there is none."""
+    lines = [line for line in log.splitlines() if re.search(r"\b(passed|failed|error|skipped)\b.* in [\d.]+s", line)]
+    if not lines:
+        return {}
+    return {kind.rstrip("s") if kind.startswith("error") else kind: int(n)
+            for n, kind in PYTEST_COUNTS.findall(lines[-1])}
+
+
+def sanitizer_errors(log: str) -> int | None:
+    """The sum of compute-sanitizer's "ERROR SUMMARY: N errors" lines (one per process), None if it printed none."""
+    counts = [int(n) for n in re.findall(r"ERROR SUMMARY: (\d+) errors?", log)]
+    return sum(counts) if counts else None
+
+
+def summarise(out: Path) -> dict:
+    from fdc_ops.apps.provenance import git_commit
+
+    import torch
+
+    exit_codes = {}
+    codes_file = out / "exit-codes"
+    if codes_file.is_file():
+        for line in codes_file.read_text().splitlines():
+            name, _, code = line.partition(" ")
+            exit_codes[name] = int(code)
+    steps = {}
+    for name, code in exit_codes.items():
+        log_path = out / f"{name}.log"
+        log = log_path.read_text(errors="replace") if log_path.is_file() else ""
+        step = {"exit_code": code}
+        if counts := pytest_counts(log):
+            step["pytest"] = counts
+        if name in SANITIZER_TOOLS:
+            step["sanitizer_errors"] = sanitizer_errors(log)
+        steps[name] = step
+    commit, dirty = git_commit()
+    return {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device",
+        "torch": torch.__version__,
+        "commit": commit,
+        "dirty": dirty,
+        "steps": steps,
+        "all_passed": bool(steps) and all(step["exit_code"] == 0 for step in steps.values()),
+    }
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print(__doc__, file=sys.stderr)
+        return 2
+    out = Path(argv[0])
+    summary = summarise(out)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
