@@ -276,27 +276,20 @@ class FDCAttentionImpl(AttentionImpl):
         ops.append_kv(k_pages, v_pages, k, v, meta.query_start_loc, meta.context_lens, qk_offsets, v_offsets,
                       meta.block_table)
         decodes = meta.num_decodes
-        if decodes:  # (num_decodes, G * v_width)
-            out_decode = ops.decode_attention(q[:decodes], k_pages, v_pages, meta.decode_seq_lens, qk_offsets,
-                                              v_offsets, G, layer.scaling, self.decode_plan(meta, layer),
-                                              meta.decode_block_table)
-            if meta.prefill is None:
-                if padded:
-                    output[:tokens] = out_decode
-                    output[tokens:] = 0
-                else:
-                    output.copy_(out_decode)
-                return output
-            output[:decodes] = out_decode
+        if decodes:  # the leading requests, one row each: (num_decodes, G * v_width)
+            output[:decodes] = ops.decode_attention(q[:decodes], k_pages, v_pages, meta.decode_seq_lens, qk_offsets,
+                                                    v_offsets, G, layer.scaling, self.decode_plan(meta, layer),
+                                                    meta.decode_block_table)
         prefill = meta.prefill
-        if prefill.has_context:  # each prefill request's whole context, back to back, as prefill_attention takes keys
-            k_all = k_pages[prefill.gather_pages, :, prefill.gather_slots]  # (sum of their seq_lens, k_width)
-            v_all = v_pages[prefill.gather_pages, :, prefill.gather_slots]  # (sum of their seq_lens, v_width)
-        else:  # prompts from scratch: their keys are the step's own rows
-            k_all, v_all = k[decodes:], v[decodes:]
-        output[decodes:tokens] = ops.prefill_attention(q[decodes:], k_all, v_all, prefill.query_start_loc,
-                                                       prefill.cu_seqlens_k, qk_offsets, v_offsets, G, layer.scaling,
-                                                       True)
+        if prefill is not None:  # the other requests' rows [decodes, tokens)
+            if prefill.has_context:  # each one's whole context, back to back, as prefill_attention takes keys
+                k_all = k_pages[prefill.gather_pages, :, prefill.gather_slots]  # (sum of their seq_lens, k_width)
+                v_all = v_pages[prefill.gather_pages, :, prefill.gather_slots]  # (sum of their seq_lens, v_width)
+            else:  # prompts from scratch: their keys are the step's own rows
+                k_all, v_all = k[decodes:], v[decodes:]
+            output[decodes:tokens] = ops.prefill_attention(q[decodes:], k_all, v_all, prefill.query_start_loc,
+                                                           prefill.cu_seqlens_k, qk_offsets, v_offsets, G,
+                                                           layer.scaling, True)
         if padded:
             output[tokens:] = 0
         return output
