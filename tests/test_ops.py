@@ -132,6 +132,33 @@ def test_prefill_attention_long_sequences(causal, dtype, isa, monkeypatch):
     assert_close_to_reference(out, expected, torch_lowp, f"prefill_attention long causal={causal} isa={isa!r}")
 
 
+@pytest.mark.parametrize("isa", PREFILL_ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_prefill_attention_scores_climbing_across_key_blocks(causal, dtype, isa, monkeypatch):
+    """Scores whose largest value grows from key block to key block, slowly (a row keeps its softmax reference: the
+    bf16 kernel's one-pass exponentiation) and by jumps of far more than its slack of 16 (the reference moves and the
+    block is exponentiated again), and one block of huge scores followed by small ones."""
+    monkeypatch.setenv("FDC_CPU_ISA", isa)
+    gen = torch.Generator().manual_seed(99)
+    qk_dims, v_dims, group = [64, 24], [40, 64], 2
+    qk_offsets, v_offsets = offsets(qk_dims), offsets(v_dims)
+    lengths = [1500, 700]
+    cu = offsets(lengths)
+    total = sum(lengths)
+    key_scale = torch.linspace(0.2, 8.0, total, dtype=torch.float64)[:, None]  # score spread grows along the keys
+    key_scale[700:720] *= 20  # a block whose scores jump far above every earlier one
+    key_scale[1520:1530] *= 30  # the second sequence's first keys: later scores are far below them
+    q = randn((total, group * sum(qk_dims)), torch.float64, gen)
+    k = randn((total, sum(qk_dims)), torch.float64, gen) * key_scale
+    v = randn((total, sum(v_dims)), torch.float64, gen)
+    args = (q.to(dtype), k.to(dtype), v.to(dtype), cu, cu, qk_offsets, v_offsets, group, 0.125, causal)
+    out = ops.prefill_attention(*args)
+    expected = reference.prefill_attention_ref(*args)
+    torch_lowp = reference.prefill_attention_ref(*args, compute_dtype=dtype)
+    assert_close_to_reference(out, expected, torch_lowp, f"prefill_attention climbing causal={causal} isa={isa!r}")
+
+
 def test_prefill_attention_bf16_without_onednn():
     """With torch's oneDNN switched off (torch.backends.mkldnn), bf16 prefill takes the float32 path: same results
     within bf16's tolerance."""

@@ -4,8 +4,9 @@
 // Both products of a tile are torch's batch-reduce GEMM micro-kernel, at::native::cpublas::brgemm (oneDNN's JIT
 // ukernel, the one torch's own CPU flash attention calls), on blocks packed once per call:
 // - bfloat16 inputs on CPUs with AVX-512-BF16 where the ukernel runs (torch's oneDNN enabled): bf16 x bf16 -> fp32 on
-//   AMX tiles (or AVX-512-BF16 where the CPU has no AMX), with K^T and V packed in VNNI pairs and the probabilities
-//   rounded to bf16 by vcvtneps2bf16, as torch's flash attention does;
+//   AMX tiles (or AVX-512-BF16 where the CPU has no AMX), with K^T and V packed in VNNI pairs (V zero-padded to the
+//   ukernel's column block) and the probabilities rounded to bf16, as torch's flash attention does, after one pass
+//   that exponentiates a row's block against its running reference (see kReferenceSlack);
 // - everything else (float32, float16, bf16 where that ukernel does not run): float32 operands, K^T packed, V copied.
 // Packing each (sequence, KV head) once costs one pass over K and V and lets every product run with a fixed leading
 // dimension and a shape from a small set (rows rounded up to kRowQuantum, keys to kKeyQuantum), so the ukernel's
@@ -36,11 +37,22 @@ namespace cpublas = at::native::cpublas;
 // in L2 between the two products and the softmax.
 constexpr int64_t kKeyBlock = 256;
 constexpr int64_t kRowTile = 128;
+// Rows per task of the widest head in the plan this op builds when given none (the planner's default, 64, is sized
+// for a GPU CTA's registers): tiles of the widest heads then fill kRowTile too, and the 4K causal bf16 prefill of
+// bench_ops ran about 3% faster than with 64 (2-core Intel Xeon with AMX; 256 was no faster than 128).
+constexpr int32_t kCpuRowBlock = 128;
 // Products are issued with rows rounded up to 16 (an AMX tile's rows) and keys to 64 (the ukernel's B block), so a
 // model sees few distinct shapes, each generated once per thread.
 constexpr int64_t kRowQuantum = 16;
 constexpr int64_t kKeyQuantum = 64;
 static_assert(kKeyBlock % kKeyQuantum == 0 && kRowTile % kRowQuantum == 0);
+// bf16 rows exponentiate a key block against their running softmax reference in one pass, tracking the block's
+// largest score on the way, and move the reference (a second pass) only when a score exceeds it by more than this
+// (natural-log units): exp(16) = 8.9e6, so probabilities, their sum over any sequence and the accumulator stay far
+// inside float32's and bfloat16's range (both reach 3.4e38), and bf16 rounding is relative, so a reference below the
+// true maximum costs no precision. It saves the separate maximum pass over the fp32 scores on every block but a
+// row's first.
+constexpr float kReferenceSlack = 16.f;
 
 int64_t round_up(int64_t x, int64_t q) { return (x + q - 1) / q * q; }
 
@@ -80,18 +92,26 @@ void transpose_words(const char* src, int64_t src_ld_bytes, int64_t rows, int64_
 // sequence b, zero beyond the sequence's end.
 //   K^T block: (dq / P, kKeyBlock, P) elements, P = 2 (VNNI pairs) for bf16, 1 for float: the ukernel's B for
 //              scores = q K^T, leading dimension kKeyBlock.
-//   V block:   (kKeyBlock / P, dv, P): the B of acc += p V, leading dimension dv.
+//   V block:   (kKeyBlock / P, dvp, P), dvp = padded_v_width(dv), zero beyond dv: the B of acc += p V, leading
+//              dimension dvp.
 template <typename T>
 struct PackedKV {
   static constexpr int64_t kPair = sizeof(T) == 2 ? 2 : 1;
+  // V blocks of bf16 are padded with zero columns to a multiple of 32, the ukernel's column block on AMX (two tiles
+  // of 16 fp32 columns): it charges whole tile products for a narrower last block anyway, and runs column tails at
+  // up to half the speed per product. Measured with ONEDNN_VERBOSE on a 2-core Intel Xeon with AMX: p V over 256
+  // keys for 80 rows took 4.9 us at 56 columns, 4.3 at 48 and 3.0 at 64; the whole bf16 prefill of bench_ops' 4K
+  // layout ran about 5% faster padded to 32 than to 16.
+  static constexpr int64_t kVColumnQuantum = sizeof(T) == 2 ? 32 : 1;
+  static int64_t padded_v_width(int64_t dv) { return round_up(dv, kVColumnQuantum); }
   at::Tensor k_storage, v_storage;
   std::vector<int64_t> k_base, v_base;  // (B * H_kv): element offset of (b, j)'s first block
 
   const T* k_block(int64_t b, int64_t j, int64_t num_kv, int64_t block, int64_t dq) const {
     return k_storage.data_ptr<T>() + k_base[b * num_kv + j] + block * kKeyBlock * dq;
   }
-  const T* v_block(int64_t b, int64_t j, int64_t num_kv, int64_t block, int64_t dv) const {
-    return v_storage.data_ptr<T>() + v_base[b * num_kv + j] + block * kKeyBlock * dv;
+  const T* v_block(int64_t b, int64_t j, int64_t num_kv, int64_t block, int64_t dvp) const {
+    return v_storage.data_ptr<T>() + v_base[b * num_kv + j] + block * kKeyBlock * dvp;
   }
 };
 
@@ -111,7 +131,7 @@ PackedKV<T> pack_kv(const at::Tensor& k, const at::Tensor& v, const std::vector<
       packed.k_base[b * num_kv + j] = k_total;
       packed.v_base[b * num_kv + j] = v_total;
       k_total += keys * (layout.qk_offsets[j + 1] - layout.qk_offsets[j]);
-      v_total += keys * (layout.v_offsets[j + 1] - layout.v_offsets[j]);
+      v_total += keys * PackedKV<T>::padded_v_width(layout.v_offsets[j + 1] - layout.v_offsets[j]);
     }
   }
   packed.k_storage = at::zeros({k_total}, k.options());
@@ -125,6 +145,7 @@ PackedKV<T> pack_kv(const at::Tensor& k, const at::Tensor& v, const std::vector<
       const int64_t b = task / num_kv, j = task % num_kv;
       const int64_t dq = layout.qk_offsets[j + 1] - layout.qk_offsets[j];
       const int64_t dv = layout.v_offsets[j + 1] - layout.v_offsets[j];
+      const int64_t dvp = PackedKV<T>::padded_v_width(dv);
       const int64_t s_k = cu_k[b + 1] - cu_k[b];
       for (int64_t c0 = 0, block = 0; c0 < s_k; c0 += kKeyBlock, ++block) {
         const int64_t n = std::min(kKeyBlock, s_k - c0);
@@ -132,9 +153,9 @@ PackedKV<T> pack_kv(const at::Tensor& k, const at::Tensor& v, const std::vector<
         transpose_words(reinterpret_cast<const char*>(k_rows), k.stride(0) * sizeof(T), n, dq / kPair,
                         reinterpret_cast<uint32_t*>(k_out + packed.k_base[task] + block * kKeyBlock * dq), kKeyBlock);
         const T* v_rows = v_data + (cu_k[b] + c0) * v.stride(0) + layout.v_offsets[j];
-        T* v_dst = v_out + packed.v_base[task] + block * kKeyBlock * dv;
+        T* v_dst = v_out + packed.v_base[task] + block * kKeyBlock * dvp;
         for (int64_t key = 0; key < n; ++key) {  // (key / P, x, key % P) <- v[key, x]
-          T* dst = v_dst + (key / kPair) * dv * kPair + key % kPair;
+          T* dst = v_dst + (key / kPair) * dvp * kPair + key % kPair;
           const T* src = v_rows + key * v.stride(0);
           for (int64_t x = 0; x < dv; ++x) dst[x * kPair] = src[x];
         }
@@ -173,6 +194,7 @@ void run_row_tile(const TileTask& t, const T* q, int64_t q_ld, const PackedKV<T>
   const int64_t j = t.h / layout.group;
   const int64_t dq = layout.qk_offsets[j + 1] - layout.qk_offsets[j];
   const int64_t dv = layout.v_offsets[j + 1] - layout.v_offsets[j];
+  const int64_t dvp = PackedKV<T>::padded_v_width(dv);  // the accumulator's width
   const int64_t shift = t.s_k - t.s_q;  // key i + shift is the last one row i sees (causal, bottom-right aligned)
   const int64_t keys_end = causal ? std::clamp<int64_t>(t.a + t.m + shift, 0, t.s_k) : t.s_k;
   if (keys_end == 0) return;  // no row of the tile sees a key: the zero-initialised output stands
@@ -181,7 +203,7 @@ void run_row_tile(const TileTask& t, const T* q, int64_t q_ld, const PackedKV<T>
   const T* q_rows = q + (t.q_start + t.a) * q_ld + view.q_column(static_cast<int32_t>(t.h));
   for (int64_t r = 0; r < t.m; ++r) std::memcpy(ws.q.data() + r * dq, q_rows + r * q_ld, dq * sizeof(T));
   std::fill(ws.q.begin() + t.m * dq, ws.q.begin() + rows * dq, T(0));
-  std::fill(ws.acc.begin(), ws.acc.begin() + rows * dv, 0.f);
+  std::fill(ws.acc.begin(), ws.acc.begin() + rows * dvp, 0.f);
   std::fill(ws.softmax.begin(), ws.softmax.begin() + t.m, OnlineSoftmax{});
   if constexpr (!kFloat) std::fill(ws.probs.begin() + t.m * kKeyBlock, ws.probs.begin() + rows * kKeyBlock, T(0));
   T* probs = kFloat ? reinterpret_cast<T*>(ws.scores.data()) : ws.probs.data();
@@ -194,9 +216,20 @@ void run_row_tile(const TileTask& t, const T* q, int64_t q_ld, const PackedKV<T>
     for (int64_t r = 0; r < t.m; ++r) {
       float* s = ws.scores.data() + r * kKeyBlock;
       T* p = probs + r * kKeyBlock;
-      float* acc = ws.acc.data() + r * dv;
+      float* acc = ws.acc.data() + r * dvp;
       const int64_t visible = causal ? std::clamp<int64_t>(t.a + r + shift + 1 - c0, 0, n) : n;
       OnlineSoftmax& sm = ws.softmax[r];
+      if constexpr (!kFloat) {
+        if (sm.max != -INFINITY) {  // one pass against the running reference; a second only if it must move
+          float largest;
+          const float sum = avx512::exp_sum_to_bf16<true>(s, visible, scale, sm.max, p, &largest);
+          if (largest * scale <= sm.max + kReferenceSlack) {
+            sm.sum += sum;
+            std::fill(p + visible, p + cols, T(0));
+            continue;
+          }
+        }
+      }
       const float factor = sm.rescale_for((avx512 ? avx512::max_of(s, visible) : max_of(s, visible)) * scale);
       if (factor != 1.f) avx512 ? avx512::scale_in_place(acc, dv, factor) : scale_in_place(acc, dv, factor);
       if (sm.max == -INFINITY) {
@@ -210,13 +243,13 @@ void run_row_tile(const TileTask& t, const T* q, int64_t q_ld, const PackedKV<T>
       }
       std::fill(p + visible, p + cols, T(0));
     }
-    cpublas::brgemm(rows, dv, cols, kKeyBlock, dv, dv, true, probs, kv.v_block(t.b, j, num_kv, block, dv),
+    cpublas::brgemm(rows, dvp, cols, kKeyBlock, dvp, dvp, true, probs, kv.v_block(t.b, j, num_kv, block, dvp),
                     ws.acc.data(), !kFloat);
   }
   O* out_rows = out + (t.q_start + t.a) * out_ld + view.o_column(static_cast<int32_t>(t.h));
   for (int64_t r = 0; r < t.m; ++r) {
     const float inv = ws.softmax[r].inverse_sum();
-    for (int64_t c = 0; c < dv; ++c) out_rows[r * out_ld + c] = static_cast<O>(ws.acc[r * dv + c] * inv);
+    for (int64_t c = 0; c < dv; ++c) out_rows[r * out_ld + c] = static_cast<O>(ws.acc[r * dvp + c] * inv);
   }
 }
 
@@ -267,8 +300,8 @@ at::Tensor prefill_attention_cpu(const at::Tensor& q, const at::Tensor& k, const
     schedule = *plan;
     checks::check_prefill_plan_header(op, schedule.data_ptr<int32_t>(), schedule.size(0), batch, layout, causal);
   } else {
-    schedule = prefill_plan_cpu(cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group, causal, std::nullopt,
-                                kDefaultRowBlock);
+    schedule =
+        prefill_plan_cpu(cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group, causal, std::nullopt, kCpuRowBlock);
   }
   const PrefillPlanView view{schedule.data_ptr<int32_t>()};
   checks::check_prefill_plan_records(op, view, cu_q);
