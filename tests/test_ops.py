@@ -138,7 +138,8 @@ def test_prefill_attention_long_sequences(causal, dtype, isa, monkeypatch):
 def test_prefill_attention_scores_climbing_across_key_blocks(causal, dtype, isa, monkeypatch):
     """Scores whose largest value grows from key block to key block, slowly (a row keeps its softmax reference: the
     bf16 kernel's one-pass exponentiation) and by jumps of far more than its slack of 16 (the reference moves and the
-    block is exponentiated again), and one block of huge scores followed by small ones."""
+    block is exponentiated again), keys in a row's first block far above the first 16 (which set the provisional
+    reference), and one block of huge scores followed by small ones."""
     monkeypatch.setenv("FDC_CPU_ISA", isa)
     gen = torch.Generator().manual_seed(99)
     qk_dims, v_dims, group = [64, 24], [40, 64], 2
@@ -147,8 +148,9 @@ def test_prefill_attention_scores_climbing_across_key_blocks(causal, dtype, isa,
     cu = offsets(lengths)
     total = sum(lengths)
     key_scale = torch.linspace(0.2, 8.0, total, dtype=torch.float64)[:, None]  # score spread grows along the keys
+    key_scale[40:44] *= 60  # after the first 16 keys of the first block
     key_scale[700:720] *= 20  # a block whose scores jump far above every earlier one
-    key_scale[1520:1530] *= 30  # the second sequence's first keys: later scores are far below them
+    key_scale[1520:1530] *= 30  # the second sequence's keys 20-29: later scores are far below them
     q = randn((total, group * sum(qk_dims)), torch.float64, gen)
     k = randn((total, sum(qk_dims)), torch.float64, gen) * key_scale
     v = randn((total, sum(v_dims)), torch.float64, gen)

@@ -220,6 +220,8 @@ void run_row_tile(const TileTask& t, const T* q, int64_t q_ld, const PackedKV<T>
       const int64_t visible = causal ? std::clamp<int64_t>(t.a + r + shift + 1 - c0, 0, n) : n;
       OnlineSoftmax& sm = ws.softmax[r];
       if constexpr (!kFloat) {
+        // A row's first keys get a provisional reference, the largest of their first 16 scores.
+        if (sm.max == -INFINITY) sm.max = avx512::max_of(s, std::min(visible, avx512::kLanes)) * scale;
         if (sm.max != -INFINITY) {  // one pass against the running reference; a second only if it must move
           float largest;
           const float sum = avx512::exp_sum_to_bf16<true>(s, visible, scale, sm.max, p, &largest);
