@@ -137,8 +137,8 @@ def test_prefill_attention_long_sequences(causal, dtype, isa, monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 def test_prefill_attention_scores_climbing_across_key_blocks(causal, dtype, isa, monkeypatch):
     """Scores whose largest value grows from key block to key block, slowly (a row keeps its softmax reference: the
-    bf16 kernel's one-pass exponentiation) and by jumps of far more than its slack of 16 (the reference moves and the
-    block is exponentiated again), keys in a row's first block far above the first 16 (which set the provisional
+    bf16 kernel's one-pass exponentiation) and by jumps far beyond exp(16) (the reference moves and the block is
+    exponentiated again), keys in a row's first block far above the first 16 (which set the provisional
     reference), and one block of huge scores followed by small ones."""
     monkeypatch.setenv("FDC_CPU_ISA", isa)
     gen = torch.Generator().manual_seed(99)

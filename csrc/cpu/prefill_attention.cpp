@@ -6,7 +6,7 @@
 // - bfloat16 inputs on CPUs with AVX-512-BF16 where the ukernel runs (torch's oneDNN enabled): bf16 x bf16 -> fp32 on
 //   AMX tiles (or AVX-512-BF16 where the CPU has no AMX), with K^T and V packed in VNNI pairs (V zero-padded to the
 //   ukernel's column block) and the probabilities rounded to bf16, as torch's flash attention does, after one pass
-//   that exponentiates a row's block against its running reference (see kReferenceSlack);
+//   that exponentiates a row's block against its running reference (see kReferenceSumLimit);
 // - everything else (float32, float16, bf16 where that ukernel does not run): float32 operands, K^T packed, V copied.
 // Packing each (sequence, KV head) once costs one pass over K and V and lets every product run with a fixed leading
 // dimension and a shape from a small set (rows rounded up to kRowQuantum, keys to kKeyQuantum), so the ukernel's
@@ -46,13 +46,12 @@ constexpr int32_t kCpuRowBlock = 128;
 constexpr int64_t kRowQuantum = 16;
 constexpr int64_t kKeyQuantum = 64;
 static_assert(kKeyBlock % kKeyQuantum == 0 && kRowTile % kRowQuantum == 0);
-// bf16 rows exponentiate a key block against their running softmax reference in one pass, tracking the block's
-// largest score on the way, and move the reference (a second pass) only when a score exceeds it by more than this
-// (natural-log units): exp(16) = 8.9e6, so probabilities, their sum over any sequence and the accumulator stay far
-// inside float32's and bfloat16's range (both reach 3.4e38), and bf16 rounding is relative, so a reference below the
-// true maximum costs no precision. It saves the separate maximum pass over the fp32 scores on every block but a
-// row's first.
-constexpr float kReferenceSlack = 16.f;
+// bf16 rows exponentiate a key block against their running softmax reference (not necessarily the largest score
+// seen) in one pass, and move the reference (a second pass) only when the block's exps sum to more than this,
+// exp(16) = 8.9e6. Below that every exp is too, so probabilities, their sum over any sequence and the accumulator stay
+// far inside float32's and bfloat16's range (both reach 3.4e38), and bf16 rounding is relative, so a reference below
+// the true maximum costs no precision. It saves a separate pass over the fp32 scores for their maximum.
+constexpr float kReferenceSumLimit = 8.886110520507872e6f;
 
 int64_t round_up(int64_t x, int64_t q) { return (x + q - 1) / q * q; }
 
@@ -223,9 +222,8 @@ void run_row_tile(const TileTask& t, const T* q, int64_t q_ld, const PackedKV<T>
         // A row's first keys get a provisional reference, the largest of their first 16 scores.
         if (sm.max == -INFINITY) sm.max = avx512::max_of(s, std::min(visible, avx512::kLanes)) * scale;
         if (sm.max != -INFINITY) {  // one pass against the running reference; a second only if it must move
-          float largest;
-          const float sum = avx512::exp_sum_to_bf16<true>(s, visible, scale, sm.max, p, &largest);
-          if (largest * scale <= sm.max + kReferenceSlack) {
+          const float sum = avx512::exp_sum_to_bf16(s, visible, scale, sm.max, p);
+          if (sum <= kReferenceSumLimit) {
             sm.sum += sum;
             std::fill(p + visible, p + cols, T(0));
             continue;

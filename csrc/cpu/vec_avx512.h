@@ -242,21 +242,16 @@ FDC_AVX512 inline __m512 exp2_for_bf16(__m512 y) {
 
 // out[i] = bfloat16(exp(x[i] * scale - shift)) for i < n (vcvtne2ps2bf16: round to nearest even, 32 values per
 // conversion and store); returns the sum of the float32 exps (the softmax denominator is summed before rounding, as
-// torch's CPU flash attention does). With kLargest, also writes the largest x[i] to *largest (-inf when n == 0): a
-// caller whose shift is a running reference rather than this row's maximum learns in the same pass whether the
-// reference must move.
-template <bool kLargest = false>
-FDC_AVX512_BF16 inline float exp_sum_to_bf16(const float* x, int64_t n, float scale, float shift, c10::BFloat16* out,
-                                             float* largest = nullptr) {
+// torch's CPU flash attention does).
+FDC_AVX512_BF16 inline float exp_sum_to_bf16(const float* x, int64_t n, float scale, float shift, c10::BFloat16* out) {
   constexpr float kLog2e = 1.44269504088896341f;
   const __m512 sc = _mm512_set1_ps(scale * kLog2e), s = _mm512_set1_ps(-shift * kLog2e);
-  __m512 sum = _mm512_setzero_ps(), top = _mm512_set1_ps(-INFINITY);
+  __m512 sum = _mm512_setzero_ps();
   // 32 values from i: those of masks lo (the first 16) and hi (the next 16); the rest are neither read nor written.
   auto step = [&](int64_t i, __mmask16 lo, __mmask16 hi) FDC_AVX512_BF16 {
-    const __m512 x0 = _mm512_maskz_loadu_ps(lo, x + i), x1 = _mm512_maskz_loadu_ps(hi, x + i + kLanes);
-    if constexpr (kLargest) top = _mm512_max_ps(_mm512_mask_max_ps(top, lo, top, x0), _mm512_mask_mov_ps(top, hi, x1));
-    const __m512 e0 = _mm512_maskz_mov_ps(lo, exp2_for_bf16(_mm512_fmadd_ps(x0, sc, s)));
-    const __m512 e1 = _mm512_maskz_mov_ps(hi, exp2_for_bf16(_mm512_fmadd_ps(x1, sc, s)));
+    const __m512 e0 = _mm512_maskz_mov_ps(lo, exp2_for_bf16(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(lo, x + i), sc, s)));
+    const __m512 e1 =
+        _mm512_maskz_mov_ps(hi, exp2_for_bf16(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(hi, x + i + kLanes), sc, s)));
     sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
     _mm512_mask_storeu_epi16(out + i, (__mmask32(hi) << 16) | lo,
                              reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0)));
@@ -264,7 +259,6 @@ FDC_AVX512_BF16 inline float exp_sum_to_bf16(const float* x, int64_t n, float sc
   const int64_t full = n / (2 * kLanes) * (2 * kLanes);
   for (int64_t i = 0; i < full; i += 2 * kLanes) step(i, 0xFFFF, 0xFFFF);
   if (full < n) step(full, lanes_mask(n - full), n - full > kLanes ? lanes_mask(n - full - kLanes) : __mmask16(0));
-  if constexpr (kLargest) *largest = _mm512_reduce_max_ps(top);
   return _mm512_reduce_add_ps(sum);
 }
 
