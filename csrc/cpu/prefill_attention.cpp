@@ -30,17 +30,19 @@ namespace {
 
 namespace cpublas = at::native::cpublas;
 
-// Keys per score tile and per packed block, and query rows per tile. Swept on a 2-core Intel Xeon with AMX (bf16 and
-// fp32, one 4K sequence, causal and not, bench_ops' layout; 128 / 256 / 512 keys x 32 / 64 / 128 / 256 rows): 256 x
-// 128 was fastest or within noise of it; 512 keys was about 20% slower in bf16, 128 keys 10-15%, 64 rows 5-10%
-// (each product has a fixed cost of a few microseconds). A tile's fp32 scores and bf16 probabilities (192 KiB) stay
-// in L2 between the two products and the softmax.
+// Keys per score tile and per packed block, and query rows per tile. Swept on a 2-core Intel Xeon with AMX (bench_ops'
+// layout, one 4K sequence): first (fp32 and bf16, causal and not; 128 / 256 / 512 keys x 32 / 64 / 128 / 256 rows)
+// 256 x 128 was fastest or within noise of it; then, after the bf16 softmax became one pass (bf16 causal, each
+// variant timed in turn three times), 256 x 256 was 5-7% faster than 256 x 128 (each key block's K^T and V tiles serve
+// twice the rows before they leave L2), 512 rows and 128 keys 5-10% slower, 512 keys 25% slower, and fp32 and the
+// 512-2048 varlen batch were unchanged. A tile's fp32 scores and bf16 probabilities (384 KiB) stay in L2 between the
+// two products and the softmax.
 constexpr int64_t kKeyBlock = 256;
-constexpr int64_t kRowTile = 128;
+constexpr int64_t kRowTile = 256;
 // Rows per task of the widest head in the plan this op builds when given none (the planner's default, 64, is sized
-// for a GPU CTA's registers): tiles of the widest heads then fill kRowTile too, and the 4K causal bf16 prefill of
-// bench_ops ran about 3% faster than with 64 (2-core Intel Xeon with AMX; 256 was no faster than 128).
-constexpr int32_t kCpuRowBlock = 128;
+// for a GPU CTA's registers): tiles of the widest heads then fill kRowTile too (with 64, the 4K causal bf16 prefill
+// of bench_ops ran about 3% slower at 128 rows per tile).
+constexpr int32_t kCpuRowBlock = 256;
 // Products are issued with rows rounded up to 16 (an AMX tile's rows) and keys to 64 (the ukernel's B block), so a
 // model sees few distinct shapes, each generated once per thread.
 constexpr int64_t kRowQuantum = 16;
