@@ -135,8 +135,8 @@ PackedKV<T> pack_kv(const at::Tensor& k, const at::Tensor& v, const std::vector<
       v_total += keys * PackedKV<T>::padded_v_width(layout.v_offsets[j + 1] - layout.v_offsets[j]);
     }
   }
-  packed.k_storage = at::zeros({k_total}, k.options());
-  packed.v_storage = at::zeros({v_total}, v.options());
+  packed.k_storage = at::empty({k_total}, k.options());  // every element is written below, padding with zeros
+  packed.v_storage = at::empty({v_total}, v.options());
   const T* k_data = k.data_ptr<T>();
   const T* v_data = v.data_ptr<T>();
   T* k_out = packed.k_storage.template data_ptr<T>();
@@ -149,16 +149,26 @@ PackedKV<T> pack_kv(const at::Tensor& k, const at::Tensor& v, const std::vector<
       const int64_t dvp = PackedKV<T>::padded_v_width(dv);
       const int64_t s_k = cu_k[b + 1] - cu_k[b];
       for (int64_t c0 = 0, block = 0; c0 < s_k; c0 += kKeyBlock, ++block) {
-        const int64_t n = std::min(kKeyBlock, s_k - c0);
+        const int64_t n = std::min(kKeyBlock, s_k - c0);  // keys [n, kKeyBlock) of the block are zero
         const T* k_rows = k_data + (cu_k[b] + c0) * k.stride(0) + layout.qk_offsets[j];
-        transpose_words(reinterpret_cast<const char*>(k_rows), k.stride(0) * sizeof(T), n, dq / kPair,
-                        reinterpret_cast<uint32_t*>(k_out + packed.k_base[task] + block * kKeyBlock * dq), kKeyBlock);
+        uint32_t* k_dst = reinterpret_cast<uint32_t*>(k_out + packed.k_base[task] + block * kKeyBlock * dq);
+        transpose_words(reinterpret_cast<const char*>(k_rows), k.stride(0) * sizeof(T), n, dq / kPair, k_dst,
+                        kKeyBlock);
+        for (int64_t c = 0; c < dq / kPair && n < kKeyBlock; ++c) {
+          std::fill(k_dst + c * kKeyBlock + n, k_dst + (c + 1) * kKeyBlock, 0u);
+        }
         const T* v_rows = v_data + (cu_k[b] + c0) * v.stride(0) + layout.v_offsets[j];
         T* v_dst = v_out + packed.v_base[task] + block * kKeyBlock * dvp;
-        for (int64_t key = 0; key < n; ++key) {  // (key / P, x, key % P) <- v[key, x]
-          T* dst = v_dst + (key / kPair) * dvp * kPair + key % kPair;
+        for (int64_t key = 0; key < kKeyBlock; key += kPair) {  // (key / P, x, key % P) <- v[key, x]
+          T* dst = v_dst + key * dvp;
           const T* src = v_rows + key * v.stride(0);
-          for (int64_t x = 0; x < dv; ++x) dst[x * kPair] = src[x];
+          if (key >= n) {
+            std::fill(dst, dst + kPair * dvp, T(0));
+          } else if constexpr (kPair == 2) {
+            avx512::interleave_pairs(src, key + 1 < n ? src + v.stride(0) : nullptr, dv, dvp, dst);
+          } else {
+            std::copy(src, src + dv, dst);
+          }
         }
       }
     }
@@ -166,8 +176,8 @@ PackedKV<T> pack_kv(const at::Tensor& k, const at::Tensor& v, const std::vector<
   return packed;
 }
 
-// One worker's scratch: the tile's queries (rows padded with zeros), fp32 scores, probabilities (a separate bf16
-// buffer, or the scores themselves for float), fp32 accumulator, and the rows' softmax state.
+// One worker's scratch: the tile's queries (when its rows are padded with zeros), fp32 scores, probabilities (a
+// separate bf16 buffer, or the scores themselves for float), fp32 accumulator, and the rows' softmax state.
 template <typename T>
 struct TileScratch {
   std::vector<T> q = std::vector<T>(kRowTile * kMaxHeadDim);
@@ -198,12 +208,22 @@ void run_row_tile(const TileTask& t, const T* q, int64_t q_ld, const PackedKV<T>
   const int64_t dvp = PackedKV<T>::padded_v_width(dv);  // the accumulator's width
   const int64_t shift = t.s_k - t.s_q;  // key i + shift is the last one row i sees (causal, bottom-right aligned)
   const int64_t keys_end = causal ? std::clamp<int64_t>(t.a + t.m + shift, 0, t.s_k) : t.s_k;
-  if (keys_end == 0) return;  // no row of the tile sees a key: the zero-initialised output stands
+  O* out_rows = out + (t.q_start + t.a) * out_ld + view.o_column(static_cast<int32_t>(t.h));
+  if (keys_end == 0) {  // no row of the tile sees a key
+    for (int64_t r = 0; r < t.m; ++r) std::fill(out_rows + r * out_ld, out_rows + r * out_ld + dv, O(0));
+    return;
+  }
 
   const int64_t rows = round_up(t.m, kRowQuantum);
-  const T* q_rows = q + (t.q_start + t.a) * q_ld + view.q_column(static_cast<int32_t>(t.h));
-  for (int64_t r = 0; r < t.m; ++r) std::memcpy(ws.q.data() + r * dq, q_rows + r * q_ld, dq * sizeof(T));
-  std::fill(ws.q.begin() + t.m * dq, ws.q.begin() + rows * dq, T(0));
+  // The queries are read in place (leading dimension q_ld) unless rows must be padded with zeros to `rows`.
+  const T* q_tile = q + (t.q_start + t.a) * q_ld + view.q_column(static_cast<int32_t>(t.h));
+  int64_t q_tile_ld = q_ld;
+  if (rows != t.m) {
+    for (int64_t r = 0; r < t.m; ++r) std::memcpy(ws.q.data() + r * dq, q_tile + r * q_ld, dq * sizeof(T));
+    std::fill(ws.q.begin() + t.m * dq, ws.q.begin() + rows * dq, T(0));
+    q_tile = ws.q.data();
+    q_tile_ld = dq;
+  }
   std::fill(ws.acc.begin(), ws.acc.begin() + rows * dvp, 0.f);
   std::fill(ws.softmax.begin(), ws.softmax.begin() + t.m, OnlineSoftmax{});
   if constexpr (!kFloat) std::fill(ws.probs.begin() + t.m * kKeyBlock, ws.probs.begin() + rows * kKeyBlock, T(0));
@@ -212,8 +232,8 @@ void run_row_tile(const TileTask& t, const T* q, int64_t q_ld, const PackedKV<T>
   for (int64_t c0 = 0, block = 0; c0 < keys_end; c0 += kKeyBlock, ++block) {
     const int64_t n = std::min(kKeyBlock, keys_end - c0);
     const int64_t cols = round_up(n, kKeyQuantum);
-    cpublas::brgemm(rows, cols, dq, dq, kKeyBlock, kKeyBlock, false, ws.q.data(), kv.k_block(t.b, j, num_kv, block, dq),
-                    ws.scores.data(), !kFloat);
+    cpublas::brgemm(rows, cols, dq, q_tile_ld, kKeyBlock, kKeyBlock, false, q_tile,
+                    kv.k_block(t.b, j, num_kv, block, dq), ws.scores.data(), !kFloat);
     for (int64_t r = 0; r < t.m; ++r) {
       float* s = ws.scores.data() + r * kKeyBlock;
       T* p = probs + r * kKeyBlock;
@@ -248,10 +268,13 @@ void run_row_tile(const TileTask& t, const T* q, int64_t q_ld, const PackedKV<T>
     cpublas::brgemm(rows, dvp, cols, kKeyBlock, dvp, dvp, true, probs, kv.v_block(t.b, j, num_kv, block, dvp),
                     ws.acc.data(), !kFloat);
   }
-  O* out_rows = out + (t.q_start + t.a) * out_ld + view.o_column(static_cast<int32_t>(t.h));
-  for (int64_t r = 0; r < t.m; ++r) {
+  for (int64_t r = 0; r < t.m; ++r) {  // a row that saw no key has sum 0 and writes zeros
     const float inv = ws.softmax[r].inverse_sum();
-    for (int64_t c = 0; c < dv; ++c) out_rows[r * out_ld + c] = static_cast<O>(ws.acc[r * dvp + c] * inv);
+    if constexpr (kFloat) {
+      for (int64_t c = 0; c < dv; ++c) out_rows[r * out_ld + c] = static_cast<O>(ws.acc[r * dvp + c] * inv);
+    } else {
+      avx512::scale_to_bf16(ws.acc.data() + r * dvp, dv, inv, out_rows + r * out_ld);
+    }
   }
 }
 
@@ -308,7 +331,10 @@ at::Tensor prefill_attention_cpu(const at::Tensor& q, const at::Tensor& k, const
   const PrefillPlanView view{schedule.data_ptr<int32_t>()};
   checks::check_prefill_plan_records(op, view, cu_q);
 
-  at::Tensor out = at::zeros({q.size(0), group * layout.v_width()}, q.options());
+  // Every row of every sequence is written by the record that holds it (checked above); rows outside are zeroed here.
+  at::Tensor out = at::empty({q.size(0), group * layout.v_width()}, q.options());
+  out.narrow(0, 0, cu_q[0]).zero_();
+  out.narrow(0, cu_q[batch], q.size(0) - cu_q[batch]).zero_();
   const CpuIsa isa = cpu_isa(op);
   const bool avx512 = isa >= CpuIsa::kAvx512;
   const float fscale = static_cast<float>(scale);

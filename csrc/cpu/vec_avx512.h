@@ -262,6 +262,34 @@ FDC_AVX512_BF16 inline float exp_sum_to_bf16(const float* x, int64_t n, float sc
   return _mm512_reduce_add_ps(sum);
 }
 
+// out[i] = bfloat16(x[i] * factor) for i < n (round to nearest even).
+FDC_AVX512_BF16 inline void scale_to_bf16(const float* x, int64_t n, float factor, c10::BFloat16* out) {
+  const __m512 f = _mm512_set1_ps(factor);
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __mmask16 mask = lanes_mask(n - i);
+    const __m512 y = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, x + i), f);
+    _mm256_mask_storeu_epi16(out + i, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(y)));
+  }
+}
+
+// Interleaves two rows of bf16 values into VNNI pairs: out[2 x] = a[x], out[2 x + 1] = b[x] for x < width, where
+// a[x] and b[x] count as 0 for x >= n (b may be null: all 0); width is a multiple of 32.
+FDC_AVX512 inline void interleave_pairs(const c10::BFloat16* a, const c10::BFloat16* b, int64_t n, int64_t width,
+                                        c10::BFloat16* out) {
+  alignas(64) static constexpr uint16_t kLow[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static constexpr uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                     24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
+  for (int64_t x = 0; x < width; x += 32) {
+    const __mmask32 mask = n - x >= 32 ? ~__mmask32(0) : n > x ? (__mmask32(1) << (n - x)) - 1 : 0;
+    const __m512i va = _mm512_maskz_loadu_epi16(mask, a + x);
+    const __m512i vb = b ? _mm512_maskz_loadu_epi16(mask, b + x) : _mm512_setzero_si512();
+    _mm512_storeu_si512(out + 2 * x, _mm512_permutex2var_epi16(va, low, vb));
+    _mm512_storeu_si512(out + 2 * x + 32, _mm512_permutex2var_epi16(va, high, vb));
+  }
+}
+
 // Largest of x[0, n); -inf when n == 0.
 FDC_AVX512 inline float max_of(const float* x, int64_t n) {
   __m512 m = _mm512_set1_ps(-INFINITY);
