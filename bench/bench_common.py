@@ -81,6 +81,19 @@ class Timer:
             else:
                 probe = self._one(fn)
                 repeats = int(min(self.repeats, max(3, self.budget / max(probe, 1e-6))))
+        return self._timed(fn, repeats, flush)
+
+    def interleaved(self, fns: list, flush: bool = True) -> list[list[float]]:
+        """Seconds of each timed call of each of fns, `repeats` rounds that call them in turn after all are warm: a
+        slow spell of a shared machine (the 2-core CPU machines' timings drift by 10-20% from one second to the next)
+        then falls on every callable alike, so ratios between them hold better than from back-to-back runs."""
+        for fn in fns:
+            for _ in range(self.warmup):
+                fn()
+        rounds = [[self._timed(fn, 1, flush)[0] for fn in fns] for _ in range(self.repeats)]
+        return [list(times) for times in zip(*rounds)]
+
+    def _timed(self, fn, repeats: int, flush: bool) -> list[float]:
         if self.device.type != "cuda":
             return [self._one(fn) for _ in range(repeats)]
         torch.cuda.synchronize(self.device)

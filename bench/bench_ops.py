@@ -21,8 +21,10 @@ time <= 1.25 (useful FLOPs ratio) full-width SDPA time; and every fdc row faster
 row says PASS or MISS for each.
 
 Timing: bench_common.Timer: warm-up, then the median of repeated calls (perf_counter on the CPU; CUDA events with L2
-flushed between calls on a GPU). Prints a table and writes JSON to bench/results/ (or --out) with the device, torch
-version, threads and git commit. --quick runs a small smoke configuration (seconds).
+flushed between calls on a GPU); a prefill shape's four methods are called in turn, round by round
+(Timer.interleaved), so that a slow spell of the machine weighs on all of them alike. Prints a table and writes JSON
+to bench/results/ (or --out) with the device, torch version, threads and git commit. --quick runs a small smoke
+configuration (seconds).
 """
 
 from __future__ import annotations
@@ -162,26 +164,24 @@ def bench_prefill(lengths: list[int], causal: bool, qk_dims: list[int], v_dims: 
         return lambda: [F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
                         for q, k, v in zip(qs, ks, vs)]
 
-    full = median(timer(sdpa_per_sequence(HEAD_DIM)))
-    rows.append(Row("prefill", config, str(dtype), "SDPA full width", full * 1e3, useful_full / full / 1e12,
-                    "TFLOP/s", 1.0))
     pad = max(max(qk_dims), max(v_dims))
-    padded = median(timer(sdpa_per_sequence(pad)))
-    rows.append(Row("prefill", config, str(dtype), f"SDPA padded to {pad}", padded * 1e3, useful / padded / 1e12,
-                    "TFLOP/s", padded / full))
     buckets = width_buckets(qk_dims, v_dims)
     bucket_calls = [sdpa_per_sequence(w, n) for n, w in buckets]
-    bucketed = median(timer(lambda: [call() for call in bucket_calls]))
-    rows.append(Row("prefill", config, str(dtype), f"SDPA per bucket ({len(buckets)} calls)", bucketed * 1e3,
-                    useful / bucketed / 1e12, "TFLOP/s", bucketed / full))
-
     total = sum(lengths)
     cu = prefix(lengths).to(device)
     q = torch.randn(total, GROUP * sum(qk_dims), dtype=dtype, device=device)
     k = torch.randn(total, sum(qk_dims), dtype=dtype, device=device)
     v = torch.randn(total, sum(v_dims), dtype=dtype, device=device)
-    seconds = median(timer(lambda: ops.prefill_attention(q, k, v, cu, cu, qk_offsets, v_offsets, GROUP, SCALE,
-                                                         causal)))
+    # Timed in turn, call by call (Timer.interleaved): the verdicts compare these times with each other.
+    full, padded, bucketed, seconds = map(median, timer.interleaved([
+        sdpa_per_sequence(HEAD_DIM), sdpa_per_sequence(pad), lambda: [call() for call in bucket_calls],
+        lambda: ops.prefill_attention(q, k, v, cu, cu, qk_offsets, v_offsets, GROUP, SCALE, causal)]))
+    rows.append(Row("prefill", config, str(dtype), "SDPA full width", full * 1e3, useful_full / full / 1e12,
+                    "TFLOP/s", 1.0))
+    rows.append(Row("prefill", config, str(dtype), f"SDPA padded to {pad}", padded * 1e3, useful / padded / 1e12,
+                    "TFLOP/s", padded / full))
+    rows.append(Row("prefill", config, str(dtype), f"SDPA per bucket ({len(buckets)} calls)", bucketed * 1e3,
+                    useful / bucketed / 1e12, "TFLOP/s", bucketed / full))
     ratio = useful / useful_full
     limit = goal.full_ratio_slack * ratio
     rows.append(Row("prefill", config, str(dtype), "fdc prefill", seconds * 1e3, useful / seconds / 1e12, "TFLOP/s",
