@@ -1,12 +1,13 @@
-// fdc::decode_attention on the CPU. Three ways to the same result, chosen by cache layout and cpu_isa():
-// - contiguous cache, AVX-512 (decode_rows: run_piece_avx512): requests are cut into pieces of rows, and a piece reads
-//   its K/V rows whole and in order, block by block, scoring every KV head's G query heads on a block while it is in
-//   L2; the plan, when passed, is checked but the pieces are the CPU's own (see RowPiece for why);
-// - paged cache, AVX-512 (run_task_avx512) and the portable kernels (run_task): one at::parallel_for worker per plan
-//   worker, each task reading its chunk's K/V rows of one KV head once for all G query heads, block by block, each
-//   product in the cache's own memory order (dot products along token-major rows, weighted row sums along the token
-//   runs of dim-major pages). The portable path widens half-precision blocks to float first.
-// Requests split into several chunks or pieces leave (output, log-sum-exp) partials that a second pass merges.
+// fdc::decode_attention on the CPU. Two ways to the same result, chosen by cpu_isa():
+// - AVX-512 (run_piece_avx512): requests are cut into pieces of keys, and a piece reads its keys' K/V block by block,
+//   whole (every KV head's columns: a contiguous cache's rows, a paged cache's page), scoring every KV head's G query
+//   heads on a block while it is in cache; the plan, when passed, is checked but the pieces are the CPU's own (see
+//   RowPiece for why);
+// - the portable kernels (run_task): one at::parallel_for worker per plan worker, each task reading its chunk's K/V
+//   rows of one KV head once for all G query heads, block by block, half-precision blocks widened to float first.
+// Both compute each product in the cache's own memory order (dot products along token-major rows, weighted row sums
+// along the token runs of dim-major pages). Requests split into several chunks or pieces leave (output, log-sum-exp)
+// partials that a second pass merges.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -31,12 +32,11 @@ namespace {
 // dot_rows group, were judged to leave the loads too little time; with prefetch instructions 16 rows measured
 // fastest (block_rows).
 constexpr int64_t kKeyBlock = 64;
-// Keys per block of the task kernels (run_task, run_task_avx512: paged caches, and contiguous ones on the portable
-// path): a whole page at vLLM's CPU page size, so a KV head's block of a dim-major page is one contiguous run of
-// d * 128 elements instead of two halves read one after the other, column by column. Measured on the 2-core Intel
-// Xeon (float32, SmolLM2's widths at compression 0.1, 8 requests, pages of 128, caches far larger than the LLC):
-// decode_attention took 206 us per layer at 256 keys (222 with 64-key blocks) and 1380 us at 2048 (1535). Scores,
-// one 128 x 256 key and one value block in float stay at 272 KiB at most, within L2.
+// Keys per block of the portable task kernel (run_task): a whole page at vLLM's CPU page size, so a KV head's block of
+// a dim-major page is one contiguous run of d * 128 elements instead of two halves read one after the other, column by
+// column. Measured on the 2-core Intel Xeon (float32, SmolLM2's widths at compression 0.1, 8 requests, pages of 128,
+// caches far larger than the LLC): decode_attention took 206 us per layer at 256 keys (222 with 64-key blocks) and 1380
+// us at 2048 (1535). Scores, one 128 x 256 key and one value block in float stay at 272 KiB at most, within L2.
 constexpr int64_t kTaskKeyBlock = 128;
 
 // Degree of the exp polynomial (vec_avx512.h exp16) of the AVX-512 kernels: half-precision outputs are rounded to 8
@@ -84,13 +84,12 @@ struct CacheView {
       for (int64_t byte = 0; byte < run_bytes; byte += kLine) __builtin_prefetch(first + r * run_stride + byte);
   }
 
-  // Element (key t, column col) of request b: keys follow each other row_stride() elements apart within a block
-  // (a page, when paged), columns col_stride() apart.
+  // Element (key t, column col) of request b: within a block (a page, when paged) keys follow each other stride1
+  // elements apart (1 when paged), columns col_stride() apart.
   const T* at(int64_t b, int64_t t, int64_t col) const {
     return paged() ? data + block_table[b * max_pages + t / page_size] * stride0 + col * page_size + t % page_size
                    : data + b * stride0 + t * stride1 + col;
   }
-  int64_t row_stride() const { return paged() ? 1 : stride1; }
   int64_t col_stride() const { return paged() ? page_size : 1; }
 
   // Keys [t0, t1) of request b, columns [col, col + dim), as float: token-major (t1 - t0 rows of dim) when
@@ -120,17 +119,15 @@ struct CacheView {
 // blocks) cost more than a short decode task's own work.
 inline std::unique_ptr<float[]> uninitialized_floats(int64_t n) { return std::unique_ptr<float[]>(new float[n]); }
 
-// Per-thread scratch of one task. k and v, the widened key and value blocks, only the portable kernels use
-// (`widen`): the AVX-512 ones read the cache in place.
+// Per-thread scratch of run_task: the queries, the key and value blocks widened to float (`widen`: half-precision
+// caches; float ones are read in place), the scores and the accumulator.
 struct TaskScratch {
   std::unique_ptr<float[]> q, k, v, scores, acc;
-  std::vector<OnlineSoftmax> softmax;
   TaskScratch(int64_t group, bool widen)
       : q(uninitialized_floats(group * kMaxHeadDim)),
         k(widen ? uninitialized_floats(kMaxHeadDim * kTaskKeyBlock) : nullptr),
         v(widen ? uninitialized_floats(kTaskKeyBlock * kMaxHeadDim) : nullptr),
-        scores(uninitialized_floats(group * kTaskKeyBlock)), acc(uninitialized_floats(group * kMaxHeadDim)),
-        softmax(group) {}
+        scores(uninitialized_floats(group * kTaskKeyBlock)), acc(uninitialized_floats(group * kMaxHeadDim)) {}
 };
 
 struct Problem {
@@ -220,70 +217,13 @@ void run_task(const int32_t* record, const Problem& pb, const T* q, int64_t q_ld
   finish_task(record, pb, ws.acc.get(), softmax.data(), out, out_ld);
 }
 
-// run_task with the AVX-512 row kernels (vec_avx512.h), which read the cache in place in every dtype. With
-// `bf16_dot` (bf16 caches on CPUs with AVX-512-BF16), scores of token-major keys come from vdpbf16ps on the bf16
-// query rows as they lie in q.
-template <typename T>
-FDC_AVX512 void run_task_avx512(const int32_t* record, const Problem& pb, const T* q, int64_t q_ld,
-                                const CacheView<T>& kc, const CacheView<T>& vc, T* out, int64_t out_ld, TaskScratch& ws,
-                                bool bf16_dot) {
-  const checks::HostLayout& layout = *pb.layout;
-  const int64_t hkv = layout.num_kv_heads(), group = layout.group;
-  const int64_t b = record[0] / hkv, j = record[0] % hkv;
-  const int64_t kv_start = record[2], kv_end = record[3];
-  const int64_t k_col = layout.qk_offsets[j], v_col = layout.v_offsets[j];
-  const int64_t dq = layout.qk_offsets[j + 1] - k_col, dv = layout.v_offsets[j + 1] - v_col;
-  // The G query heads of KV head j are consecutive dq-wide column blocks of q's row b.
-  const T* qj = q + b * q_ld + layout.view().q_column(static_cast<int32_t>(j * group));
-  for (int64_t c = 0; c < group * dq; ++c) ws.q[c] = to_float(qj[c]);
-  std::fill(ws.acc.get(), ws.acc.get() + group * dv, 0.f);
-  OnlineSoftmax* softmax = ws.softmax.data();
-  std::fill(softmax, softmax + group, OnlineSoftmax{});
-  float* scores = ws.scores.get();
-
-  for (int64_t t0 = kv_start; t0 < kv_end;) {
-    const int64_t t1 = kc.block_end(t0, kv_end), n = t1 - t0;
-    if (t1 < kv_end) {
-      const int64_t t2 = kc.block_end(t1, kv_end);
-      kc.prefetch(b, t1, t2, k_col, dq);
-      vc.prefetch(b, t1, t2, v_col, dv);
-    }
-    const T* keys = kc.at(b, t0, k_col);
-    if (kc.paged()) {  // keys are dq columns of n consecutive tokens: scores = sum_c q[c] K[c]
-      for (int64_t i = 0; i < group; ++i) std::fill(scores + i * kTaskKeyBlock, scores + i * kTaskKeyBlock + n, 0.f);
-      avx512::axpy_rows(ws.q.get(), dq, group, keys, kc.col_stride(), dq, n, scores, kTaskKeyBlock);
-    } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      if (bf16_dot) {
-        avx512::dot_rows_bf16(reinterpret_cast<const uint16_t*>(qj), dq, group, keys, kc.row_stride(), n, dq, scores,
-                              kTaskKeyBlock);
-      } else {
-        avx512::dot_rows(ws.q.get(), dq, group, keys, kc.row_stride(), n, dq, scores, kTaskKeyBlock, false);
-      }
-    } else {
-      avx512::dot_rows(ws.q.get(), dq, group, keys, kc.row_stride(), n, dq, scores, kTaskKeyBlock, false);
-    }
-    for (int64_t i = 0; i < group; ++i) {
-      float* si = scores + i * kTaskKeyBlock;
-      const float factor = softmax[i].rescale_for(avx512::max_of(si, n) * pb.scale);
-      if (factor != 1.f) avx512::scale_in_place(ws.acc.get() + i * dv, dv, factor);
-      softmax[i].sum += avx512::exp_and_sum<kExpDegree<T>>(si, n, pb.scale, softmax[i].max);
-    }
-    const T* values = vc.at(b, t0, v_col);
-    if (vc.paged()) {  // values are dv columns of n consecutive tokens: acc[i][c] += p_i . V[c]
-      avx512::dot_rows(scores, kTaskKeyBlock, group, values, vc.col_stride(), dv, n, ws.acc.get(), dv, true);
-    } else {  // values are n rows of dv: acc_i += sum_t p_i[t] V[t]
-      avx512::axpy_rows(scores, kTaskKeyBlock, group, values, vc.row_stride(), n, dv, ws.acc.get(), dv);
-    }
-    t0 = t1;
-  }
-  finish_task(record, pb, ws.acc.get(), softmax, out, out_ld);
-}
-
-// Rows of a contiguous cache, for decode_rows_avx512: a piece is keys [t0, t1) of request b for every KV head.
-// A KV head's columns are a slice of each token's row (W_qk elements for K), so a task of one KV head reads a
-// strided fraction of every row; measured on a 2-core AMD EPYC (AVX-512), that ran at 3 GB/s per core where reading
-// whole rows in order ran at 8-9. A piece reads its rows whole and in order, one block after the other, and scores
-// every KV head on the block while it is in L2.
+// Keys of a request for run_piece_avx512: a piece is keys [t0, t1) of request b for every KV head. A KV head's
+// columns are a slice of each token's row (W_qk elements for K) or of each page, so a task of one KV head reads a
+// strided fraction of every row or page: measured on a 2-core AMD EPYC (AVX-512), a contiguous cache read that way
+// ran at 3 GB/s per core where whole rows in order ran at 8-9; on the 2-core Intel Xeon, B=8 x 16K bf16 from
+// 16-token pages shuffled over the pool took 42 ms by KV-head tasks and 18 ms by pieces (128-token pages 20 and 16.5
+// ms; a page's address translation and its column runs serve all heads at once). A piece reads its keys' blocks whole
+// and in order, one after the other, and scores every KV head on the block while it is in cache.
 struct RowPiece {
   int64_t b, t0, t1, index;  // index: which of its request's pieces this is
 };
@@ -295,14 +235,15 @@ constexpr int64_t kPiecesPerThread = 4;
 // 256 rows of K/V.
 constexpr int64_t kMinPieceRows = 256;
 
-// Cuts every request into pieces of equal length (its last piece shorter). split_offsets[b * H_kv + j] (B * H_kv + 1)
-// numbers the partial slots of (request, KV head) pairs as a decode plan's do, so finish_task and merge_splits
-// serve both.
-std::vector<RowPiece> cut_rows(const std::vector<int32_t>& seqlens, int64_t hkv, int64_t threads,
+// Cuts every request into pieces of equal length (its last piece shorter), a multiple of `quantum` keys (a paged
+// cache's page size: no page is read by two pieces). split_offsets[b * H_kv + j] (B * H_kv + 1) numbers the partial
+// slots of (request, KV head) pairs as a decode plan's do, so finish_task and merge_splits serve both.
+std::vector<RowPiece> cut_rows(const std::vector<int32_t>& seqlens, int64_t hkv, int64_t threads, int64_t quantum,
                                std::vector<int32_t>& split_offsets) {
   int64_t total = 0;
   for (int32_t len : seqlens) total += len;
-  const int64_t piece = std::max(kMinPieceRows, ceil_div(total, kPiecesPerThread * threads));
+  const int64_t piece =
+      ceil_div(std::max(kMinPieceRows, ceil_div(total, kPiecesPerThread * threads)), quantum) * quantum;
   std::vector<RowPiece> pieces;
   split_offsets.assign(seqlens.size() * hkv + 1, 0);
   for (int64_t b = 0; b < int64_t(seqlens.size()); ++b) {
@@ -314,7 +255,7 @@ std::vector<RowPiece> cut_rows(const std::vector<int32_t>& seqlens, int64_t hkv,
   return pieces;
 }
 
-// Per-thread state of decode_rows_avx512: queries as float (G * W_qk, q's own order), the unnormalised outputs
+// Per-thread state of run_piece_avx512: queries as float (G * W_qk, q's own order), the unnormalised outputs
 // (G * W_v, the output's order), one online softmax per query head, and the scores of one block for one KV head.
 struct RowScratch {
   std::vector<float> q, acc, scores;
@@ -361,50 +302,79 @@ inline void read_ahead(const void* first, int64_t bytes, ReadAhead way) {
   asm volatile("" : : "r"(sink));
 }
 
-// One piece of a contiguous cache on AVX-512: blocks of block_rows(way) rows, each scored and accumulated for every KV
-// head in turn. Before KV head j works on a block, the j-th share of the next block's K and V rows is read ahead
-// (read_ahead), so the reads ahead are spread over the block's work (a block is contiguous: n * W elements).
+// Asks for the j-th of `shares` parts of keys [t, t + n) of request b (every column of the cache's `width`) ahead of
+// use (read_ahead): a byte range of a contiguous cache's rows, or a range of a dim-major page's columns, each column's
+// run of n tokens (one range when the block is the whole page).
+template <typename T>
+FDC_AVX512 inline void read_ahead_share(const CacheView<T>& cache, int64_t width, int64_t b, int64_t t, int64_t n,
+                                        int64_t j, int64_t shares, ReadAhead way) {
+  if (n <= 0) return;
+  const char* first = reinterpret_cast<const char*>(cache.at(b, t, 0));
+  if (!cache.paged()) {
+    const int64_t bytes = n * cache.stride1 * int64_t(sizeof(T));
+    read_ahead(first + bytes * j / shares, bytes * (j + 1) / shares - bytes * j / shares, way);
+    return;
+  }
+  const int64_t c0 = width * j / shares, c1 = width * (j + 1) / shares;
+  const int64_t run = cache.page_size * int64_t(sizeof(T));  // bytes between columns
+  if (n == cache.page_size) {
+    read_ahead(first + c0 * run, (c1 - c0) * run, way);
+    return;
+  }
+  for (int64_t c = c0; c < c1; ++c) read_ahead(first + c * run, n * int64_t(sizeof(T)), way);
+}
+
+// One piece on AVX-512: blocks of block_rows(way) keys (cut at page ends in a paged cache), each scored and
+// accumulated for every KV head in turn, so a block (whole rows of a contiguous cache, a run of a page's columns) is
+// read once for all heads. Before KV head j works on a block, the j-th share of the next block's K and V columns is
+// read ahead (read_ahead_share), so the reads ahead are spread over the block's work. Products follow the cache's
+// memory order: dot products along token-major rows, weighted row sums along a dim-major page's token runs.
 template <typename T>
 FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const T* q, int64_t q_ld,
                                  const CacheView<T>& kc, const CacheView<T>& vc, T* out, int64_t out_ld, RowScratch& ws,
                                  bool bf16_dot, ReadAhead way) {
   const checks::HostLayout& layout = *pb.layout;
   const int64_t hkv = layout.num_kv_heads(), group = layout.group, b = piece.b;
-  const int64_t qk_width = layout.qk_offsets[hkv];
+  const int64_t qk_width = layout.qk_offsets[hkv], v_width = layout.v_offsets[hkv];
   const T* qb = q + b * q_ld;
   for (int64_t c = 0; c < group * qk_width; ++c) ws.q[c] = to_float(qb[c]);
   std::fill(ws.acc.begin(), ws.acc.end(), 0.f);
   std::fill(ws.softmax.begin(), ws.softmax.end(), OnlineSoftmax{});
   float* scores = ws.scores.data();
 
-  const int64_t rows = block_rows(way);  // at most kKeyBlock, the scores' leading dimension
-  for (int64_t t0 = piece.t0; t0 < piece.t1; t0 += rows) {
-    const int64_t n = std::min(rows, piece.t1 - t0);
-    const int64_t next = std::min(rows, piece.t1 - t0 - n);  // rows of the next block
-    const int64_t k_bytes = next * kc.stride1 * int64_t(sizeof(T)), v_bytes = next * vc.stride1 * int64_t(sizeof(T));
+  // At most kKeyBlock, the scores' leading dimension. In a paged cache a block is a page's run of keys, and runs of
+  // block_rows(way) keys would read a page's columns in pieces of less than a cache line.
+  const int64_t rows = kc.paged() ? std::min(kKeyBlock, kc.page_size) : block_rows(way);
+  const auto block_end = [&](int64_t t) {
+    const int64_t end = std::min(piece.t1, t + rows);
+    return kc.paged() ? std::min(end, (t / kc.page_size + 1) * kc.page_size) : end;
+  };
+  for (int64_t t0 = piece.t0; t0 < piece.t1;) {
+    const int64_t t1 = block_end(t0), n = t1 - t0;
+    const int64_t next = t1 < piece.t1 ? block_end(t1) - t1 : 0;  // keys of the next block
     const T* k_block = kc.at(b, t0, 0);
     const T* v_block = vc.at(b, t0, 0);
     for (int64_t j = 0; j < hkv; ++j) {
-      if (next > 0) {
-        const int64_t k0 = k_bytes * j / hkv, v0 = v_bytes * j / hkv;
-        read_ahead(reinterpret_cast<const char*>(k_block + n * kc.stride1) + k0, k_bytes * (j + 1) / hkv - k0, way);
-        read_ahead(reinterpret_cast<const char*>(v_block + n * vc.stride1) + v0, v_bytes * (j + 1) / hkv - v0, way);
-      }
+      read_ahead_share(kc, qk_width, b, t1, next, j, hkv, way);
+      read_ahead_share(vc, v_width, b, t1, next, j, hkv, way);
       const int64_t k_col = layout.qk_offsets[j], v_col = layout.v_offsets[j];
       const int64_t dq = layout.qk_offsets[j + 1] - k_col, dv = layout.v_offsets[j + 1] - v_col;
       float* acc = ws.acc.data() + group * v_col;
       OnlineSoftmax* softmax = ws.softmax.data() + j * group;
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      const float* qj = ws.q.data() + group * k_col;  // the G query heads of KV head j, dq apart
+      const T* keys = k_block + k_col * kc.col_stride();
+      if (kc.paged()) {  // keys are dq columns of n consecutive tokens: scores = sum_c q[c] K[c]
+        for (int64_t i = 0; i < group; ++i) std::fill(scores + i * kKeyBlock, scores + i * kKeyBlock + n, 0.f);
+        avx512::axpy_rows(qj, dq, group, keys, kc.col_stride(), dq, n, scores, kKeyBlock);
+      } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
         if (bf16_dot) {
-          avx512::dot_rows_bf16(reinterpret_cast<const uint16_t*>(qb + group * k_col), dq, group, k_block + k_col,
-                                kc.stride1, n, dq, scores, kKeyBlock);
+          avx512::dot_rows_bf16(reinterpret_cast<const uint16_t*>(qb + group * k_col), dq, group, keys, kc.stride1, n,
+                                dq, scores, kKeyBlock);
         } else {
-          avx512::dot_rows(ws.q.data() + group * k_col, dq, group, k_block + k_col, kc.stride1, n, dq, scores,
-                           kKeyBlock, false);
+          avx512::dot_rows(qj, dq, group, keys, kc.stride1, n, dq, scores, kKeyBlock, false);
         }
       } else {
-        avx512::dot_rows(ws.q.data() + group * k_col, dq, group, k_block + k_col, kc.stride1, n, dq, scores, kKeyBlock,
-                         false);
+        avx512::dot_rows(qj, dq, group, keys, kc.stride1, n, dq, scores, kKeyBlock, false);
       }
       for (int64_t i = 0; i < group; ++i) {
         float* si = scores + i * kKeyBlock;
@@ -412,8 +382,14 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
         if (factor != 1.f) avx512::scale_in_place(acc + i * dv, dv, factor);
         softmax[i].sum += avx512::exp_and_sum<kExpDegree<T>>(si, n, pb.scale, softmax[i].max);
       }
-      avx512::axpy_rows(scores, kKeyBlock, group, v_block + v_col, vc.stride1, n, dv, acc, dv);
+      const T* values = v_block + v_col * vc.col_stride();
+      if (vc.paged()) {  // values are dv columns of n consecutive tokens: acc[i][c] += p_i . V[c]
+        avx512::dot_rows(scores, kKeyBlock, group, values, vc.col_stride(), dv, n, acc, dv, true);
+      } else {  // values are n rows of dv: acc_i += sum_t p_i[t] V[t]
+        avx512::axpy_rows(scores, kKeyBlock, group, values, vc.stride1, n, dv, acc, dv);
+      }
     }
+    t0 = t1;
   }
   for (int64_t j = 0; j < hkv; ++j) {
     const int32_t record[kDecodeRecordFields] = {static_cast<int32_t>(b * hkv + j), static_cast<int32_t>(piece.index),
@@ -504,16 +480,16 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
   }
 
   const CpuIsa isa = cpu_isa(op);
-  // Contiguous caches on AVX-512 are read row by row for all KV heads (decode_rows_avx512); a caller's plan is still
-  // checked against cache_seqlens, and decides the work of paged caches and of the portable kernels.
-  const bool by_rows = !block_table && isa != CpuIsa::kPortable;
+  // On AVX-512 every block of keys is read once for all KV heads (run_piece_avx512); a caller's plan is still checked
+  // against cache_seqlens, and decides the work of the portable kernels.
+  const bool by_pieces = isa != CpuIsa::kPortable;
   at::Tensor schedule;
   if (plan) {
     checks::check_plan_tensor(op, *plan, q, kDecodeHeader);
     schedule = *plan;
     checks::check_decode_plan_header(op, schedule.data_ptr<int32_t>(), schedule.size(0), batch, layout);
     check_plan_records(op, DecodePlanView{schedule.data_ptr<int32_t>()}, seqlens);
-  } else if (!by_rows) {
+  } else if (!by_pieces) {
     schedule = decode_plan_cpu(cache_seqlens, qk_offsets, v_offsets, group, std::nullopt);
   }
 
@@ -527,13 +503,14 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
   const int64_t max_v_dim = layout.max_v_dim(), hkv = layout.num_kv_heads();
   std::vector<int32_t> piece_splits;
   const std::vector<RowPiece> pieces =
-      by_rows ? cut_rows(seqlens, hkv, at::get_num_threads(), piece_splits) : std::vector<RowPiece>{};
-  const DecodePlanView view{by_rows ? nullptr : schedule.data_ptr<int32_t>()};
-  const int64_t slots = by_rows ? piece_splits.back() : view.num_tasks();
+      by_pieces ? cut_rows(seqlens, hkv, at::get_num_threads(), block_table ? paged.page_size : 1, piece_splits)
+                : std::vector<RowPiece>{};
+  const DecodePlanView view{by_pieces ? nullptr : schedule.data_ptr<int32_t>()};
+  const int64_t slots = by_pieces ? piece_splits.back() : view.num_tasks();
   // Only split (request, KV head) pairs write and read their slots here.
   const std::unique_ptr<float[]> partial_out = uninitialized_floats(slots * group * max_v_dim);
   const std::unique_ptr<float[]> partial_lse = uninitialized_floats(slots * group);
-  const int32_t* splits = by_rows ? piece_splits.data() : view.split_offsets();  // (B * H_kv + 1)
+  const int32_t* splits = by_pieces ? piece_splits.data() : view.split_offsets();  // (B * H_kv + 1)
   const Problem pb{&layout, static_cast<float>(scale), splits, partial_out.get(), partial_lse.get(), max_v_dim};
 
   FDC_DISPATCH_FLOAT_TYPES(q.scalar_type(), "fdc::decode_attention", [&] {
@@ -546,7 +523,7 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
     const CacheView<scalar_t> kview = view_of(k_cache), vview = view_of(v_cache);
     scalar_t* op_out = out.data_ptr<scalar_t>();
     const scalar_t* qp = qc.data_ptr<scalar_t>();
-    if (by_rows) {
+    if (by_pieces) {
       const ReadAhead way = read_ahead_for_this_cpu();
       at::parallel_for(0, int64_t(pieces.size()), 1, [&](int64_t p0, int64_t p1) {
         RowScratch ws(group, layout.qk_offsets[hkv], layout.v_offsets[hkv], hkv * group);
@@ -557,21 +534,11 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
       });
     } else {
       at::parallel_for(0, view.num_workers(), 1, [&](int64_t w0, int64_t w1) {
-        TaskScratch ws(group, isa == CpuIsa::kPortable && !std::is_same_v<scalar_t, float>);
+        TaskScratch ws(group, !std::is_same_v<scalar_t, float>);
         for (int64_t w = w0; w < w1; ++w) {
           for (int64_t r = view.worker_offsets()[w]; r < view.worker_offsets()[w + 1]; ++r) {
             const int32_t* record = view.records() + r * kDecodeRecordFields;
-            switch (isa) {
-              case CpuIsa::kPortable:
-                run_task(record, pb, qp, qc.stride(0), kview, vview, op_out, out.stride(0), ws);
-                break;
-              case CpuIsa::kAvx512:
-              case CpuIsa::kAvx512Bf16:
-                run_task_avx512(record, pb, qp, qc.stride(0), kview, vview, op_out, out.stride(0), ws,
-                                isa == CpuIsa::kAvx512Bf16);
-                break;
-              default: TORCH_CHECK(false, "fdc::decode_attention: no kernel for CPU ISA ", static_cast<int>(isa));
-            }
+            run_task(record, pb, qp, qc.stride(0), kview, vview, op_out, out.stride(0), ws);
           }
         }
       });
