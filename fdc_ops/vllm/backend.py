@@ -18,7 +18,8 @@ One step of a layer (:meth:`FDCAttentionImpl.forward`):
 2. the step's new K/V rows are written after each request's cached rows (``append_kv`` with vLLM's block table);
 3. the step is split in two: vLLM puts the requests with one new token (decodes) first in the batch (the builder
    asks for it with ``reorder_batch_threshold = 1``), and those run ``decode_attention`` on the paged cache with the
-   step's ``decode_plan`` (greedy LPT over (request, KV head, chunk) tasks); the rest (prompts, chunks of a chunked
+   step's ``decode_plan`` (greedy LPT over (request, KV head, chunk) tasks; the CPU's AVX-512 kernels check it and
+   read the pages by their own pieces, docs/design.md); the rest (prompts, chunks of a chunked
    prefill, prompts with a cached prefix) run one causal ``prefill_attention``, whose keys are each such request's
    whole context (gathered from the pages, or the step's own rows when none of them has a cached prefix). So a
    decoding request costs the same in a step that also takes a prompt as in a decode-only step: its context is read
