@@ -62,9 +62,9 @@ struct CacheView {
 
   bool paged() const { return block_table != nullptr; }
 
-  // End of the block starting at t0: kTaskKeyBlock keys, cut at the chunk end and, when paged, at the page end.
-  int64_t block_end(int64_t t0, int64_t chunk_end) const {
-    int64_t end = std::min(chunk_end, t0 + kTaskKeyBlock);
+  // End of the block starting at t0: at most `keys` keys, cut at the chunk end and, when paged, at the page end.
+  int64_t block_end(int64_t t0, int64_t chunk_end, int64_t keys) const {
+    int64_t end = std::min(chunk_end, t0 + keys);
     if (paged()) end = std::min(end, (t0 / page_size + 1) * page_size);
     return end;
   }
@@ -186,9 +186,9 @@ void run_task(const int32_t* record, const Problem& pb, const T* q, int64_t q_ld
   float* scores = ws.scores.get();
 
   for (int64_t t0 = kv_start; t0 < kv_end;) {
-    const int64_t t1 = kc.block_end(t0, kv_end), n = t1 - t0;
+    const int64_t t1 = kc.block_end(t0, kv_end, kTaskKeyBlock), n = t1 - t0;
     if (t1 < kv_end) {
-      const int64_t t2 = kc.block_end(t1, kv_end);
+      const int64_t t2 = kc.block_end(t1, kv_end, kTaskKeyBlock);
       kc.prefetch(b, t1, t2, layout.qk_offsets[j], dq);
       vc.prefetch(b, t1, t2, layout.v_offsets[j], dv);
     }
@@ -347,13 +347,9 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
   // At most kKeyBlock, the scores' leading dimension. In a paged cache a block is a page's run of keys, and runs of
   // block_rows(way) keys would read a page's columns in pieces of less than a cache line.
   const int64_t rows = kc.paged() ? std::min(kKeyBlock, kc.page_size) : block_rows(way);
-  const auto block_end = [&](int64_t t) {
-    const int64_t end = std::min(piece.t1, t + rows);
-    return kc.paged() ? std::min(end, (t / kc.page_size + 1) * kc.page_size) : end;
-  };
   for (int64_t t0 = piece.t0; t0 < piece.t1;) {
-    const int64_t t1 = block_end(t0), n = t1 - t0;
-    const int64_t next = t1 < piece.t1 ? block_end(t1) - t1 : 0;  // keys of the next block
+    const int64_t t1 = kc.block_end(t0, piece.t1, rows), n = t1 - t0;
+    const int64_t next = kc.block_end(t1, piece.t1, rows) - t1;  // keys of the next block (0 after the last)
     const T* k_block = kc.at(b, t0, 0);
     const T* v_block = vc.at(b, t0, 0);
     for (int64_t j = 0; j < hkv; ++j) {

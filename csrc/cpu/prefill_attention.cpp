@@ -154,9 +154,7 @@ PackedKV<T> pack_kv(const at::Tensor& k, const at::Tensor& v, const std::vector<
         uint32_t* k_dst = reinterpret_cast<uint32_t*>(k_out + packed.k_base[task] + block * kKeyBlock * dq);
         transpose_words(reinterpret_cast<const char*>(k_rows), k.stride(0) * sizeof(T), n, dq / kPair, k_dst,
                         kKeyBlock);
-        for (int64_t c = 0; c < dq / kPair && n < kKeyBlock; ++c) {
-          std::fill(k_dst + c * kKeyBlock + n, k_dst + (c + 1) * kKeyBlock, 0u);
-        }
+        for (int64_t c = 0; c < dq / kPair; ++c) std::fill(k_dst + c * kKeyBlock + n, k_dst + (c + 1) * kKeyBlock, 0u);
         const T* v_rows = v_data + (cu_k[b] + c0) * v.stride(0) + layout.v_offsets[j];
         T* v_dst = v_out + packed.v_base[task] + block * kKeyBlock * dvp;
         for (int64_t key = 0; key < kKeyBlock; key += kPair) {  // (key / P, x, key % P) <- v[key, x]
