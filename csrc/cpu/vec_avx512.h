@@ -225,19 +225,18 @@ FDC_AVX512 inline __m512 exp16(__m512 x) {
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_scalef_ps(p, n));
 }
 
-// 2^y, 16 lanes, for results rounded to bfloat16 right after: y = n + f with n = round(y) and |f| <= 1/2, 2^f by a
-// cubic fitted for least maximum relative error on [-1/2, 1/2] (Lawson's iteration; 7.5e-5, against bf16's rounding
-// step of 3.9e-3), times 2^n by vscalefps. Five instructions fewer per 16 values than exp16<4> on x ln 2: the caller
-// folds log2(e) into its scale, and clamping from below is the only range check (vscalefps underflows to 0 and
-// overflows to inf by itself). Arguments below -150, -inf among them, give 0; NaN stays NaN.
+// 2^y, 16 lanes, for results rounded to bfloat16 right after: y = n + f with n = floor(y) and 0 <= f < 1 (f from
+// one vreduceps), 2^f by a cubic fitted for least maximum relative error on [0, 1) (7.5e-5, against bf16's rounding
+// step of 3.9e-3), times 2^n by vscalefps, which floors y itself. The caller folds log2(e) into its scale. No range
+// check is needed: -inf gives f = 0 and a product of 0, vscalefps underflows to 0 and overflows to inf by itself, and
+// NaN stays NaN. Measured on a 2-core Intel Xeon (64K values, exponentiated, summed and stored as bf16): 0.082 ns per
+// value, against 0.116 with n = round(y) by vroundscaleps, a subtraction and a clamp from below.
 FDC_AVX512 inline __m512 exp2_for_bf16(__m512 y) {
-  y = _mm512_max_ps(_mm512_set1_ps(-150.f), y);  // max returns its second operand when one is NaN
-  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(y, n);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.0551716648f), f, _mm512_set1_ps(0.242611125f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693260968f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.999928057f));
-  return _mm512_scalef_ps(p, n);
+  const __m512 f = _mm512_reduce_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // y - floor(y)
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.07802453f), f, _mm512_set1_ps(0.22606715f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69583354f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.99992522f));
+  return _mm512_scalef_ps(p, y);
 }
 
 // out[i] = bfloat16(exp(x[i] * scale - shift)) for i < n (vcvtne2ps2bf16: round to nearest even, 32 values per
