@@ -1,6 +1,6 @@
 // fdc::decode_attention on the CPU. Two ways to the same result, chosen by cpu_isa():
 // - AVX-512 (run_piece_avx512): requests are cut into pieces of keys, and a piece reads its keys' K/V block by block,
-//   whole (every KV head's columns: a contiguous cache's rows, a paged cache's page), scoring every KV head's G query
+//   whole (every KV head's columns: a contiguous cache's rows, a paged cache's pages), scoring every KV head's G query
 //   heads on a block while it is in cache; the plan, when passed, is checked but the pieces are the CPU's own (see
 //   RowPiece for why);
 // - the portable kernels (run_task): one at::parallel_for worker per plan worker, each task reading its chunk's K/V
@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <type_traits>
@@ -25,13 +26,25 @@
 namespace fdc::cpu {
 namespace {
 
-// Keys per block of the row-wise path (run_piece_avx512): per KV head, G x 64 scores plus one 64 x 256 key and one
-// 64 x 256 value block in float (136 KiB at most) stay in L2 between the block's scores, its softmax update and its
-// value accumulation. With plain-load read-ahead (ReadAhead::kLoads) a block is 64 whole rows of K and of V (100 KiB
-// for the benchmark's 8 bf16 heads of ~50 columns each, plus as much read ahead for the next block): 16 rows, one
-// dot_rows group, were judged to leave the loads too little time; with prefetch instructions 16 rows measured
-// fastest (block_rows).
+// Keys per block of the row-wise path (run_piece_avx512) on a contiguous cache: per KV head, G x 64 scores plus one
+// 64 x 256 key and one 64 x 256 value block in float (136 KiB at most) stay in L2 between the block's scores, its
+// softmax update and its value accumulation. With plain-load read-ahead (ReadAhead::kLoads) a block is 64 whole rows
+// of K and of V (100 KiB for the benchmark's 8 bf16 heads of ~50 columns each, plus as much read ahead for the next
+// block): 16 rows, one dot_rows group, were judged to leave the loads too little time; with prefetch instructions 16
+// rows measured fastest (block_rows).
 constexpr int64_t kKeyBlock = 64;
+// Keys per block of the row-wise path on a paged cache: 256 bytes of each column (128 keys of bf16 or fp16, 64 of
+// float), a whole 128-token page of half precision, several pages when pages are shorter. Measured on the 2-core
+// Intel Xeon (bench_ops' layout, pages shuffled over the pool, block sizes alternated process by process), in ms for
+// 16- and 128-token pages: B=8 x 16K bf16 16 keys 15.4 / 21.0, 32: 14.4 / 19.5, 48: 13.4 / 16.0, 64: 13.0 / 14.3,
+// 128: 13.0 / 13.2, 256: 15.7 / 14.4; B=4 x 8K bf16 64: 2.47 / 2.42, 128: 2.37 / 2.23; fp32 B=4 x 8K 64: 4.7 /
+// 4.0, 128: 4.9 / 4.6; B=8 x 16K fp32 64: 24.0 / 24.0, 128: 26.2 / 23.5. So the bytes per column set the length,
+// not the key count: the best was 256 bytes in both precisions, and twice that was slower in both.
+template <typename T>
+constexpr int64_t kPagedBlockKeys = 256 / int64_t(sizeof(T));
+// The scores' leading dimension in run_piece_avx512: the longest block of either kind.
+constexpr int64_t kMaxBlockKeys = std::max(kKeyBlock, kPagedBlockKeys<c10::Half>);
+
 // Keys per block of the portable task kernel (run_task): a whole page at vLLM's CPU page size, so a KV head's block of
 // a dim-major page is one contiguous run of d * 128 elements instead of two halves read one after the other, column by
 // column. Measured on the 2-core Intel Xeon (float32, SmolLM2's widths at compression 0.1, 8 requests, pages of 128,
@@ -261,7 +274,7 @@ struct RowScratch {
   std::vector<float> q, acc, scores;
   std::vector<OnlineSoftmax> softmax;
   RowScratch(int64_t group, int64_t qk_width, int64_t v_width, int64_t heads)
-      : q(group * qk_width), acc(group * v_width), scores(group * kKeyBlock), softmax(heads) {}
+      : q(group * qk_width), acc(group * v_width), scores(group * kMaxBlockKeys), softmax(heads) {}
 };
 
 // How read_ahead brings the next block towards the core: the best way was measured to differ between vendors.
@@ -302,35 +315,55 @@ inline void read_ahead(const void* first, int64_t bytes, ReadAhead way) {
   asm volatile("" : : "r"(sink));
 }
 
-// Asks for the j-th of `shares` parts of keys [t, t + n) of request b (every column of the cache's `width`) ahead of
-// use (read_ahead): a byte range of a contiguous cache's rows, or a range of a dim-major page's columns, each column's
-// run of n tokens (one range when the block is the whole page). As for contiguous caches (ReadAhead), one block ahead
-// was best: B=8 x 16K bf16 from shuffled 16-token pages took 16.5 / 17.4 / 17.8 / 17.8 ms reading 1 / 2 / 3 / 4
-// blocks ahead (Intel Xeon).
+// Asks for the j-th of `shares` parts of n keys (every column of the cache's `width`) ahead of use (read_ahead), the
+// first of them at `first` (column 0): a byte range of a contiguous cache's rows, or a range of a dim-major page's
+// columns, each column's run of n tokens (one range when the run is the whole page). As for contiguous caches
+// (ReadAhead), one block ahead was best: B=8 x 16K bf16 from shuffled 16-token pages took 16.5 / 17.4 / 17.8 / 17.8 ms
+// reading 1 / 2 / 3 / 4 blocks ahead (Intel Xeon).
 template <typename T>
-FDC_AVX512 inline void read_ahead_share(const CacheView<T>& cache, int64_t width, int64_t b, int64_t t, int64_t n,
-                                        int64_t j, int64_t shares, ReadAhead way) {
+FDC_AVX512 inline void read_ahead_share(const CacheView<T>& cache, int64_t width, const T* first, int64_t n, int64_t j,
+                                        int64_t shares, ReadAhead way) {
   if (n <= 0) return;
-  const char* first = reinterpret_cast<const char*>(cache.at(b, t, 0));
+  const char* start = reinterpret_cast<const char*>(first);
   if (!cache.paged()) {
     const int64_t bytes = n * cache.stride1 * int64_t(sizeof(T));
-    read_ahead(first + bytes * j / shares, bytes * (j + 1) / shares - bytes * j / shares, way);
+    read_ahead(start + bytes * j / shares, bytes * (j + 1) / shares - bytes * j / shares, way);
     return;
   }
   const int64_t c0 = width * j / shares, c1 = width * (j + 1) / shares;
   const int64_t run = cache.page_size * int64_t(sizeof(T));  // bytes between columns
   if (n == cache.page_size) {
-    read_ahead(first + c0 * run, (c1 - c0) * run, way);
+    read_ahead(start + c0 * run, (c1 - c0) * run, way);
     return;
   }
-  for (int64_t c = c0; c < c1; ++c) read_ahead(first + c * run, n * int64_t(sizeof(T)), way);
+  for (int64_t c = c0; c < c1; ++c) read_ahead(start + c * run, n * int64_t(sizeof(T)), way);
 }
 
-// One piece on AVX-512: blocks of block_rows(way) keys (cut at page ends in a paged cache), each scored and
-// accumulated for every KV head in turn, so a block (whole rows of a contiguous cache, a run of a page's columns) is
-// read once for all heads. Before KV head j works on a block, the j-th share of the next block's K and V columns is
-// read ahead (read_ahead_share), so the reads ahead are spread over the block's work. Products follow the cache's
-// memory order: dot products along token-major rows, weighted row sums along a dim-major page's token runs.
+// The keys [t0, t1) of request b in a paged cache as runs, one per page they touch: run s is keys t0 + first[s] ..
+// t0 + first[s] + len[s], whose column 0 starts at k[s] in the K cache and v[s] in the V cache.
+template <typename T>
+struct PageRuns {
+  int64_t count = 0;
+  int64_t first[kMaxBlockKeys], len[kMaxBlockKeys];
+  const T* k[kMaxBlockKeys];
+  const T* v[kMaxBlockKeys];
+
+  void assign(const CacheView<T>& kc, const CacheView<T>& vc, int64_t b, int64_t t0, int64_t t1) {
+    count = 0;
+    for (int64_t t = t0; t < t1; ++count) {
+      const int64_t end = std::min(t1, (t / kc.page_size + 1) * kc.page_size);
+      first[count] = t - t0, len[count] = end - t, k[count] = kc.at(b, t, 0), v[count] = vc.at(b, t, 0);
+      t = end;
+    }
+  }
+};
+
+// One piece on AVX-512: blocks of block_rows(way) keys of a contiguous cache or kPagedBlockKeys of a paged one (the
+// runs of every page the block touches), each scored and accumulated for every KV head in turn, so a block (whole rows
+// of a contiguous cache, runs of pages' columns) is read once for all heads. Before KV head j works on a block, the
+// j-th share of the next block's K and V columns is read ahead (read_ahead_share), so the reads ahead are spread over
+// the block's work. Products follow the cache's memory order: dot products along token-major rows, weighted row sums
+// along a dim-major page's token runs.
 template <typename T>
 FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const T* q, int64_t q_ld,
                                  const CacheView<T>& kc, const CacheView<T>& vc, T* out, int64_t out_ld, RowScratch& ws,
@@ -344,47 +377,63 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
   std::fill(ws.softmax.begin(), ws.softmax.end(), OnlineSoftmax{});
   float* scores = ws.scores.data();
 
-  // At most kKeyBlock, the scores' leading dimension. In a paged cache a block is a page's run of keys, and runs of
-  // block_rows(way) keys would read a page's columns in pieces of less than a cache line.
-  const int64_t rows = kc.paged() ? std::min(kKeyBlock, kc.page_size) : block_rows(way);
-  for (int64_t t0 = piece.t0; t0 < piece.t1;) {
-    const int64_t t1 = kc.block_end(t0, piece.t1, rows), n = t1 - t0;
-    const int64_t next = kc.block_end(t1, piece.t1, rows) - t1;  // keys of the next block (0 after the last)
-    const T* k_block = kc.at(b, t0, 0);
-    const T* v_block = vc.at(b, t0, 0);
+  const int64_t rows = kc.paged() ? kPagedBlockKeys<T> : block_rows(way);  // at most kMaxBlockKeys
+  const int64_t col_stride = kc.col_stride();
+  PageRuns<T> runs[2];  // paged: the block's and the next block's runs, by turns
+  if (kc.paged()) runs[0].assign(kc, vc, b, piece.t0, std::min(piece.t1, piece.t0 + rows));
+  const T* run_values[kMaxBlockKeys];  // one KV head's value columns in each run of the block
+  for (int64_t t0 = piece.t0, turn = 0; t0 < piece.t1; turn ^= 1) {
+    const int64_t t1 = std::min(piece.t1, t0 + rows), n = t1 - t0;
+    const int64_t next = std::min(piece.t1, t1 + rows) - t1;  // keys of the next block (0 after the last)
+    const PageRuns<T>& here = runs[turn];
+    PageRuns<T>& ahead = runs[turn ^ 1];
+    if (kc.paged()) ahead.assign(kc, vc, b, t1, t1 + next);
     for (int64_t j = 0; j < hkv; ++j) {
-      read_ahead_share(kc, qk_width, b, t1, next, j, hkv, way);
-      read_ahead_share(vc, v_width, b, t1, next, j, hkv, way);
+      if (kc.paged()) {
+        for (int64_t s = 0; s < ahead.count; ++s) {
+          read_ahead_share(kc, qk_width, ahead.k[s], ahead.len[s], j, hkv, way);
+          read_ahead_share(vc, v_width, ahead.v[s], ahead.len[s], j, hkv, way);
+        }
+      } else if (next > 0) {
+        read_ahead_share(kc, qk_width, kc.at(b, t1, 0), next, j, hkv, way);
+        read_ahead_share(vc, v_width, vc.at(b, t1, 0), next, j, hkv, way);
+      }
       const int64_t k_col = layout.qk_offsets[j], v_col = layout.v_offsets[j];
       const int64_t dq = layout.qk_offsets[j + 1] - k_col, dv = layout.v_offsets[j + 1] - v_col;
       float* acc = ws.acc.data() + group * v_col;
       OnlineSoftmax* softmax = ws.softmax.data() + j * group;
       const float* qj = ws.q.data() + group * k_col;  // the G query heads of KV head j, dq apart
-      const T* keys = k_block + k_col * kc.col_stride();
-      if (kc.paged()) {  // keys are dq columns of n consecutive tokens: scores = sum_c q[c] K[c]
-        for (int64_t i = 0; i < group; ++i) std::fill(scores + i * kKeyBlock, scores + i * kKeyBlock + n, 0.f);
-        avx512::axpy_rows(qj, dq, group, keys, kc.col_stride(), dq, n, scores, kKeyBlock);
-      } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (bf16_dot) {
-          avx512::dot_rows_bf16(reinterpret_cast<const uint16_t*>(qb + group * k_col), dq, group, keys, kc.stride1, n,
-                                dq, scores, kKeyBlock);
-        } else {
-          avx512::dot_rows(qj, dq, group, keys, kc.stride1, n, dq, scores, kKeyBlock, false);
+      if (kc.paged()) {  // each run's keys are dq columns of consecutive tokens: scores = sum_c q[c] K[c]
+        for (int64_t i = 0; i < group; ++i) std::fill(scores + i * kMaxBlockKeys, scores + i * kMaxBlockKeys + n, 0.f);
+        for (int64_t s = 0; s < here.count; ++s) {
+          run_values[s] = here.v[s] + v_col * col_stride;
+          avx512::axpy_rows(qj, dq, group, here.k[s] + k_col * col_stride, col_stride, dq, here.len[s],
+                            scores + here.first[s], kMaxBlockKeys);
         }
-      } else {
-        avx512::dot_rows(qj, dq, group, keys, kc.stride1, n, dq, scores, kKeyBlock, false);
+      } else {  // keys are n rows of dq: one dot product per (query head, key)
+        const T* keys = kc.at(b, t0, k_col);
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (bf16_dot) {
+            avx512::dot_rows_bf16(reinterpret_cast<const uint16_t*>(qb + group * k_col), dq, group, keys, kc.stride1, n,
+                                  dq, scores, kMaxBlockKeys);
+          } else {
+            avx512::dot_rows(qj, dq, group, keys, kc.stride1, n, dq, scores, kMaxBlockKeys);
+          }
+        } else {
+          avx512::dot_rows(qj, dq, group, keys, kc.stride1, n, dq, scores, kMaxBlockKeys);
+        }
       }
       for (int64_t i = 0; i < group; ++i) {
-        float* si = scores + i * kKeyBlock;
+        float* si = scores + i * kMaxBlockKeys;
         const float factor = softmax[i].rescale_for(avx512::max_of(si, n) * pb.scale);
         if (factor != 1.f) avx512::scale_in_place(acc + i * dv, dv, factor);
         softmax[i].sum += avx512::exp_and_sum<kExpDegree<T>>(si, n, pb.scale, softmax[i].max);
       }
-      const T* values = v_block + v_col * vc.col_stride();
-      if (vc.paged()) {  // values are dv columns of n consecutive tokens: acc[i][c] += p_i . V[c]
-        avx512::dot_rows(scores, kKeyBlock, group, values, vc.col_stride(), dv, n, acc, dv, true);
+      if (vc.paged()) {  // each run's values are dv columns of consecutive tokens: acc[i][c] += p_i . V[c]
+        avx512::dot_columns(scores, kMaxBlockKeys, group, run_values, here.first, here.len, here.count, col_stride, dv,
+                            acc, dv);
       } else {  // values are n rows of dv: acc_i += sum_t p_i[t] V[t]
-        avx512::axpy_rows(scores, kKeyBlock, group, values, vc.stride1, n, dv, acc, dv);
+        avx512::axpy_rows(scores, kMaxBlockKeys, group, vc.at(b, t0, v_col), vc.stride1, n, dv, acc, dv);
       }
     }
     t0 = t1;

@@ -64,13 +64,13 @@ FDC_AVX512 inline __m512 sum16x16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(halves0, halves1, 0x88), _mm512_shuffle_f32x4(halves0, halves1, 0xDD));
 }
 
-// Dot products along rows: out[i * out_ld + r] (+)= sum_x a[i * a_ld + x] * rows[r * row_stride + x] for
+// Dot products along rows: out[i * out_ld + r] = sum_x a[i * a_ld + x] * rows[r * row_stride + x] for
 // i < group, r < n, x < len. Sixteen rows at a time (a short last group repeats its final row and stores only the
 // real ones) against one `a` row: 16 accumulators plus an operand fit the 32 registers, and the 16 rows, read once
 // from memory, are re-read from L1 for the other G - 1 query heads.
 template <typename T>
 FDC_AVX512 void dot_rows(const float* a, int64_t a_ld, int64_t group, const T* rows, int64_t row_stride, int64_t n,
-                         int64_t len, float* out, int64_t out_ld, bool accumulate) {
+                         int64_t len, float* out, int64_t out_ld) {
   const int64_t full = len / kLanes * kLanes;
   const __mmask16 tail = lanes_mask(len - full);
   for (int64_t r0 = 0; r0 < n; r0 += kLanes) {
@@ -92,10 +92,7 @@ FDC_AVX512 void dot_rows(const float* a, int64_t a_ld, int64_t group, const T* r
 #pragma GCC unroll 16
         for (int k = 0; k < kLanes; ++k) acc[k] = _mm512_fmadd_ps(av, load16(row[k] + full, tail), acc[k]);
       }
-      __m512 sums = sum16x16(acc);
-      float* o = out + i * out_ld + r0;
-      if (accumulate) sums = _mm512_add_ps(sums, _mm512_maskz_loadu_ps(store, o));
-      _mm512_mask_storeu_ps(o, store, sums);
+      _mm512_mask_storeu_ps(out + i * out_ld + r0, store, sum16x16(acc));
     }
   }
 }
@@ -130,6 +127,75 @@ FDC_AVX512_BF16 inline void dot_rows_bf16(const uint16_t* a, int64_t a_ld, int64
           acc[k] = _mm512_dpbf16_ps(acc[k], av, (__m512bh)_mm512_maskz_loadu_epi16(tail, row[k] + full));
       }
       _mm512_mask_storeu_ps(out + i * out_ld + r0, store, sum16x16(acc));
+    }
+  }
+}
+
+// dot_columns for kHeads query heads and kCols columns from c0 (kHeads * kCols <= 16 accumulators): each 16 tokens of
+// a column are loaded and widened once for all the tile's heads, and the tile's accumulators are reduced together,
+// once per block, by one sum16x16.
+template <typename T, int kHeads, int kCols>
+FDC_AVX512 void dot_columns_tile(const float* p, int64_t p_ld, const T* const* runs, const int64_t* first,
+                                 const int64_t* len, int64_t count, int64_t col_stride, int64_t c0, int64_t dim,
+                                 float* acc, int64_t acc_ld) {
+  static_assert(kHeads * kCols <= kLanes);
+  __m512 sums[kLanes];
+#pragma GCC unroll 16
+  for (int k = 0; k < kLanes; ++k) sums[k] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < count; ++s) {
+    const T* col[kCols];  // a short last tile repeats the final column and stores only the real ones
+#pragma GCC unroll 16
+    for (int c = 0; c < kCols; ++c) col[c] = runs[s] + std::min<int64_t>(c0 + c, dim - 1) * col_stride;
+    const float* ps = p + first[s];
+    for (int64_t t = 0; t < len[s]; t += kLanes) {
+      const __mmask16 mask = lanes_mask(len[s] - t);
+      __m512 x[kCols];
+#pragma GCC unroll 16
+      for (int c = 0; c < kCols; ++c) x[c] = load16(col[c] + t, mask);
+#pragma GCC unroll 4
+      for (int h = 0; h < kHeads; ++h) {
+        const __m512 w = _mm512_maskz_loadu_ps(mask, ps + h * p_ld + t);
+#pragma GCC unroll 16
+        for (int c = 0; c < kCols; ++c) sums[h * kCols + c] = _mm512_fmadd_ps(w, x[c], sums[h * kCols + c]);
+      }
+    }
+  }
+  const __m512 total = sum16x16(sums);  // lane h * kCols + c: head h, column c0 + c
+  const __mmask16 store = lanes_mask(std::min<int64_t>(kCols, dim - c0));
+#pragma GCC unroll 4
+  for (int h = 0; h < kHeads; ++h) {
+    const __m512 part =
+        _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                               _mm512_set1_epi32(h * kCols)),
+                              total);
+    float* a = acc + h * acc_ld + c0;
+    _mm512_mask_storeu_ps(a, store, _mm512_add_ps(part, _mm512_maskz_loadu_ps(store, a)));
+  }
+}
+
+// Weighted sums along the token runs of dim-major pages, for a block of keys spread over `count` runs (one per page it
+// touches): acc[i * acc_ld + c] += sum_s sum_{t < len[s]} p[i * p_ld + first[s] + t] * runs[s][c * col_stride + t]
+// for i < group, c < dim (run s: len[s] consecutive tokens of one page, the block's keys first[s] onwards; column c
+// of it col_stride elements after column c - 1). Query heads go four at a time in tiles of 4 columns (8 columns for a
+// pair, 16 for a single head), so the horizontal sums cost one sum16x16 per 16 outputs and block, however many
+// pages the block spans. dot_rows over each run instead re-widened every column for each query head and reduced
+// each page's 16 x 16 products by a sum16x16 of its own.
+template <typename T>
+FDC_AVX512 void dot_columns(const float* p, int64_t p_ld, int64_t group, const T* const* runs, const int64_t* first,
+                            const int64_t* len, int64_t count, int64_t col_stride, int64_t dim, float* acc,
+                            int64_t acc_ld) {
+  for (int64_t h0 = 0; h0 < group; h0 += 4) {
+    const int64_t heads = std::min<int64_t>(4, group - h0);
+    const float* ph = p + h0 * p_ld;
+    float* ah = acc + h0 * acc_ld;
+    const int64_t cols = heads == 1 ? 16 : heads == 2 ? 8 : 4;
+    for (int64_t c0 = 0; c0 < dim; c0 += cols) {
+      switch (heads) {
+        case 1: dot_columns_tile<T, 1, 16>(ph, p_ld, runs, first, len, count, col_stride, c0, dim, ah, acc_ld); break;
+        case 2: dot_columns_tile<T, 2, 8>(ph, p_ld, runs, first, len, count, col_stride, c0, dim, ah, acc_ld); break;
+        case 3: dot_columns_tile<T, 3, 4>(ph, p_ld, runs, first, len, count, col_stride, c0, dim, ah, acc_ld); break;
+        default: dot_columns_tile<T, 4, 4>(ph, p_ld, runs, first, len, count, col_stride, c0, dim, ah, acc_ld); break;
+      }
     }
   }
 }
