@@ -222,7 +222,6 @@ void run_row_tile(const TileTask& t, const T* q, int64_t q_ld, const PackedKV<T>
     q_tile = ws.q.data();
     q_tile_ld = dq;
   }
-  std::fill(ws.acc.begin(), ws.acc.begin() + rows * dvp, 0.f);
   std::fill(ws.softmax.begin(), ws.softmax.begin() + t.m, OnlineSoftmax{});
   if constexpr (!kFloat) std::fill(ws.probs.begin() + t.m * kKeyBlock, ws.probs.begin() + rows * kKeyBlock, T(0));
   T* probs = kFloat ? reinterpret_cast<T*>(ws.scores.data()) : ws.probs.data();
@@ -263,7 +262,9 @@ void run_row_tile(const TileTask& t, const T* q, int64_t q_ld, const PackedKV<T>
       }
       std::fill(p + visible, p + cols, T(0));
     }
-    cpublas::brgemm(rows, dvp, cols, kKeyBlock, dvp, dvp, true, probs, kv.v_block(t.b, j, num_kv, block, dvp),
+    // The first block's product overwrites the accumulator (never zeroed: a rescale before it reads stale values
+    // that this product then replaces).
+    cpublas::brgemm(rows, dvp, cols, kKeyBlock, dvp, dvp, block > 0, probs, kv.v_block(t.b, j, num_kv, block, dvp),
                     ws.acc.data(), !kFloat);
   }
   for (int64_t r = 0; r < t.m; ++r) {  // a row that saw no key has sum 0 and writes zeros
