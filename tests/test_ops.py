@@ -161,6 +161,39 @@ def test_prefill_attention_scores_climbing_across_key_blocks(causal, dtype, isa,
     assert_close_to_reference(out, expected, torch_lowp, f"prefill_attention climbing causal={causal} isa={isa!r}")
 
 
+@pytest.mark.parametrize("isa", PREFILL_ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_prefill_attention_nan_queries_stay_in_their_sequence(causal, dtype, isa, monkeypatch):
+    """NaN queries make every row of their own sequence NaN, as in the reference (the first causal rows see fewer
+    keys than a vector's lanes: their maximum must not drop the NaN), and nothing else: on one thread every tile
+    shares one accumulator, which the first key block's product overwrites, never scales by zero."""
+    monkeypatch.setenv("FDC_CPU_ISA", isa)
+    gen = torch.Generator().manual_seed(7)
+    qk_dims, v_dims, group = [16, 32], [40, 64], 2
+    qk_offsets, v_offsets = offsets(qk_dims), offsets(v_dims)
+    lengths = [300, 300, 300]
+    cu = offsets(lengths)
+    q = randn((900, group * sum(qk_dims)), dtype, gen)
+    k = randn((900, sum(qk_dims)), dtype, gen)
+    v = randn((900, sum(v_dims)), dtype, gen)
+    q[300:600] = float("nan")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = ops.prefill_attention(q, k, v, cu, cu, qk_offsets, v_offsets, group, 0.125, causal)
+    finally:
+        torch.set_num_threads(threads)
+    assert out[300:600].isnan().all()
+    for first in (0, 600):  # the sequences before and after, alone
+        rows = slice(first, first + 300)
+        one = offsets([300])
+        args = (q[rows], k[rows], v[rows], one, one, qk_offsets, v_offsets, group, 0.125, causal)
+        expected = reference.prefill_attention_ref(*args)
+        torch_lowp = reference.prefill_attention_ref(*args, compute_dtype=dtype)
+        assert_close_to_reference(out[rows], expected, torch_lowp, f"prefill_attention beside NaN queries {first}")
+
+
 def test_prefill_attention_bf16_without_onednn():
     """With torch's oneDNN switched off (torch.backends.mkldnn), bf16 prefill takes the float32 path: same results
     within bf16's tolerance."""

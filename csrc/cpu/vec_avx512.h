@@ -355,14 +355,17 @@ FDC_AVX512 inline void interleave_pairs(const c10::BFloat16* a, const c10::BFloa
   }
 }
 
-// Largest of x[0, n); -inf when n == 0.
+// Largest of x[0, n); -inf when n == 0, NaN when any is NaN (vmaxps alone would drop a NaN it met first).
 FDC_AVX512 inline float max_of(const float* x, int64_t n) {
   __m512 m = _mm512_set1_ps(-INFINITY);
+  __mmask16 nan = 0;
   for (int64_t i = 0; i < n; i += kLanes) {
     const __mmask16 mask = lanes_mask(n - i);
-    m = _mm512_mask_max_ps(m, mask, m, _mm512_maskz_loadu_ps(mask, x + i));
+    const __m512 v = _mm512_maskz_loadu_ps(mask, x + i);
+    m = _mm512_mask_max_ps(m, mask, m, v);
+    nan |= _mm512_mask_cmp_ps_mask(mask, v, v, _CMP_UNORD_Q);
   }
-  return _mm512_reduce_max_ps(m);
+  return nan ? NAN : _mm512_reduce_max_ps(m);
 }
 
 // x[i] = exp(x[i] * scale - shift) for i < n, by exp16<kDegree>; returns the sum of the results.

@@ -73,15 +73,18 @@ CpuIsa cpu_isa(const char* op) {
   return std::min(wanted, detected);
 }
 
+// The larger of m and x, NaN if either is NaN (m, the running maximum, keeps a NaN it took).
+static inline float max_keeping_nan(float m, float x) { return x > m || x != x ? x : m; }
+
 FDC_CPU_SIMD float max_of(const float* x, int64_t n) {
   float lanes[kLanes];
   for (int64_t l = 0; l < kLanes; ++l) lanes[l] = -INFINITY;
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes)
-    for (int64_t l = 0; l < kLanes; ++l) lanes[l] = lanes[l] > x[i + l] ? lanes[l] : x[i + l];
-  for (; i < n; ++i) lanes[0] = lanes[0] > x[i] ? lanes[0] : x[i];
+    for (int64_t l = 0; l < kLanes; ++l) lanes[l] = max_keeping_nan(lanes[l], x[i + l]);
+  for (; i < n; ++i) lanes[0] = max_keeping_nan(lanes[0], x[i]);
   float m = -INFINITY;
-  for (int64_t l = 0; l < kLanes; ++l) m = m > lanes[l] ? m : lanes[l];
+  for (int64_t l = 0; l < kLanes; ++l) m = max_keeping_nan(m, lanes[l]);
   return m;
 }
 

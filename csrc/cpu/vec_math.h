@@ -9,7 +9,7 @@
 
 namespace fdc::cpu {
 
-// Largest of x[0, n); -inf when n == 0.
+// Largest of x[0, n); -inf when n == 0, NaN when any is NaN (so a NaN score reaches the output, as in the reference).
 float max_of(const float* x, int64_t n);
 
 // x[i] = exp(x[i] * scale - shift) for i < n; returns the sum of the results. Arguments below the smallest
