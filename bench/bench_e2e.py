@@ -5,6 +5,9 @@ so its rows measure the compressed modules' own overhead), accuracy is left to f
 
 What is measured, for each prompt length P, batch B and model (greedy decoding of random prompt tokens, no padding):
 - time to first token (TTFT): the prompt's forward pass into an empty cache, logits of the last position included;
+  the median of --ttft-rounds passes per model, the models taking turns in an order that rotates from round to round
+  (round r starts with the r-th model), so no model always runs first or last: timed once each in a fixed order, an
+  8K prompt's TTFT depended on the model's place in that order by up to 1.4x;
 - time between tokens (TBT): the median over the new tokens of one decode step's forward pass (B tokens);
 - attention share of a step: time inside the decoder layers' self-attention modules (forward pre/post hooks, Q/K/V
   and output projections included) over the step's time, summed over the decode steps.
@@ -12,8 +15,9 @@ Targets, each printed PASS or MISS: at 0% compression TBT <= 1.03 x uncompressed
 prompt (8K by default), TBT <= 0.75 x uncompressed.
 
 --profile: torch.profiler tables of one decode step of each model (self CPU time by op), printed and kept in the
-JSON. Timing: every model is loaded at once; for each prompt they prefill in turn, then their decode steps
-interleave, after one untimed warm-up generation of a short prompt each.
+JSON. Timing: every model is loaded at once; for each prompt they prefill in turn (TTFT above; the last round's
+caches are decoded from), then their decode steps interleave, after one untimed warm-up generation of a short prompt
+each.
 Prints a table; writes JSON and a plot (PNG, same name) to bench/results/ (or --out) with device, torch version and
 commit. Run long grids in parts (--prompts), each under the machine's time limits.
 """
@@ -150,6 +154,8 @@ def main() -> None:
                         help="KV compression rates (share of each head's dims removed), comma-separated")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--profile", action="store_true", help="profile one decode step of each model")
+    parser.add_argument("--ttft-rounds", type=int, default=3,
+                        help="prefills per model and prompt, the models in rotating order; TTFT is their median")
     args = parser.parse_args()
     device, _ = setup(args)
     if args.quick:
@@ -185,16 +191,23 @@ def main() -> None:
         for prompt_len in args.prompts:
             for batch in args.batches:
                 prompt = torch.randint(vocab, (batch, prompt_len), generator=gen).to(device)
-                runs = [Run(model, clock) for _, _, _, model, clock in models]
-                ttfts = [run.prefill(prompt, timer) for run in runs]
+                ttft_samples: list[list[float]] = [[] for _ in models]
+                for round_index in range(max(1, args.ttft_rounds)):
+                    runs = [None] * len(models)  # the previous round's caches are released here
+                    for k in range(len(models)):
+                        i = (round_index + k) % len(models)
+                        runs[i] = Run(models[i][3], models[i][4])
+                        ttft_samples[i].append(runs[i].prefill(prompt, timer))
+                ttfts = [statistics.median(samples) for samples in ttft_samples]
                 for _ in range(args.new_tokens - 1):
                     for run in runs:
                         run.step(timer)
-                for (name, rate, width, model, clock), run, ttft in zip(models, runs, ttfts):
+                for (name, rate, width, model, clock), run, ttft, samples in zip(models, runs, ttfts, ttft_samples):
                     steps = run.steps
                     rows.append({"model": name, "compression": rate, "width": width,
                                  "attn_implementation": model.config._attn_implementation, "prompt": prompt_len,
                                  "batch": batch, "new_tokens": args.new_tokens, "ttft_ms": ttft * 1e3,
+                                 "ttft_samples_ms": [t * 1e3 for t in samples],
                                  "tbt_ms": statistics.median(steps) * 1e3,
                                  "tbt_p90_ms": sorted(steps)[int(0.9 * (len(steps) - 1))] * 1e3,
                                  "attention_share": clock.seconds / sum(steps)})

@@ -1,4 +1,4 @@
-"""bench/bench_ops.py runs end to end (its --quick configuration) and writes the JSON it promises."""
+"""The benchmarks run end to end (their --quick configurations) and write the JSON they promise."""
 
 import json
 import os
@@ -14,7 +14,7 @@ def run_quick(script: str, out, *options: str) -> tuple[str, dict]:
     result = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), "--quick", *options, "--out",
                              str(out)], capture_output=True, text=True, timeout=300, cwd=out)
     assert result.returncode == 0, result.stderr
-    (written,) = list(out.iterdir())
+    (written,) = [path for path in out.iterdir() if path.suffix == ".json"]
     return result.stdout, json.loads(written.read_text())
 
 
@@ -88,3 +88,19 @@ def test_bench_prefill_quick(tmp_path):
             assert policy["max_abs_diff_vs_lpt"] < 0.1  # every plan computes the same attention
     for entry in report["planning"]:
         assert "error" not in entry and entry["first_us"] > 0 and entry["cached_us"] > 0 and entry["attention_us"] > 0
+
+
+def test_bench_e2e_quick(tmp_path):
+    """bench/bench_e2e.py --quick decodes the bundled SmolLM2 uncompressed and at each compression, and writes the
+    JSON (a row per model, TTFT the median of its rotating-order samples, the two targets) and the plot."""
+    stdout, report = run_quick("bench_e2e.py", tmp_path, "--compressions", "0,0.5")
+    assert "target 0%" in stdout and "target 50%" in stdout
+    assert {"device", "torch", "commit", "threads", "model", "dtype", "rows", "targets"} <= report.keys()
+    assert [row["model"] for row in report["rows"]] == ["uncompressed (sdpa)", "fdc 0% compressed",
+                                                          "fdc 50% compressed"]
+    for row in report["rows"]:
+        assert len(row["ttft_samples_ms"]) == 3 and row["ttft_ms"] == sorted(row["ttft_samples_ms"])[1]
+        assert row["tbt_ms"] > 0 and 0 < row["attention_share"] < 1
+    assert [row["width"] for row in report["rows"]] == [None, 64, 32]
+    assert {t["verdict"] for t in report["targets"]} <= {"PASS", "MISS"} and len(report["targets"]) == 2
+    assert len(list(tmp_path.glob("*.png"))) == 1
