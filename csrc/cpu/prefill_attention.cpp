@@ -7,7 +7,8 @@
 //   AMX tiles (or AVX-512-BF16 where the CPU has no AMX), with K^T and V packed in VNNI pairs (V zero-padded to the
 //   ukernel's column block) and the probabilities rounded to bf16, as torch's flash attention does, after one pass
 //   that exponentiates a row's block against its running reference (see kReferenceSumLimit);
-// - everything else (float32, float16, bf16 where that ukernel does not run): float32 operands, K^T packed, V copied.
+// - everything else (float32, float16, bf16 where that ukernel does not run): float32 operands, K^T packed, V copied
+//   with zero columns to a multiple of 16.
 // Packing each (sequence, KV head) once costs one pass over K and V and lets every product run with a fixed leading
 // dimension and a shape from a small set (rows rounded up to kRowQuantum, keys to kKeyQuantum), so the ukernel's
 // per-shape code generation happens a bounded number of times per process; no head is ever padded to another's width.
@@ -102,8 +103,10 @@ struct PackedKV {
   // of 16 fp32 columns): it charges whole tile products for a narrower last block anyway, and runs column tails at
   // up to half the speed per product. Measured with ONEDNN_VERBOSE on a 2-core Intel Xeon with AMX: p V over 256
   // keys for 80 rows took 4.9 us at 56 columns, 4.3 at 48 and 3.0 at 64; the whole bf16 prefill of bench_ops' 4K
-  // layout ran about 5% faster padded to 32 than to 16.
-  static constexpr int64_t kVColumnQuantum = sizeof(T) == 2 ? 32 : 1;
+  // layout ran about 5% faster padded to 32 than to 16. Float V is padded to 16 columns, one AVX-512 register: p V
+  // over 256 keys for 256 rows then took 0.39x the time of a 112-wide q K^T product at 48 columns against 0.43x at 40,
+  // and 0.52x at 64 against 0.58x at 56 (same measure); the whole fp32 prefill changed within the machine's noise.
+  static constexpr int64_t kVColumnQuantum = sizeof(T) == 2 ? 32 : 16;
   static int64_t padded_v_width(int64_t dv) { return round_up(dv, kVColumnQuantum); }
   at::Tensor k_storage, v_storage;
   std::vector<int64_t> k_base, v_base;  // (B * H_kv): element offset of (b, j)'s first block
@@ -165,7 +168,7 @@ PackedKV<T> pack_kv(const at::Tensor& k, const at::Tensor& v, const std::vector<
           } else if constexpr (kPair == 2) {
             avx512::interleave_pairs(src, key + 1 < n ? src + v.stride(0) : nullptr, dv, dvp, dst);
           } else {
-            std::copy(src, src + dv, dst);
+            std::fill(std::copy(src, src + dv, dst), dst + dvp, T(0));
           }
         }
       }
