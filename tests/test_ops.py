@@ -251,6 +251,33 @@ def test_decode_attention(case, paged, isa, monkeypatch):
     assert_close_to_reference(out, expected, torch_lowp, f"decode_attention paged={paged} {replay}")
 
 
+@pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_many_blocks_per_piece(dtype, isa, monkeypatch):
+    """A wide layer (8 KV heads of 256 + 256 columns) over 2000 keys: whatever block length this CPU's read-ahead
+    picks (16 rows on Intel; on AMD 512 KiB of K and V, 32 rows of float here), each piece of the AVX-512 kernel spans
+    many blocks, so the next block's read-ahead and the softmax carried from block to block are exercised; keys whose
+    scores jump far above every earlier one make later blocks rescale what earlier ones summed. The random cases'
+    narrow layers fit a whole piece in one block of the AMD length. Unused cache rows hold NaN."""
+    monkeypatch.setenv("FDC_CPU_ISA", isa)
+    gen = torch.Generator().manual_seed(11)
+    dims, group, length = [256] * 8, 2, 2000
+    qk_offsets = v_offsets = offsets(dims)
+    width = sum(dims)
+    key_scale = torch.ones(length, 1)
+    key_scale[900:910] = 12.0
+    k_cache = torch.full((1, length + 24, width), float("nan"), dtype=dtype)
+    v_cache = torch.full((1, length + 24, width), float("nan"), dtype=dtype)
+    k_cache[0, :length] = (randn((length, width), torch.float32, gen) * key_scale).to(dtype)
+    v_cache[0, :length] = randn((length, width), dtype, gen)
+    q = randn((1, group * width), dtype, gen)
+    args = (q, k_cache, v_cache, torch.tensor([length], dtype=torch.int32), qk_offsets, v_offsets, group, 0.04)
+    out = ops.decode_attention(*args)
+    expected = reference.decode_attention_ref(*args)
+    torch_lowp = reference.decode_attention_ref(*args, compute_dtype=dtype)
+    assert_close_to_reference(out, expected, torch_lowp, f"decode_attention many blocks {dtype} isa={isa!r}")
+
+
 def test_cpu_isa_rejects_unknown_names(monkeypatch):
     monkeypatch.setenv("FDC_CPU_ISA", "avx9000")
     q, k, v = torch.randn(1, 16), torch.randn(1, 4, 8), torch.randn(1, 4, 8)

@@ -26,24 +26,11 @@
 namespace fdc::cpu {
 namespace {
 
-// Keys per block of the row-wise path (run_piece_avx512) on a contiguous cache: per KV head, G x 64 scores plus one
-// 64 x 256 key and one 64 x 256 value block in float (136 KiB at most) stay in L2 between the block's scores, its
-// softmax update and its value accumulation. With plain-load read-ahead (ReadAhead::kLoads) a block is 64 whole rows
-// of K and of V (100 KiB for the benchmark's 8 bf16 heads of ~50 columns each, plus as much read ahead for the next
-// block): 16 rows, one dot_rows group, were judged to leave the loads too little time; with prefetch instructions 16
-// rows measured fastest (block_rows).
-constexpr int64_t kKeyBlock = 64;
-// Keys per block of the row-wise path on a paged cache: 256 bytes of each column (128 keys of bf16 or fp16, 64 of
-// float), a whole 128-token page of half precision, several pages when pages are shorter. Measured on the 2-core
-// Intel Xeon (bench_ops' layout, pages shuffled over the pool, block sizes alternated process by process), in ms for
-// 16- and 128-token pages: B=8 x 16K bf16 16 keys 15.4 / 21.0, 32: 14.4 / 19.5, 48: 13.4 / 16.0, 64: 13.0 / 14.3,
-// 128: 13.0 / 13.2, 256: 15.7 / 14.4; B=4 x 8K bf16 64: 2.47 / 2.42, 128: 2.37 / 2.23; fp32 B=4 x 8K 64: 4.7 /
-// 4.0, 128: 4.9 / 4.6; B=8 x 16K fp32 64: 24.0 / 24.0, 128: 26.2 / 23.5. So the bytes per column set the length,
-// not the key count: the best was 256 bytes in both precisions, and twice that was slower in both.
-template <typename T>
-constexpr int64_t kPagedBlockKeys = 256 / int64_t(sizeof(T));
-// The scores' leading dimension in run_piece_avx512: the longest block of either kind.
-constexpr int64_t kMaxBlockKeys = std::max(kKeyBlock, kPagedBlockKeys<c10::Half>);
+// The longest block of keys of a piece (run_piece_avx512), the scores' leading dimension there: reached by contiguous
+// caches of narrow layers (contiguous_block_rows).
+constexpr int64_t kMaxBlockKeys = 512;
+// The longest block of keys of a piece of a paged cache (paged_block_keys), whose page runs a piece lists per block.
+constexpr int64_t kMaxPagedBlockKeys = 128;
 
 // Keys per block of the portable task kernel (run_task): a whole page at vLLM's CPU page size, so a KV head's block of
 // a dim-major page is one contiguous run of d * 128 elements instead of two halves read one after the other, column by
@@ -294,13 +281,46 @@ ReadAhead read_ahead_for_this_cpu() {
   return way;
 }
 
-// Rows per block of a piece. With kLoads, kKeyBlock (64: see there). With kPrefetchL2, 16, one dot_rows group and the
-// fewest: on the Intel Xeon (same A/B as above, reading 1 block ahead) B=8 x 16K took 13.5 / 15.0 / 15.2 / 16.1 ms
-// in bf16 and 22.8 / 23.9 / 24.4 / 24.8 ms in fp32 with blocks of 16 / 32 / 48 / 64 rows, and B=4 x 8K 2.56 / 2.67 /
-// 2.59 / 2.74 ms (bf16); 128 and 256 rows were slower than 64 again. A block of 16 rows (26 KiB of K and V in bf16
-// for the benchmark's layout) stays in L1 from its scores to its value sums, and each head's share of the read-ahead
-// is a short burst between its products.
-int64_t block_rows(ReadAhead way) { return way == ReadAhead::kPrefetchL2 ? 16 : kKeyBlock; }
+// K and V bytes of a contiguous cache's block under kLoads (contiguous_block_rows): a block and the next one, read
+// ahead during it, fill the 1 MiB L2 of a Zen 4 or 5 core. Measured on the 2-core AMD EPYC (Zen 5; bench_ops' layout,
+// whose rows take 1632 bytes in bf16 and 3264 in float; block lengths alternated process by process or call by call),
+// B=8 x 16K (far larger than the 32 MiB L3) took in bf16 9.7-10.5 / 8.6-8.7 / 7.3-8.2 / 7.6-7.9 / 7.7-7.9 / 7.9-8.1 ms
+// with blocks of 64 / 128 / 256 / 320 / 384-480 / 512 rows, and in float 15.1 / 13.0-13.9 / 12.7-13.6 / 12.7-13.8
+// / 13.0-13.2 / 14.2-16.5 / 16.3 ms with 64 / 128 / 160 / 192 / 256 / 384 / 512 rows. At B=4 x 8K (partly in L3),
+// alternated call by call, bf16 took 2.5 / 2.1 / 2.9 ms with 64 / 256 / 400 rows and, in another run, 1.9 / 1.7 / 1.6
+// ms with 256 / 288 / 320. So blocks of 0.4 to 0.8 MiB were fastest from DRAM in both precisions, and blocks that
+// overflow L2 with their successor lost where the cache came from L3. The 64 rows used before had been reasoned, not
+// measured.
+constexpr int64_t kLoadsBlockBytes = 512 << 10;
+
+// Rows per block of a piece of a contiguous cache whose rows take row_bytes of K and V together.
+// - kPrefetchL2: 16, one dot_rows group and the fewest: on the Intel Xeon (same A/B as above, reading 1 block ahead)
+//   B=8 x 16K took 13.5 / 15.0 / 15.2 / 16.1 ms in bf16 and 22.8 / 23.9 / 24.4 / 24.8 ms in fp32 with blocks of
+//   16 / 32 / 48 / 64 rows, and B=4 x 8K 2.56 / 2.67 / 2.59 / 2.74 ms (bf16); 128 and 256 rows were slower than 64
+//   again. A block of 16 rows (26 KiB of K and V in bf16 for the benchmark's layout) stays in L1 from its scores to
+//   its value sums, and each head's share of the read-ahead is a short burst between its products.
+// - kLoads: kLoadsBlockBytes of rows, a multiple of 16 from 16 to kMaxBlockKeys.
+int64_t contiguous_block_rows(ReadAhead way, int64_t row_bytes) {
+  if (way == ReadAhead::kPrefetchL2) return 16;
+  return std::clamp<int64_t>(kLoadsBlockBytes / row_bytes / 16 * 16, 16, kMaxBlockKeys);
+}
+
+// Keys per block of a piece of a paged cache: the runs of every page the block touches, at most kMaxPagedBlockKeys.
+// - kPrefetchL2: 256 bytes of each column (128 keys of bf16 or fp16, 64 of float), a whole 128-token page of half
+//   precision, several pages when pages are shorter. Measured on the 2-core Intel Xeon (bench_ops' layout, pages
+//   shuffled over the pool, block sizes alternated process by process), in ms for 16- and 128-token pages: B=8 x 16K
+//   bf16 16 keys 15.4 / 21.0, 32: 14.4 / 19.5, 48: 13.4 / 16.0, 64: 13.0 / 14.3, 128: 13.0 / 13.2, 256: 15.7 / 14.4;
+//   B=4 x 8K bf16 64: 2.47 / 2.42, 128: 2.37 / 2.23; fp32 B=4 x 8K 64: 4.7 / 4.0, 128: 4.9 / 4.6; B=8 x 16K fp32
+//   64: 24.0 / 24.0, 128: 26.2 / 23.5. So the bytes per column set the length, not the key count: the best was 256
+//   bytes in both precisions, and twice that was slower in both.
+// - kLoads: 128 keys in both precisions. On the AMD EPYC (same A/B), B=8 x 16K from 128-token pages took in float
+//   18.9-19.1 / 12.9-13.0 / 13.9-14.8 ms with blocks of 64 / 128 / 256 keys (256 / 512 / 1024 bytes of a column),
+//   in bf16 8.5 / 9.1-9.3 / 9.4-10.1 ms with 128 / 256 / 512 keys; from 16-token pages every length was within the
+//   noise (bf16 12.4-13.5 ms, float 21.4-21.8).
+template <typename T>
+int64_t paged_block_keys(ReadAhead way) {
+  return way == ReadAhead::kPrefetchL2 ? 256 / int64_t(sizeof(T)) : kMaxPagedBlockKeys;
+}
 
 // Brings bytes [first, first + bytes) towards the core ahead of use, one access per cache line.
 inline void read_ahead(const void* first, int64_t bytes, ReadAhead way) {
@@ -344,9 +364,9 @@ FDC_AVX512 inline void read_ahead_share(const CacheView<T>& cache, int64_t width
 template <typename T>
 struct PageRuns {
   int64_t count = 0;
-  int64_t first[kMaxBlockKeys], len[kMaxBlockKeys];
-  const T* k[kMaxBlockKeys];
-  const T* v[kMaxBlockKeys];
+  int64_t first[kMaxPagedBlockKeys], len[kMaxPagedBlockKeys];
+  const T* k[kMaxPagedBlockKeys];
+  const T* v[kMaxPagedBlockKeys];
 
   void assign(const CacheView<T>& kc, const CacheView<T>& vc, int64_t b, int64_t t0, int64_t t1) {
     count = 0;
@@ -358,12 +378,12 @@ struct PageRuns {
   }
 };
 
-// One piece on AVX-512: blocks of block_rows(way) keys of a contiguous cache or kPagedBlockKeys of a paged one (the
-// runs of every page the block touches), each scored and accumulated for every KV head in turn, so a block (whole rows
-// of a contiguous cache, runs of pages' columns) is read once for all heads. Before KV head j works on a block, the
-// j-th share of the next block's K and V columns is read ahead (read_ahead_share), so the reads ahead are spread over
-// the block's work. Products follow the cache's memory order: dot products along token-major rows, weighted row sums
-// along a dim-major page's token runs.
+// One piece on AVX-512: blocks of contiguous_block_rows keys of a contiguous cache or paged_block_keys of a paged one
+// (the runs of every page the block touches), each scored and accumulated for every KV head in turn, so a block (whole
+// rows of a contiguous cache, runs of pages' columns) is read once for all heads. Before KV head j works on a block,
+// the j-th share of the next block's K and V columns is read ahead (read_ahead_share), so the reads ahead are spread
+// over the block's work. Products follow the cache's memory order: dot products along token-major rows, weighted row
+// sums along a dim-major page's token runs.
 template <typename T>
 FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const T* q, int64_t q_ld,
                                  const CacheView<T>& kc, const CacheView<T>& vc, T* out, int64_t out_ld, RowScratch& ws,
@@ -377,11 +397,12 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
   std::fill(ws.softmax.begin(), ws.softmax.end(), OnlineSoftmax{});
   float* scores = ws.scores.data();
 
-  const int64_t rows = kc.paged() ? kPagedBlockKeys<T> : block_rows(way);  // at most kMaxBlockKeys
+  const int64_t rows =
+      kc.paged() ? paged_block_keys<T>(way) : contiguous_block_rows(way, (qk_width + v_width) * int64_t(sizeof(T)));
   const int64_t col_stride = kc.col_stride();
   PageRuns<T> runs[2];  // paged: the block's and the next block's runs, by turns
   if (kc.paged()) runs[0].assign(kc, vc, b, piece.t0, std::min(piece.t1, piece.t0 + rows));
-  const T* run_values[kMaxBlockKeys];  // one KV head's value columns in each run of the block
+  const T* run_values[kMaxPagedBlockKeys];  // one KV head's value columns in each run of the block
   for (int64_t t0 = piece.t0, turn = 0; t0 < piece.t1; turn ^= 1) {
     const int64_t t1 = std::min(piece.t1, t0 + rows), n = t1 - t0;
     const int64_t next = std::min(piece.t1, t1 + rows) - t1;  // keys of the next block (0 after the last)
