@@ -335,28 +335,15 @@ inline void read_ahead(const void* first, int64_t bytes, ReadAhead way) {
   asm volatile("" : : "r"(sink));
 }
 
-// Asks for the j-th of `shares` parts of n keys (every column of the cache's `width`) ahead of use (read_ahead), the
-// first of them at `first` (column 0): a byte range of a contiguous cache's rows, or a range of a dim-major page's
-// columns, each column's run of n tokens (one range when the run is the whole page). As for contiguous caches
-// (ReadAhead), one block ahead was best: B=8 x 16K bf16 from shuffled 16-token pages took 16.5 / 17.4 / 17.8 / 17.8 ms
-// reading 1 / 2 / 3 / 4 blocks ahead (Intel Xeon).
+// Asks for the j-th of `shares` parts of n rows of a contiguous cache (every column of each), the first at `first`,
+// ahead of use (read_ahead): a range of bytes. One block ahead was best (ReadAhead).
 template <typename T>
-FDC_AVX512 inline void read_ahead_share(const CacheView<T>& cache, int64_t width, const T* first, int64_t n, int64_t j,
-                                        int64_t shares, ReadAhead way) {
+FDC_AVX512 inline void read_ahead_share(const CacheView<T>& cache, const T* first, int64_t n, int64_t j, int64_t shares,
+                                        ReadAhead way) {
   if (n <= 0) return;
   const char* start = reinterpret_cast<const char*>(first);
-  if (!cache.paged()) {
-    const int64_t bytes = n * cache.stride1 * int64_t(sizeof(T));
-    read_ahead(start + bytes * j / shares, bytes * (j + 1) / shares - bytes * j / shares, way);
-    return;
-  }
-  const int64_t c0 = width * j / shares, c1 = width * (j + 1) / shares;
-  const int64_t run = cache.page_size * int64_t(sizeof(T));  // bytes between columns
-  if (n == cache.page_size) {
-    read_ahead(start + c0 * run, (c1 - c0) * run, way);
-    return;
-  }
-  for (int64_t c = c0; c < c1; ++c) read_ahead(start + c * run, n * int64_t(sizeof(T)), way);
+  const int64_t bytes = n * cache.stride1 * int64_t(sizeof(T));
+  read_ahead(start + bytes * j / shares, bytes * (j + 1) / shares - bytes * j / shares, way);
 }
 
 // The keys [t0, t1) of request b in a paged cache as runs, one per page they touch: run s is keys t0 + first[s] ..
@@ -377,6 +364,36 @@ struct PageRuns {
     }
   }
 };
+
+// Asks for the j-th of `shares` parts of a paged block's K and V ahead of use (read_ahead), page by page: the block's
+// columns listed run by run (the K columns of run 0, its V columns, the K columns of run 1, ...), each part a
+// contiguous slice of that list, so a part is one or two long ranges of bytes (whole pages, or a page's K or V
+// columns) where a whole page is in the block. On the AMD EPYC (builds alternated process by process), B=8 x 16K
+// bf16 from 128-token pages took 6.8-6.9 ms against 7.7-8.0 when each part was the j-th share of every run's K
+// columns and of its V columns, B=4 x 8K 1.60-1.62 against 1.87-1.91 ms; from 16-token pages B=4 x 8K bf16 2.27-2.43
+// against 2.54-2.69 ms and B=8 x 16K float 17.6 against 20.5 ms, B=8 x 16K bf16 the same (10.8-11.2 ms). One block
+// ahead was best: B=8 x 16K bf16 from shuffled 16-token pages took 16.5 / 17.4 / 17.8 / 17.8 ms reading 1 / 2 / 3 / 4
+// blocks ahead (Intel Xeon, before this order).
+template <typename T>
+FDC_AVX512 inline void read_ahead_runs(const PageRuns<T>& runs, int64_t page_size, int64_t qk_width, int64_t v_width,
+                                       int64_t j, int64_t shares, ReadAhead way) {
+  const int64_t per_run = qk_width + v_width, total = runs.count * per_run;
+  const int64_t u1 = total * (j + 1) / shares;
+  const int64_t run_bytes = page_size * int64_t(sizeof(T));  // bytes between columns
+  for (int64_t u = total * j / shares; u < u1;) {
+    const int64_t s = u / per_run, c = u % per_run;
+    const bool keys = c < qk_width;
+    const int64_t cols = std::min(keys ? qk_width : per_run, c + (u1 - u)) - c;
+    const char* first =
+        reinterpret_cast<const char*>(keys ? runs.k[s] : runs.v[s]) + (keys ? c : c - qk_width) * run_bytes;
+    if (runs.len[s] == page_size) {
+      read_ahead(first, cols * run_bytes, way);
+    } else {
+      for (int64_t k = 0; k < cols; ++k) read_ahead(first + k * run_bytes, runs.len[s] * int64_t(sizeof(T)), way);
+    }
+    u += cols;
+  }
+}
 
 // One piece on AVX-512: blocks of contiguous_block_rows keys of a contiguous cache or paged_block_keys of a paged one
 // (the runs of every page the block touches), each scored and accumulated for every KV head in turn, so a block (whole
@@ -411,13 +428,10 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
     if (kc.paged()) ahead.assign(kc, vc, b, t1, t1 + next);
     for (int64_t j = 0; j < hkv; ++j) {
       if (kc.paged()) {
-        for (int64_t s = 0; s < ahead.count; ++s) {
-          read_ahead_share(kc, qk_width, ahead.k[s], ahead.len[s], j, hkv, way);
-          read_ahead_share(vc, v_width, ahead.v[s], ahead.len[s], j, hkv, way);
-        }
+        read_ahead_runs(ahead, kc.page_size, qk_width, v_width, j, hkv, way);
       } else if (next > 0) {
-        read_ahead_share(kc, qk_width, kc.at(b, t1, 0), next, j, hkv, way);
-        read_ahead_share(vc, v_width, vc.at(b, t1, 0), next, j, hkv, way);
+        read_ahead_share(kc, kc.at(b, t1, 0), next, j, hkv, way);
+        read_ahead_share(vc, vc.at(b, t1, 0), next, j, hkv, way);
       }
       const int64_t k_col = layout.qk_offsets[j], v_col = layout.v_offsets[j];
       const int64_t dq = layout.qk_offsets[j + 1] - k_col, dv = layout.v_offsets[j + 1] - v_col;
