@@ -3,10 +3,11 @@ pad-to-max-width SDPA and one SDPA call per bucket of equally wide heads, on the
 benchmark (bench_decode.py and bench_prefill.py are the GPU ones, with more baselines), and a quick look on a GPU.
 
 What is measured (docs/design.md section 6):
-- copy bandwidth of the machine: one large tensor copy, (bytes read + bytes written) / time;
+- copy bandwidth of the machine: one large tensor copy, (bytes read + bytes written) / time, once at the start (the
+  header) and again for each decode row, timed in turn with that row's calls (the row's share and target use it);
 - decode: one query token per request against a long cache, contiguous and paged (pages of 16 and 128 tokens);
   achieved bandwidth = bytes of compressed K/V the step needs (sum over requests of length x (qk width + v width) x
-  element size) / time, as a share of copy bandwidth;
+  element size) / time, as a share of the copy bandwidth measured beside it;
 - prefill: useful TFLOP/s = sum over query heads of 2 (d_qk + d_v) x visible keys (causal: s(s+1)/2 per sequence),
   / time.
 Baselines: "SDPA padded" pads every head to the widest width of the layer; "SDPA per bucket" makes one call per bucket
@@ -22,7 +23,8 @@ row says PASS or MISS for each.
 
 Timing: bench_common.Timer: warm-up, then the median of repeated calls (perf_counter on the CPU; CUDA events with L2
 flushed between calls on a GPU); a prefill shape's four methods are called in turn, round by round
-(Timer.interleaved), so that a slow spell of the machine weighs on all of them alike. Prints a table and writes JSON
+(Timer.interleaved), and so are each fdc decode call and its copy, so that a slow spell of the machine weighs on all
+of them alike. Prints a table and writes JSON
 to bench/results/ (or --out) with the device, torch version, threads and git commit. --quick runs a small smoke
 configuration (seconds).
 """
@@ -68,7 +70,7 @@ class Row:
 
 
 def bench_decode(batch: int, context: int, qk_dims: list[int], v_dims: list[int], dtype: torch.dtype,
-                 device: torch.device, copy_gbps: float, timer: Timer) -> list[Row]:
+                 device: torch.device, copy_mb: int, timer: Timer) -> list[Row]:
     qk_offsets, v_offsets = prefix(qk_dims), prefix(v_dims)
     width, full_width = sum(qk_dims) + sum(v_dims), 2 * NUM_KV_HEADS * HEAD_DIM
     heads = NUM_KV_HEADS * GROUP
@@ -112,7 +114,9 @@ def bench_decode(batch: int, context: int, qk_dims: list[int], v_dims: list[int]
     v_cache = torch.randn(batch, context, sum(v_dims), dtype=dtype, device=device)
     needed = batch * context * width * dtype.itemsize
     plan = ops.decode_plan(seqlens, qk_offsets, v_offsets, GROUP)
-    time_limit, bandwidth_floor = goal.full_ratio_slack * share, goal.copy_share * copy_gbps
+    time_limit = goal.full_ratio_slack * share
+    copy_src = torch.ones(copy_mb * 2**20 // 4, dtype=torch.float32, device=device)
+    copy_dst = torch.empty_like(copy_src)
 
     def paged(page_size: int):
         """The same lengths in a paged cache ((num_pages, width, page_size), docs/design.md section 3) whose pages
@@ -135,16 +139,22 @@ def bench_decode(batch: int, context: int, qk_dims: list[int], v_dims: list[int]
             yield f"fdc decode, paged ({size}-token pages)", paged(size)
 
     for method, call in fdc_calls():
-        seconds = median(timer(call))
+        # The copy that sets the bandwidth target is timed in turn with the call, round by round: a 2-core machine's
+        # copy bandwidth was seen to move by up to 1.7x from one minute to the next (AMD EPYC: 44 and 76 GB/s), so a
+        # probe taken once at the start could misjudge a row timed minutes later.
+        call_times, copy_times = timer.interleaved([call, lambda: copy_dst.copy_(copy_src)], flush=False)
         call = None  # the paged cache it holds is released before the next one is made
-        gbps = needed / seconds / 1e9
+        seconds, copy_gbps = median(call_times), 2 * copy_src.nbytes / median(copy_times) / 1e9
+        gbps, bandwidth_floor = needed / seconds / 1e9, goal.copy_share * copy_gbps
         time_ok, bandwidth_ok = seconds <= time_limit * full, gbps >= bandwidth_floor
         beats_ok = seconds < min(padded, bucketed)
         rows.append(Row("decode", config, str(dtype), method, seconds * 1e3, gbps, "GB/s", seconds / full,
                         f"<= {time_limit:.3f}x full; >= {bandwidth_floor:.1f} GB/s; < padded, per bucket",
                         f"{verdict(time_ok)}; {verdict(bandwidth_ok)} ({gbps / copy_gbps:.0%} of copy); "
                         f"{verdict(beats_ok)}",
-                        {"share_of_copy_bandwidth": gbps / copy_gbps, "width_ratio": share}))
+                        {"share_of_copy_bandwidth": gbps / copy_gbps, "copy_bandwidth_gbps": copy_gbps,
+                         "width_ratio": share}))
+    copy_src = copy_dst = None  # released: the timed closures above hold them
     return rows
 
 
@@ -228,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     for dtype in dtypes:
         for batch, context in decode_shapes if args.phase != "prefill" else []:
-            rows += bench_decode(batch, context, qk_dims, v_dims, dtype, device, copy_gbps, timer)
+            rows += bench_decode(batch, context, qk_dims, v_dims, dtype, device, copy_mb, timer)
         for lengths in prefill_shapes if args.phase != "decode" else []:
             for causal in (True, False):
                 rows += bench_prefill(lengths, causal, qk_dims, v_dims, dtype, device, timer)
