@@ -4,7 +4,7 @@ benchmark (bench_decode.py and bench_prefill.py are the GPU ones, with more base
 
 What is measured (docs/design.md section 6):
 - copy bandwidth of the machine: one large tensor copy, (bytes read + bytes written) / time, once at the start (the
-  header) and again for each decode row, timed in turn with that row's calls (the row's share and target use it);
+  header) and again for each decode row, right before and after its calls (the row's share and target use the mean);
 - decode: one query token per request against a long cache, contiguous and paged (pages of 16 and 128 tokens);
   achieved bandwidth = bytes of compressed K/V the step needs (sum over requests of length x (qk width + v width) x
   element size) / time, as a share of the copy bandwidth measured beside it;
@@ -23,8 +23,7 @@ row says PASS or MISS for each.
 
 Timing: bench_common.Timer: warm-up, then the median of repeated calls (perf_counter on the CPU; CUDA events with L2
 flushed between calls on a GPU); a prefill shape's four methods are called in turn, round by round
-(Timer.interleaved), and so are each fdc decode call and its copy, so that a slow spell of the machine weighs on all
-of them alike. Prints a table and writes JSON
+(Timer.interleaved), so that a slow spell of the machine weighs on all of them alike. Prints a table and writes JSON
 to bench/results/ (or --out) with the device, torch version, threads and git commit. --quick runs a small smoke
 configuration (seconds).
 """
@@ -118,6 +117,9 @@ def bench_decode(batch: int, context: int, qk_dims: list[int], v_dims: list[int]
     copy_src = torch.ones(copy_mb * 2**20 // 4, dtype=torch.float32, device=device)
     copy_dst = torch.empty_like(copy_src)
 
+    def copy():
+        copy_dst.copy_(copy_src)
+
     def paged(page_size: int):
         """The same lengths in a paged cache ((num_pages, width, page_size), docs/design.md section 3) whose pages
         are shuffled over the pool, as a serving engine's block tables leave them."""
@@ -139,12 +141,16 @@ def bench_decode(batch: int, context: int, qk_dims: list[int], v_dims: list[int]
             yield f"fdc decode, paged ({size}-token pages)", paged(size)
 
     for method, call in fdc_calls():
-        # The copy that sets the bandwidth target is timed in turn with the call, round by round: a 2-core machine's
-        # copy bandwidth was seen to move by up to 1.7x from one minute to the next (AMD EPYC: 44 and 76 GB/s), so a
-        # probe taken once at the start could misjudge a row timed minutes later.
-        call_times, copy_times = timer.interleaved([call, lambda: copy_dst.copy_(copy_src)], flush=False)
+        # The copy that sets the bandwidth target is timed right before and right after the row's calls: a 2-core
+        # machine's copy bandwidth was seen to move by up to 1.7x from one minute to the next (AMD EPYC: 44 and 76
+        # GB/s) while decode times held, so a probe taken once at the start could misjudge a row timed minutes later.
+        # Not call by call: each copy leaves the caches full of dirty lines, whose write-back the next decode call
+        # paid (B=8 x 16K bf16 took 7.9-9.8 ms so against 7.2-8.5 back to back); the row's warm-up calls pay it here.
+        copy_before = median(timer(copy, flush=False))
+        seconds = median(timer(call))
+        copy_seconds = (copy_before + median(timer(copy, flush=False))) / 2
         call = None  # the paged cache it holds is released before the next one is made
-        seconds, copy_gbps = median(call_times), 2 * copy_src.nbytes / median(copy_times) / 1e9
+        copy_gbps = 2 * copy_src.nbytes / copy_seconds / 1e9
         gbps, bandwidth_floor = needed / seconds / 1e9, goal.copy_share * copy_gbps
         time_ok, bandwidth_ok = seconds <= time_limit * full, gbps >= bandwidth_floor
         beats_ok = seconds < min(padded, bucketed)
@@ -154,7 +160,7 @@ def bench_decode(batch: int, context: int, qk_dims: list[int], v_dims: list[int]
                         f"{verdict(beats_ok)}",
                         {"share_of_copy_bandwidth": gbps / copy_gbps, "copy_bandwidth_gbps": copy_gbps,
                          "width_ratio": share}))
-    copy_src = copy_dst = None  # released: the timed closures above hold them
+    copy_src = copy_dst = None  # released before the next shape's tensors are made
     return rows
 
 
