@@ -257,8 +257,8 @@ def test_decode_attention_many_blocks_per_piece(dtype, isa, monkeypatch):
     """A wide layer (8 KV heads of 256 + 256 columns) over 2000 keys: whatever block length this CPU's read-ahead
     picks (16 rows on Intel; on AMD 512 KiB of K and V, 32 rows of float here), each piece of the AVX-512 kernel spans
     many blocks, so the next block's read-ahead and the softmax carried from block to block are exercised; keys whose
-    scores jump far above every earlier one make later blocks rescale what earlier ones summed. The random cases'
-    narrow layers fit a whole piece in one block of the AMD length. Unused cache rows hold NaN."""
+    scores jump far above every earlier one make later blocks rescale what earlier ones summed. Unused cache rows
+    hold NaN."""
     monkeypatch.setenv("FDC_CPU_ISA", isa)
     gen = torch.Generator().manual_seed(11)
     dims, group, length = [256] * 8, 2, 2000

@@ -299,10 +299,16 @@ constexpr int64_t kLoadsBlockBytes = 512 << 10;
 //   16 / 32 / 48 / 64 rows, and B=4 x 8K 2.56 / 2.67 / 2.59 / 2.74 ms (bf16); 128 and 256 rows were slower than 64
 //   again. A block of 16 rows (26 KiB of K and V in bf16 for the benchmark's layout) stays in L1 from its scores to
 //   its value sums, and each head's share of the read-ahead is a short burst between its products.
-// - kLoads: kLoadsBlockBytes of rows, a multiple of 16 from 16 to kMaxBlockKeys.
-int64_t contiguous_block_rows(ReadAhead way, int64_t row_bytes) {
+// - kLoads: kLoadsBlockBytes of rows, a multiple of 16 from 16 to kMaxBlockKeys, and at most a quarter of the piece's
+//   `piece_rows` (but not below 64): a piece's first block is never read ahead, so a short piece of narrow rows cut
+//   as one block read all of it waiting. SmolLM2's decode shape on the AMD EPYC (30 layers, 3 KV heads of 64 + 64
+//   float columns, one request of 4K keys: pieces of 512 rows) took 5.6-5.8 ms per step in one block per piece,
+//   5.1-5.3 in quarters and 5.3-5.5 with the 64-row blocks used before (builds alternated process by process);
+//   B=8 x 16K bf16 in the benchmark's layer, whose pieces are far longer, 7.2-7.7 ms either way.
+int64_t contiguous_block_rows(ReadAhead way, int64_t row_bytes, int64_t piece_rows) {
   if (way == ReadAhead::kPrefetchL2) return 16;
-  return std::clamp<int64_t>(kLoadsBlockBytes / row_bytes / 16 * 16, 16, kMaxBlockKeys);
+  const int64_t quarter = std::max<int64_t>(64, ceil_div(piece_rows, 4 * 16) * 16);
+  return std::clamp<int64_t>(std::min(kLoadsBlockBytes / row_bytes / 16 * 16, quarter), 16, kMaxBlockKeys);
 }
 
 // Keys per block of a piece of a paged cache: the runs of every page the block touches, at most kMaxPagedBlockKeys.
@@ -414,8 +420,9 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
   std::fill(ws.softmax.begin(), ws.softmax.end(), OnlineSoftmax{});
   float* scores = ws.scores.data();
 
-  const int64_t rows =
-      kc.paged() ? paged_block_keys<T>(way) : contiguous_block_rows(way, (qk_width + v_width) * int64_t(sizeof(T)));
+  const int64_t rows = kc.paged()
+                           ? paged_block_keys<T>(way)
+                           : contiguous_block_rows(way, (qk_width + v_width) * int64_t(sizeof(T)), piece.t1 - piece.t0);
   const int64_t col_stride = kc.col_stride();
   PageRuns<T> runs[2];  // paged: the block's and the next block's runs, by turns
   if (kc.paged()) runs[0].assign(kc, vc, b, piece.t0, std::min(piece.t1, piece.t0 + rows));
