@@ -114,11 +114,6 @@ def bench_decode(batch: int, context: int, qk_dims: list[int], v_dims: list[int]
     needed = batch * context * width * dtype.itemsize
     plan = ops.decode_plan(seqlens, qk_offsets, v_offsets, GROUP)
     time_limit = goal.full_ratio_slack * share
-    copy_src = torch.ones(copy_mb * 2**20 // 4, dtype=torch.float32, device=device)
-    copy_dst = torch.empty_like(copy_src)
-
-    def copy():
-        copy_dst.copy_(copy_src)
 
     def paged(page_size: int):
         """The same lengths in a paged cache ((num_pages, width, page_size), docs/design.md section 3) whose pages
@@ -146,11 +141,10 @@ def bench_decode(batch: int, context: int, qk_dims: list[int], v_dims: list[int]
         # GB/s) while decode times held, so a probe taken once at the start could misjudge a row timed minutes later.
         # Not call by call: each copy leaves the caches full of dirty lines, whose write-back the next decode call
         # paid (B=8 x 16K bf16 took 7.9-9.8 ms so against 7.2-8.5 back to back); the row's warm-up calls pay it here.
-        copy_before = median(timer(copy, flush=False))
+        copy_before = copy_bandwidth(device, copy_mb, timer)
         seconds = median(timer(call))
-        copy_seconds = (copy_before + median(timer(copy, flush=False))) / 2
+        copy_gbps = (copy_before + copy_bandwidth(device, copy_mb, timer)) / 2
         call = None  # the paged cache it holds is released before the next one is made
-        copy_gbps = 2 * copy_src.nbytes / copy_seconds / 1e9
         gbps, bandwidth_floor = needed / seconds / 1e9, goal.copy_share * copy_gbps
         time_ok, bandwidth_ok = seconds <= time_limit * full, gbps >= bandwidth_floor
         beats_ok = seconds < min(padded, bucketed)
@@ -160,7 +154,6 @@ def bench_decode(batch: int, context: int, qk_dims: list[int], v_dims: list[int]
                         f"{verdict(beats_ok)}",
                         {"share_of_copy_bandwidth": gbps / copy_gbps, "copy_bandwidth_gbps": copy_gbps,
                          "width_ratio": share}))
-    copy_src = copy_dst = None  # released before the next shape's tensors are made
     return rows
 
 

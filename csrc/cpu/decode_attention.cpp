@@ -404,9 +404,9 @@ FDC_AVX512 inline void read_ahead_runs(const PageRuns<T>& runs, int64_t page_siz
 // One piece on AVX-512: blocks of contiguous_block_rows keys of a contiguous cache or paged_block_keys of a paged one
 // (the runs of every page the block touches), each scored and accumulated for every KV head in turn, so a block (whole
 // rows of a contiguous cache, runs of pages' columns) is read once for all heads. Before KV head j works on a block,
-// the j-th share of the next block's K and V columns is read ahead (read_ahead_share), so the reads ahead are spread
-// over the block's work. Products follow the cache's memory order: dot products along token-major rows, weighted row
-// sums along a dim-major page's token runs.
+// the j-th share of the next block's K and V is read ahead (read_ahead_share, read_ahead_runs), so the reads ahead are
+// spread over the block's work. Products follow the cache's memory order: dot products along token-major rows, weighted
+// row sums along a dim-major page's token runs.
 template <typename T>
 FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const T* q, int64_t q_ld,
                                  const CacheView<T>& kc, const CacheView<T>& vc, T* out, int64_t out_ld, RowScratch& ws,
