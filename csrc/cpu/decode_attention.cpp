@@ -26,8 +26,8 @@
 namespace fdc::cpu {
 namespace {
 
-// The longest block of keys of a piece (run_piece_avx512), the scores' leading dimension there: reached by contiguous
-// caches of narrow layers (contiguous_block_rows).
+// The longest block of keys of a piece (run_piece_avx512), the scores' leading dimension there, a multiple of 32
+// (round_to_bf16): reached by contiguous caches of narrow layers (contiguous_block_rows).
 constexpr int64_t kMaxBlockKeys = 512;
 // The longest block of keys of a piece of a paged cache (paged_block_keys), whose page runs a piece lists per block.
 constexpr int64_t kMaxPagedBlockKeys = 128;
@@ -259,9 +259,11 @@ std::vector<RowPiece> cut_rows(const std::vector<int32_t>& seqlens, int64_t hkv,
 // (G * W_v, the output's order), one online softmax per query head, and the scores of one block for one KV head.
 struct RowScratch {
   std::vector<float> q, acc, scores;
+  std::vector<uint16_t> weights_bf16;  // scores' probabilities rounded to bf16, for axpy_rows_bf16
   std::vector<OnlineSoftmax> softmax;
   RowScratch(int64_t group, int64_t qk_width, int64_t v_width, int64_t heads)
-      : q(group * qk_width), acc(group * v_width), scores(group * kMaxBlockKeys), softmax(heads) {}
+      : q(group * qk_width), acc(group * v_width), scores(group * kMaxBlockKeys), weights_bf16(group * kMaxBlockKeys),
+        softmax(heads) {}
 };
 
 // How read_ahead brings the next block towards the core: the best way was measured to differ between vendors.
@@ -405,7 +407,8 @@ FDC_AVX512 inline void read_ahead_runs(const PageRuns<T>& runs, int64_t page_siz
 // (the runs of every page the block touches), each scored and accumulated for every KV head in turn, so a block (whole
 // rows of a contiguous cache, runs of pages' columns) is read once for all heads. Before KV head j works on a block,
 // the j-th share of the next block's K and V is read ahead (read_ahead_share, read_ahead_runs), so the reads ahead are
-// spread over the block's work. Products follow the cache's memory order: dot products along token-major rows, weighted
+// spread over the block's work. With AVX-512-BF16, bf16 keys and values are multiplied without widening (dot_rows_bf16,
+// axpy_rows_bf16). Products follow the cache's memory order: dot products along token-major rows, weighted
 // row sums along a dim-major page's token runs.
 template <typename T>
 FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const T* q, int64_t q_ld,
@@ -474,7 +477,17 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
       if (vc.paged()) {  // each run's values are dv columns of consecutive tokens: acc[i][c] += p_i . V[c]
         avx512::dot_columns(scores, kMaxBlockKeys, group, run_values, here.first, here.len, here.count, col_stride, dv,
                             acc, dv);
-      } else {  // values are n rows of dv: acc_i += sum_t p_i[t] V[t]
+      } else if constexpr (std::is_same_v<T, c10::BFloat16>) {  // values are n rows of dv: acc_i += sum_t p_i[t] V[t]
+        if (bf16_dot) {  // with the probabilities rounded to bf16, as the output will be
+          uint16_t* weights = ws.weights_bf16.data();
+          for (int64_t i = 0; i < group; ++i) {
+            avx512::round_to_bf16(scores + i * kMaxBlockKeys, n, weights + i * kMaxBlockKeys);
+          }
+          avx512::axpy_rows_bf16(weights, kMaxBlockKeys, group, vc.at(b, t0, v_col), vc.stride1, n, dv, acc, dv);
+        } else {
+          avx512::axpy_rows(scores, kMaxBlockKeys, group, vc.at(b, t0, v_col), vc.stride1, n, dv, acc, dv);
+        }
+      } else {
         avx512::axpy_rows(scores, kMaxBlockKeys, group, vc.at(b, t0, v_col), vc.stride1, n, dv, acc, dv);
       }
     }

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #define FDC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
 #define FDC_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
@@ -266,6 +267,104 @@ FDC_AVX512 void axpy_rows(const float* w, int64_t w_ld, int64_t group, const T* 
         case 3: axpy_tile_vecs<T, 3>(vecs, wh, w_ld, rows + x0, row_stride, n, last, ah, acc_ld); break;
         case 4: axpy_tile_vecs<T, 4>(vecs, wh, w_ld, rows + x0, row_stride, n, last, ah, acc_ld); break;
         default: TORCH_CHECK(false, "fdc: axpy tile of ", heads, " heads, expected 1 to ", kTileHeads);
+      }
+    }
+  }
+}
+
+// The first n of x rounded to bf16 (round to nearest even) as raw bits, then zeros up to the next multiple of 32:
+// the weights of axpy_rows_bf16.
+FDC_AVX512_BF16 inline void round_to_bf16(const float* x, int64_t n, uint16_t* out) {
+  for (int64_t i = 0; i < n; i += 2 * kLanes) {
+    const __m512 low = _mm512_maskz_loadu_ps(lanes_mask(n - i), x + i);
+    const __m512 high = _mm512_maskz_loadu_ps(lanes_mask(std::max<int64_t>(0, n - i - kLanes)), x + i + kLanes);
+    _mm512_storeu_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+  }
+}
+
+// axpy_tile for bf16 rows and bf16 weights, with AVX-512-BF16: rows r and r + 1 are interleaved element by element
+// (vpunpcklwd and vpunpckhwd, within each 128-bit lane), so one vdpbf16ps adds w[r] row_r + w[r + 1] row_{r + 1} to
+// 16 columns, against two widenings and two FMAs per row in float. kChunks registers of 32 columns (the last masked
+// by `last`) for kHeads heads; w holds each head's weights as bf16 bits, zero after n up to an even count, so the pair
+// (w[r], w[r + 1]) is one 32-bit lane. The interleave leaves the columns of each 128-bit lane split in two: dword
+// 4L + i of the first sum holds column 8L + i, of the second column 8L + 4 + i (L < 4, i < 4); they are put back in
+// order once per tile.
+template <int kHeads, int kChunks>
+FDC_AVX512_BF16 void axpy_pairs_tile(const uint16_t* w, int64_t w_ld, const c10::BFloat16* rows, int64_t row_stride,
+                                     int64_t n, __mmask32 last, float* acc, int64_t acc_ld) {
+  constexpr int64_t kPairs = 2 * kLanes;  // columns per register of bf16
+  const auto chunk_mask = [last](int c) { return c + 1 == kChunks ? last : __mmask32(0xFFFFFFFF); };
+  __m512 low[kHeads][kChunks], high[kHeads][kChunks];
+#pragma GCC unroll 4
+  for (int h = 0; h < kHeads; ++h)
+#pragma GCC unroll 2
+    for (int c = 0; c < kChunks; ++c) low[h][c] = high[h][c] = _mm512_setzero_ps();
+  for (int64_t r = 0; r < n; r += 2) {
+    const c10::BFloat16* row = rows + r * row_stride;
+    __m512bh x_low[kChunks], x_high[kChunks];
+#pragma GCC unroll 2
+    for (int c = 0; c < kChunks; ++c) {
+      const __mmask32 mask = chunk_mask(c);
+      const __m512i a = _mm512_maskz_loadu_epi16(mask, row + c * kPairs);
+      const __m512i b = _mm512_maskz_loadu_epi16(r + 1 < n ? mask : __mmask32(0), row + row_stride + c * kPairs);
+      x_low[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      x_high[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < kHeads; ++h) {
+      uint32_t pair;
+      std::memcpy(&pair, w + h * w_ld + r, sizeof(pair));
+      const __m512bh weights = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair));
+#pragma GCC unroll 2
+      for (int c = 0; c < kChunks; ++c) {
+        low[h][c] = _mm512_dpbf16_ps(low[h][c], x_low[c], weights);
+        high[h][c] = _mm512_dpbf16_ps(high[h][c], x_high[c], weights);
+      }
+    }
+  }
+  // Lane m of first (second): column m (16 + m), taken from `low` (index < 16) or `high` (index - 16).
+  alignas(64) static constexpr int32_t kFirst[kLanes] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+  alignas(64) static constexpr int32_t kSecond[kLanes] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+  const __m512i first = _mm512_load_si512(kFirst), second = _mm512_load_si512(kSecond);
+#pragma GCC unroll 4
+  for (int h = 0; h < kHeads; ++h)
+#pragma GCC unroll 2
+    for (int c = 0; c < kChunks; ++c) {
+      const __mmask32 mask = chunk_mask(c);
+      float* a = acc + h * acc_ld + c * kPairs;
+      const __mmask16 m0 = __mmask16(mask), m1 = __mmask16(mask >> kLanes);
+      const __m512 cols0 = _mm512_permutex2var_ps(low[h][c], first, high[h][c]);
+      const __m512 cols1 = _mm512_permutex2var_ps(low[h][c], second, high[h][c]);
+      _mm512_mask_storeu_ps(a, m0, _mm512_add_ps(cols0, _mm512_maskz_loadu_ps(m0, a)));
+      _mm512_mask_storeu_ps(a + kLanes, m1, _mm512_add_ps(cols1, _mm512_maskz_loadu_ps(m1, a + kLanes)));
+    }
+}
+
+// axpy_rows for bf16 rows with bf16 weights (round_to_bf16, w_ld elements per head), by axpy_pairs_tile: tiles of
+// up to 4 heads x 64 columns (16 accumulators, 4 interleaved row registers and a weight pair within the 32 registers).
+FDC_AVX512_BF16 inline void axpy_rows_bf16(const uint16_t* w, int64_t w_ld, int64_t group, const c10::BFloat16* rows,
+                                           int64_t row_stride, int64_t n, int64_t len, float* acc, int64_t acc_ld) {
+  constexpr int64_t kPairs = 2 * kLanes, kTileColumns = 2 * kPairs;
+  for (int64_t x0 = 0; x0 < len; x0 += kTileColumns) {
+    const int64_t cols = std::min(kTileColumns, len - x0);
+    const int chunks = static_cast<int>((cols + kPairs - 1) / kPairs);
+    const int64_t rest = cols - (chunks - 1) * kPairs;
+    const __mmask32 last = rest == kPairs ? __mmask32(0xFFFFFFFF) : __mmask32((1u << rest) - 1);
+    for (int64_t h0 = 0; h0 < group; h0 += 4) {
+      const int heads = static_cast<int>(std::min<int64_t>(4, group - h0));
+      const uint16_t* wh = w + h0 * w_ld;
+      const c10::BFloat16* r = rows + x0;
+      float* ah = acc + h0 * acc_ld + x0;
+      switch (heads * 2 + chunks - 1) {
+        case 2: axpy_pairs_tile<1, 1>(wh, w_ld, r, row_stride, n, last, ah, acc_ld); break;
+        case 3: axpy_pairs_tile<1, 2>(wh, w_ld, r, row_stride, n, last, ah, acc_ld); break;
+        case 4: axpy_pairs_tile<2, 1>(wh, w_ld, r, row_stride, n, last, ah, acc_ld); break;
+        case 5: axpy_pairs_tile<2, 2>(wh, w_ld, r, row_stride, n, last, ah, acc_ld); break;
+        case 6: axpy_pairs_tile<3, 1>(wh, w_ld, r, row_stride, n, last, ah, acc_ld); break;
+        case 7: axpy_pairs_tile<3, 2>(wh, w_ld, r, row_stride, n, last, ah, acc_ld); break;
+        case 8: axpy_pairs_tile<4, 1>(wh, w_ld, r, row_stride, n, last, ah, acc_ld); break;
+        case 9: axpy_pairs_tile<4, 2>(wh, w_ld, r, row_stride, n, last, ah, acc_ld); break;
+        default: TORCH_CHECK(false, "fdc: bf16 axpy tile of ", heads, " heads and ", chunks, " registers");
       }
     }
   }
