@@ -270,7 +270,9 @@ struct RowScratch {
 // - kLoads: plain loads, one byte per cache line. On the 2-core AMD EPYC (bench/bench_ops.py shapes, one thread),
 //   prefetcht0 of the next block made no difference (16 ms for B=4 x 8K bf16, as without), prefetcht1 gave 9.6 ms,
 //   these loads 8.1 ms: loads cannot be dropped when the miss buffers are full, and the out-of-order core keeps
-//   working on the current block meanwhile.
+//   working on the current block meanwhile. Measured again with 512 KiB blocks (alternated call by call): B=8 x 16K
+//   bf16 8.1 ms with a load per line, 13.7 without reading ahead, 14.0 and 14.8 with a load per 128 or 256 bytes;
+//   16-token pages B=4 x 8K bf16 2.6 / 3.5 / 4.4 / 4.3 ms.
 // - kPrefetchL2: prefetcht1 per cache line. On the 2-core Intel Xeon with AMX (bench_ops shapes, 2 threads, the
 //   variants taken in turn in one process), B=8 x 16K took 17.1 ms in bf16 and 27.5 ms in fp32 with loads, 15.8 and
 //   26.2 with prefetcht0, 15.5 and 25.9 with prefetcht1 (prefetcht2 alike), 19.9 and 29.0 without reading ahead:
@@ -283,17 +285,19 @@ ReadAhead read_ahead_for_this_cpu() {
   return way;
 }
 
-// K and V bytes of a contiguous cache's block under kLoads (contiguous_block_rows): a block and the next one, read
-// ahead during it, fill the 1 MiB L2 of a Zen 4 or 5 core. Measured on the 2-core AMD EPYC (Zen 5; bench_ops' layout,
-// whose rows take 1632 bytes in bf16 and 3264 in float; block lengths alternated process by process or call by call),
-// B=8 x 16K (far larger than the 32 MiB L3) took in bf16 9.7-10.5 / 8.6-8.7 / 7.3-8.2 / 7.6-7.9 / 7.7-7.9 / 7.9-8.1 ms
-// with blocks of 64 / 128 / 256 / 320 / 384-480 / 512 rows, and in float 15.1 / 13.0-13.9 / 12.7-13.6 / 12.7-13.8
-// / 13.0-13.2 / 14.2-16.5 / 16.3 ms with 64 / 128 / 160 / 192 / 256 / 384 / 512 rows. At B=4 x 8K (partly in L3),
-// alternated call by call, bf16 took 2.5 / 2.1 / 2.9 ms with 64 / 256 / 400 rows and, in another run, 1.9 / 1.7 / 1.6
-// ms with 256 / 288 / 320. So blocks of 0.4 to 0.8 MiB were fastest from DRAM in both precisions, and blocks that
-// overflow L2 with their successor lost where the cache came from L3. The 64 rows used before had been reasoned, not
-// measured.
-constexpr int64_t kLoadsBlockBytes = 512 << 10;
+// K and V bytes of a contiguous cache's block under kLoads (contiguous_block_rows), whose successor is read ahead
+// whole, K rows then V rows, before the block's first KV head (run_piece_avx512). Measured on the 2-core AMD EPYC
+// (Zen 5; bench_ops' layout, whose rows take 1632 bytes in bf16 and 3264 in float; variants alternated call by call
+// in one process, the times below from one run each): B=8 x 16K bf16 took 6.8 / 6.8 / 7.1 / 7.9 ms with blocks of
+// 64 / 96 / 128 / 160 rows (104 / 157 / 209 / 261 KB), B=4 x 8K bf16 1.71 / 1.65 / 1.69 / 1.78; fp32 B=8 x 16K 12.2
+// / 12.5 / 13.0 / 12.8 ms with 48 / 64 / 96 / 128 rows (157 / 209 / 313 / 418 KB), B=4 x 8K 2.9 / 2.9 / 3.8 / 3.3 ms;
+// 384- and 512-row blocks were slower again (bf16 8x16K 8.4 and 9.1 ms). Against the layout before, 512 KiB blocks
+// whose successor was read in one share per KV head before that head's work (bf16 8.1 and 2.6 ms, fp32 13.8 and 3.8):
+// 16%, 37%, 11% and 22% faster. The same per-head shares with 128-row blocks were slower than the whole block at
+// once, and so were shares of half a head each (bf16 B=8 x 16K 9.2 against 8.5 ms): one long sequential sweep per
+// block is what the L2 stream prefetcher follows best. So about 160 KiB (its block and the one read ahead take a
+// third of the 1 MiB L2).
+constexpr int64_t kLoadsBlockBytes = 160 << 10;
 
 // Rows per block of a piece of a contiguous cache whose rows take row_bytes of K and V together.
 // - kPrefetchL2: 16, one dot_rows group and the fewest: on the Intel Xeon (same A/B as above, reading 1 block ahead)
@@ -304,9 +308,8 @@ constexpr int64_t kLoadsBlockBytes = 512 << 10;
 // - kLoads: kLoadsBlockBytes of rows, a multiple of 16 from 16 to kMaxBlockKeys, and at most a quarter of the piece's
 //   `piece_rows` (but not below 64): a piece's first block is never read ahead, so a short piece of narrow rows cut
 //   as one block read all of it waiting. SmolLM2's decode shape on the AMD EPYC (30 layers, 3 KV heads of 64 + 64
-//   float columns, one request of 4K keys: pieces of 512 rows) took 5.6-5.8 ms per step in one block per piece,
-//   5.1-5.3 in quarters and 5.3-5.5 with the 64-row blocks used before (builds alternated process by process);
-//   B=8 x 16K bf16 in the benchmark's layer, whose pieces are far longer, 7.2-7.7 ms either way.
+//   float columns, one request of 4K keys: pieces of 512 rows) took 5.6-5.8 ms per step in one block per piece and
+//   5.1-5.3 in quarters when blocks were 512 KiB.
 int64_t contiguous_block_rows(ReadAhead way, int64_t row_bytes, int64_t piece_rows) {
   if (way == ReadAhead::kPrefetchL2) return 16;
   const int64_t quarter = std::max<int64_t>(64, ceil_div(piece_rows, 4 * 16) * 16);
@@ -407,7 +410,8 @@ FDC_AVX512 inline void read_ahead_runs(const PageRuns<T>& runs, int64_t page_siz
 // (the runs of every page the block touches), each scored and accumulated for every KV head in turn, so a block (whole
 // rows of a contiguous cache, runs of pages' columns) is read once for all heads. Before KV head j works on a block,
 // the j-th share of the next block's K and V is read ahead (read_ahead_share, read_ahead_runs), so the reads ahead are
-// spread over the block's work. With AVX-512-BF16, bf16 keys and values are multiplied without widening (dot_rows_bf16,
+// spread over the block's work; by loads, the next block of a contiguous cache is read ahead whole before head 0
+// (kLoadsBlockBytes). With AVX-512-BF16, bf16 keys and values are multiplied without widening (dot_rows_bf16,
 // axpy_rows_bf16). Products follow the cache's memory order: dot products along token-major rows, weighted
 // row sums along a dim-major page's token runs.
 template <typename T>
@@ -439,9 +443,10 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
     for (int64_t j = 0; j < hkv; ++j) {
       if (kc.paged()) {
         read_ahead_runs(ahead, kc.page_size, qk_width, v_width, j, hkv, way);
-      } else if (next > 0) {
-        read_ahead_share(kc, kc.at(b, t1, 0), next, j, hkv, way);
-        read_ahead_share(vc, vc.at(b, t1, 0), next, j, hkv, way);
+      } else if (next > 0 && (way == ReadAhead::kPrefetchL2 || j == 0)) {  // kLoads: all of it before head 0
+        const int64_t shares = way == ReadAhead::kPrefetchL2 ? hkv : 1;
+        read_ahead_share(kc, kc.at(b, t1, 0), next, j, shares, way);
+        read_ahead_share(vc, vc.at(b, t1, 0), next, j, shares, way);
       }
       const int64_t k_col = layout.qk_offsets[j], v_col = layout.v_offsets[j];
       const int64_t dq = layout.qk_offsets[j + 1] - k_col, dv = layout.v_offsets[j + 1] - v_col;
