@@ -219,7 +219,7 @@ CPU_ISAS = ("", "avx512", "portable")
 def test_decode_attention(case, paged, isa, monkeypatch):
     monkeypatch.setenv("FDC_CPU_ISA", isa)
     gen, rng, replay = case_generator(f"decode_attention paged={paged}", case)
-    layout = random_layout(rng)
+    layout = random_layout(rng, max_group=16)  # above 8 the AVX-512 bf16 key products take query heads in two rounds
     dtype = rng.choice(DTYPES)
     batch = rng.randint(1, 6)
     lengths = random_lengths(rng, batch, choices=(0, 1, 5, 64, 65, 300, 700))
@@ -255,7 +255,7 @@ def test_decode_attention(case, paged, isa, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_attention_many_blocks_per_piece(dtype, isa, monkeypatch):
     """A wide layer (8 KV heads of 256 + 256 columns) over 2000 keys: whatever block length this CPU's read-ahead
-    picks (16 rows on Intel; on AMD 512 KiB of K and V, 32 rows of float here), each piece of the AVX-512 kernel spans
+    picks (16 rows on Intel; on AMD 160 KiB of K and V, at least 16 rows), each piece of the AVX-512 kernel spans
     many blocks, so the next block's read-ahead and the softmax carried from block to block are exercised; keys whose
     scores jump far above every earlier one make later blocks rescale what earlier ones summed. Unused cache rows
     hold NaN."""
