@@ -431,6 +431,11 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
                            ? paged_block_keys<T>(way)
                            : contiguous_block_rows(way, (qk_width + v_width) * int64_t(sizeof(T)), piece.t1 - piece.t0);
   const int64_t col_stride = kc.col_stride();
+  // Value sums over bf16 pages by vdpbf16ps (dot_columns_bf16) where a page's column fills a 32-token register: on the
+  // AMD EPYC (bench_ops' layer, alternated call by call) B=8 x 16K took 7.17 against 7.55 ms from 128-token pages,
+  // 8.2 against 8.5 from 64-token, 9.3 against 9.4 from 32-token, but 12.2 against 11.8 from 16-token pages, whose
+  // half-filled registers cost more than the widening they save.
+  const bool bf16_pages = std::is_same_v<T, c10::BFloat16> && bf16_dot && vc.paged() && vc.page_size >= 32;
   PageRuns<T> runs[2];  // paged: the block's and the next block's runs, by turns
   if (kc.paged()) runs[0].assign(kc, vc, b, piece.t0, std::min(piece.t1, piece.t0 + rows));
   const T* run_values[kMaxPagedBlockKeys];  // one KV head's value columns in each run of the block
@@ -479,16 +484,27 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
         if (factor != 1.f) avx512::scale_in_place(acc + i * dv, dv, factor);
         softmax[i].sum += avx512::exp_and_sum<kExpDegree<T>>(si, n, pb.scale, softmax[i].max);
       }
+      const auto weights_in_bf16 = [&] {  // the probabilities rounded to bf16, as the output will be
+        uint16_t* weights = ws.weights_bf16.data();
+        for (int64_t i = 0; i < group; ++i) {
+          avx512::round_to_bf16(scores + i * kMaxBlockKeys, n, weights + i * kMaxBlockKeys);
+        }
+        return weights;
+      };
       if (vc.paged()) {  // each run's values are dv columns of consecutive tokens: acc[i][c] += p_i . V[c]
-        avx512::dot_columns(scores, kMaxBlockKeys, group, run_values, here.first, here.len, here.count, col_stride, dv,
-                            acc, dv);
-      } else if constexpr (std::is_same_v<T, c10::BFloat16>) {  // values are n rows of dv: acc_i += sum_t p_i[t] V[t]
-        if (bf16_dot) {  // with the probabilities rounded to bf16, as the output will be
-          uint16_t* weights = ws.weights_bf16.data();
-          for (int64_t i = 0; i < group; ++i) {
-            avx512::round_to_bf16(scores + i * kMaxBlockKeys, n, weights + i * kMaxBlockKeys);
+        if (bf16_pages) {
+          if constexpr (std::is_same_v<T, c10::BFloat16>) {
+            avx512::dot_columns_bf16(weights_in_bf16(), kMaxBlockKeys, group, run_values, here.first, here.len,
+                                     here.count, col_stride, dv, acc, dv);
           }
-          avx512::axpy_rows_bf16(weights, kMaxBlockKeys, group, vc.at(b, t0, v_col), vc.stride1, n, dv, acc, dv);
+        } else {
+          avx512::dot_columns(scores, kMaxBlockKeys, group, run_values, here.first, here.len, here.count, col_stride,
+                              dv, acc, dv);
+        }
+      } else if constexpr (std::is_same_v<T, c10::BFloat16>) {  // values are n rows of dv: acc_i += sum_t p_i[t] V[t]
+        if (bf16_dot) {
+          avx512::axpy_rows_bf16(weights_in_bf16(), kMaxBlockKeys, group, vc.at(b, t0, v_col), vc.stride1, n, dv, acc,
+                                 dv);
         } else {
           avx512::axpy_rows(scores, kMaxBlockKeys, group, vc.at(b, t0, v_col), vc.stride1, n, dv, acc, dv);
         }

@@ -311,6 +311,73 @@ FDC_AVX512 void dot_columns(const float* p, int64_t p_ld, int64_t group, const T
   }
 }
 
+// dot_columns_tile for bf16 pages and weights rounded to bf16 (round_to_bf16), with AVX-512-BF16: 32 tokens of a
+// column per load, and one vdpbf16ps per head multiplies them by the head's 32 weights and adds the products in pairs
+// into 16 lanes, where dot_columns_tile widens 16 tokens per load and takes an FMA per 16. Reduced the same way, once
+// per block.
+template <int kHeads, int kCols>
+FDC_AVX512_BF16 void dot_columns_tile_bf16(const uint16_t* p, int64_t p_ld, const c10::BFloat16* const* runs,
+                                           const int64_t* first, const int64_t* len, int64_t count, int64_t col_stride,
+                                           int64_t c0, int64_t dim, float* acc, int64_t acc_ld) {
+  static_assert(kHeads * kCols <= kLanes);
+  constexpr int64_t kPairs = 2 * kLanes;  // bf16 elements per register
+  __m512 sums[kLanes];
+#pragma GCC unroll 16
+  for (int k = 0; k < kLanes; ++k) sums[k] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < count; ++s) {
+    const c10::BFloat16* col[kCols];  // a short last tile repeats the final column and stores only the real ones
+#pragma GCC unroll 16
+    for (int c = 0; c < kCols; ++c) col[c] = runs[s] + std::min<int64_t>(c0 + c, dim - 1) * col_stride;
+    const uint16_t* ps = p + first[s];
+    for (int64_t t = 0; t < len[s]; t += kPairs) {
+      const int64_t rest = std::min(kPairs, len[s] - t);
+      const __mmask32 mask = rest == kPairs ? __mmask32(0xFFFFFFFF) : __mmask32((1u << rest) - 1);
+      __m512bh x[kCols];
+#pragma GCC unroll 16
+      for (int c = 0; c < kCols; ++c) x[c] = (__m512bh)_mm512_maskz_loadu_epi16(mask, col[c] + t);
+#pragma GCC unroll 4
+      for (int h = 0; h < kHeads; ++h) {
+        const __m512bh w = (__m512bh)_mm512_maskz_loadu_epi16(mask, ps + h * p_ld + t);
+#pragma GCC unroll 16
+        for (int c = 0; c < kCols; ++c) sums[h * kCols + c] = _mm512_dpbf16_ps(sums[h * kCols + c], x[c], w);
+      }
+    }
+  }
+  const __m512 total = sum16x16(sums);  // lane h * kCols + c: head h, column c0 + c
+  const __mmask16 store = lanes_mask(std::min<int64_t>(kCols, dim - c0));
+#pragma GCC unroll 4
+  for (int h = 0; h < kHeads; ++h) {
+    const __m512 part =
+        _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                               _mm512_set1_epi32(h * kCols)),
+                              total);
+    float* a = acc + h * acc_ld + c0;
+    _mm512_mask_storeu_ps(a, store, _mm512_add_ps(part, _mm512_maskz_loadu_ps(store, a)));
+  }
+}
+
+// dot_columns for bf16 pages with weights rounded to bf16 (p_ld elements per head), by dot_columns_tile_bf16, tiled
+// as dot_columns tiles.
+FDC_AVX512_BF16 inline void dot_columns_bf16(const uint16_t* p, int64_t p_ld, int64_t group,
+                                             const c10::BFloat16* const* runs, const int64_t* first, const int64_t* len,
+                                             int64_t count, int64_t col_stride, int64_t dim, float* acc,
+                                             int64_t acc_ld) {
+  for (int64_t h0 = 0; h0 < group; h0 += 4) {
+    const int64_t heads = std::min<int64_t>(4, group - h0);
+    const uint16_t* ph = p + h0 * p_ld;
+    float* ah = acc + h0 * acc_ld;
+    const int64_t cols = heads == 1 ? 16 : heads == 2 ? 8 : 4;
+    for (int64_t c0 = 0; c0 < dim; c0 += cols) {
+      switch (heads) {
+        case 1: dot_columns_tile_bf16<1, 16>(ph, p_ld, runs, first, len, count, col_stride, c0, dim, ah, acc_ld); break;
+        case 2: dot_columns_tile_bf16<2, 8>(ph, p_ld, runs, first, len, count, col_stride, c0, dim, ah, acc_ld); break;
+        case 3: dot_columns_tile_bf16<3, 4>(ph, p_ld, runs, first, len, count, col_stride, c0, dim, ah, acc_ld); break;
+        default: dot_columns_tile_bf16<4, 4>(ph, p_ld, runs, first, len, count, col_stride, c0, dim, ah, acc_ld); break;
+      }
+    }
+  }
+}
+
 // acc[i * acc_ld + x] += sum_r w[i * w_ld + r] * rows[r * row_stride + x] for kHeads heads and kVecs registers of
 // columns (the last one masked by `last`): all kHeads x kVecs accumulators stay in registers over the n rows, and
 // each row's slice is loaded and widened once for all kHeads heads.
