@@ -8,7 +8,8 @@
 // Why these kernels beat the portable ones in vec_math.cpp (on AVX-512 machines, bench/bench_ops.py): half-precision
 // rows are widened in registers as they are read instead of through a float copy of the block; tails of widths and
 // key counts are masked loads instead of scalar loops; 16 dot products finish together in one transpose-and-add tree;
-// with AVX-512-BF16, bf16 keys are multiplied by vdpbf16ps, two products per lane and instruction, without widening.
+// with AVX-512-BF16, bf16 keys and values are multiplied by vdpbf16ps, two products per lane and instruction, without
+// widening (values against probabilities rounded to bf16).
 #pragma once
 
 #include <c10/util/BFloat16.h>
