@@ -272,7 +272,7 @@ struct RowScratch {
 //   these loads 8.1 ms: loads cannot be dropped when the miss buffers are full, and the out-of-order core keeps
 //   working on the current block meanwhile. Measured again with 512 KiB blocks (alternated call by call): B=8 x 16K
 //   bf16 8.1 ms with a load per line, 13.7 without reading ahead, 14.0 and 14.8 with a load per 128 or 256 bytes;
-//   16-token pages B=4 x 8K bf16 2.6 / 3.5 / 4.4 / 4.3 ms.
+//   from 16-token pages, B=4 x 8K bf16, 2.6 / 3.5 / 4.4 / 4.3 ms in the same order.
 // - kPrefetchL2: prefetcht1 per cache line. On the 2-core Intel Xeon with AMX (bench_ops shapes, 2 threads, the
 //   variants taken in turn in one process), B=8 x 16K took 17.1 ms in bf16 and 27.5 ms in fp32 with loads, 15.8 and
 //   26.2 with prefetcht0, 15.5 and 25.9 with prefetcht1 (prefetcht2 alike), 19.9 and 29.0 without reading ahead:
@@ -293,10 +293,10 @@ ReadAhead read_ahead_for_this_cpu() {
 // / 12.5 / 13.0 / 12.8 ms with 48 / 64 / 96 / 128 rows (157 / 209 / 313 / 418 KB), B=4 x 8K 2.9 / 2.9 / 3.8 / 3.3 ms;
 // 384- and 512-row blocks were slower again (bf16 8x16K 8.4 and 9.1 ms). Against the layout before, 512 KiB blocks
 // whose successor was read in one share per KV head before that head's work (bf16 8.1 and 2.6 ms, fp32 13.8 and 3.8):
-// 16%, 37%, 11% and 22% faster. The same per-head shares with 128-row blocks were slower than the whole block at
-// once, and so were shares of half a head each (bf16 B=8 x 16K 9.2 against 8.5 ms): one long sequential sweep per
-// block is what the L2 stream prefetcher follows best. So about 160 KiB (its block and the one read ahead take a
-// third of the 1 MiB L2).
+// 16%, 37%, 11% and 22% faster. Per-head shares of 128-row blocks had taken 7.9 and 1.9 ms in bf16 in an earlier
+// run, and shares of half a head each were slower than shares per head (bf16 B=8 x 16K 9.2 against 8.5 ms): one long
+// sequential sweep per block is what the L2 stream prefetcher follows best. So about 160 KiB (its block and the one
+// read ahead take a third of the 1 MiB L2).
 constexpr int64_t kLoadsBlockBytes = 160 << 10;
 
 // Rows per block of a piece of a contiguous cache whose rows take row_bytes of K and V together.
