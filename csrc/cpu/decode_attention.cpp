@@ -431,8 +431,8 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
                            ? paged_block_keys<T>(way)
                            : contiguous_block_rows(way, (qk_width + v_width) * int64_t(sizeof(T)), piece.t1 - piece.t0);
   const int64_t col_stride = kc.col_stride();
-  // Value sums over bf16 pages by vdpbf16ps (dot_columns_bf16) where a page's column fills a 32-token register: on the
-  // AMD EPYC (bench_ops' layer, alternated call by call) B=8 x 16K took 7.17 against 7.55 ms from 128-token pages,
+  // Value sums over bf16 pages by vdpbf16ps (dot_columns_tile_bf16) where a page's column fills a 32-token register: on
+  // the AMD EPYC (bench_ops' layer, alternated call by call) B=8 x 16K took 7.17 against 7.55 ms from 128-token pages,
   // 8.2 against 8.5 from 64-token, 9.3 against 9.4 from 32-token, but 12.2 against 11.8 from 16-token pages, whose
   // half-filled registers cost more than the widening they save.
   const bool bf16_pages = std::is_same_v<T, c10::BFloat16> && bf16_dot && vc.paged() && vc.page_size >= 32;
@@ -494,8 +494,8 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
       if (vc.paged()) {  // each run's values are dv columns of consecutive tokens: acc[i][c] += p_i . V[c]
         if (bf16_pages) {
           if constexpr (std::is_same_v<T, c10::BFloat16>) {
-            avx512::dot_columns_bf16(weights_in_bf16(), kMaxBlockKeys, group, run_values, here.first, here.len,
-                                     here.count, col_stride, dv, acc, dv);
+            avx512::dot_columns(weights_in_bf16(), kMaxBlockKeys, group, run_values, here.first, here.len, here.count,
+                                col_stride, dv, acc, dv);
           }
         } else {
           avx512::dot_columns(scores, kMaxBlockKeys, group, run_values, here.first, here.len, here.count, col_stride,

@@ -243,6 +243,23 @@ FDC_AVX512_BF16 inline void dot_rows_bf16(const uint16_t* a, int64_t a_ld, int64
   }
 }
 
+// The end of a dot_columns tile: sums[h * kCols + c] (16 lanes each) reduced and added to acc[h * acc_ld + c0 + c]
+// for the tile's columns below dim, by one sum16x16.
+template <int kHeads, int kCols>
+FDC_AVX512 inline void add_column_sums(const __m512* sums, int64_t c0, int64_t dim, float* acc, int64_t acc_ld) {
+  const __m512 total = sum16x16(sums);  // lane h * kCols + c: head h, column c0 + c
+  const __mmask16 store = lanes_mask(std::min<int64_t>(kCols, dim - c0));
+#pragma GCC unroll 4
+  for (int h = 0; h < kHeads; ++h) {
+    const __m512 part =
+        _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                               _mm512_set1_epi32(h * kCols)),
+                              total);
+    float* a = acc + h * acc_ld + c0;
+    _mm512_mask_storeu_ps(a, store, _mm512_add_ps(part, _mm512_maskz_loadu_ps(store, a)));
+  }
+}
+
 // dot_columns for kHeads query heads and kCols columns from c0 (kHeads * kCols <= 16 accumulators): each 16 tokens of
 // a column are loaded and widened once for all the tile's heads, and the tile's accumulators are reduced together,
 // once per block, by one sum16x16.
@@ -272,44 +289,7 @@ FDC_AVX512 void dot_columns_tile(const float* p, int64_t p_ld, const T* const* r
       }
     }
   }
-  const __m512 total = sum16x16(sums);  // lane h * kCols + c: head h, column c0 + c
-  const __mmask16 store = lanes_mask(std::min<int64_t>(kCols, dim - c0));
-#pragma GCC unroll 4
-  for (int h = 0; h < kHeads; ++h) {
-    const __m512 part =
-        _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                               _mm512_set1_epi32(h * kCols)),
-                              total);
-    float* a = acc + h * acc_ld + c0;
-    _mm512_mask_storeu_ps(a, store, _mm512_add_ps(part, _mm512_maskz_loadu_ps(store, a)));
-  }
-}
-
-// Weighted sums along the token runs of dim-major pages, for a block of keys spread over `count` runs (one per page it
-// touches): acc[i * acc_ld + c] += sum_s sum_{t < len[s]} p[i * p_ld + first[s] + t] * runs[s][c * col_stride + t]
-// for i < group, c < dim (run s: len[s] consecutive tokens of one page, the block's keys first[s] onwards; column c
-// of it col_stride elements after column c - 1). Query heads go four at a time in tiles of 4 columns (8 columns for a
-// pair, 16 for a single head), so the horizontal sums cost one sum16x16 per 16 outputs and block, however many
-// pages the block spans. dot_rows over each run instead re-widened every column for each query head and reduced
-// each page's 16 x 16 products by a sum16x16 of its own.
-template <typename T>
-FDC_AVX512 void dot_columns(const float* p, int64_t p_ld, int64_t group, const T* const* runs, const int64_t* first,
-                            const int64_t* len, int64_t count, int64_t col_stride, int64_t dim, float* acc,
-                            int64_t acc_ld) {
-  for (int64_t h0 = 0; h0 < group; h0 += 4) {
-    const int64_t heads = std::min<int64_t>(4, group - h0);
-    const float* ph = p + h0 * p_ld;
-    float* ah = acc + h0 * acc_ld;
-    const int64_t cols = heads == 1 ? 16 : heads == 2 ? 8 : 4;
-    for (int64_t c0 = 0; c0 < dim; c0 += cols) {
-      switch (heads) {
-        case 1: dot_columns_tile<T, 1, 16>(ph, p_ld, runs, first, len, count, col_stride, c0, dim, ah, acc_ld); break;
-        case 2: dot_columns_tile<T, 2, 8>(ph, p_ld, runs, first, len, count, col_stride, c0, dim, ah, acc_ld); break;
-        case 3: dot_columns_tile<T, 3, 4>(ph, p_ld, runs, first, len, count, col_stride, c0, dim, ah, acc_ld); break;
-        default: dot_columns_tile<T, 4, 4>(ph, p_ld, runs, first, len, count, col_stride, c0, dim, ah, acc_ld); break;
-      }
-    }
-  }
+  add_column_sums<kHeads, kCols>(sums, c0, dim, acc, acc_ld);
 }
 
 // dot_columns_tile for bf16 pages and weights rounded to bf16 (round_to_bf16), with AVX-512-BF16: 32 tokens of a
@@ -344,36 +324,47 @@ FDC_AVX512_BF16 void dot_columns_tile_bf16(const uint16_t* p, int64_t p_ld, cons
       }
     }
   }
-  const __m512 total = sum16x16(sums);  // lane h * kCols + c: head h, column c0 + c
-  const __mmask16 store = lanes_mask(std::min<int64_t>(kCols, dim - c0));
-#pragma GCC unroll 4
-  for (int h = 0; h < kHeads; ++h) {
-    const __m512 part =
-        _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                               _mm512_set1_epi32(h * kCols)),
-                              total);
-    float* a = acc + h * acc_ld + c0;
-    _mm512_mask_storeu_ps(a, store, _mm512_add_ps(part, _mm512_maskz_loadu_ps(store, a)));
-  }
+  add_column_sums<kHeads, kCols>(sums, c0, dim, acc, acc_ld);
 }
 
-// dot_columns for bf16 pages with weights rounded to bf16 (p_ld elements per head), by dot_columns_tile_bf16, tiled
-// as dot_columns tiles.
-FDC_AVX512_BF16 inline void dot_columns_bf16(const uint16_t* p, int64_t p_ld, int64_t group,
-                                             const c10::BFloat16* const* runs, const int64_t* first, const int64_t* len,
-                                             int64_t count, int64_t col_stride, int64_t dim, float* acc,
-                                             int64_t acc_ld) {
+// One tile of dot_columns, by the weights' type.
+template <int kHeads, int kCols, typename T>
+FDC_AVX512 inline void column_tile(const float* p, int64_t p_ld, const T* const* runs, const int64_t* first,
+                                   const int64_t* len, int64_t count, int64_t col_stride, int64_t c0, int64_t dim,
+                                   float* acc, int64_t acc_ld) {
+  dot_columns_tile<T, kHeads, kCols>(p, p_ld, runs, first, len, count, col_stride, c0, dim, acc, acc_ld);
+}
+template <int kHeads, int kCols>
+FDC_AVX512 inline void column_tile(const uint16_t* p, int64_t p_ld, const c10::BFloat16* const* runs,
+                                   const int64_t* first, const int64_t* len, int64_t count, int64_t col_stride,
+                                   int64_t c0, int64_t dim, float* acc, int64_t acc_ld) {
+  dot_columns_tile_bf16<kHeads, kCols>(p, p_ld, runs, first, len, count, col_stride, c0, dim, acc, acc_ld);
+}
+
+// Weighted sums along the token runs of dim-major pages, for a block of keys spread over `count` runs (one per page it
+// touches): acc[i * acc_ld + c] += sum_s sum_{t < len[s]} p[i * p_ld + first[s] + t] * runs[s][c * col_stride + t]
+// for i < group, c < dim (run s: len[s] consecutive tokens of one page, the block's keys first[s] onwards; column c
+// of it col_stride elements after column c - 1). Query heads go four at a time in tiles of 4 columns (8 columns for a
+// pair, 16 for a single head), so the horizontal sums cost one sum16x16 per 16 outputs and block, however many
+// pages the block spans. dot_rows over each run instead re-widened every column for each query head and reduced
+// each page's 16 x 16 products by a sum16x16 of its own.
+// p holds float weights, or bf16 weights (round_to_bf16) for bf16 pages on a CPU with AVX-512-BF16
+// (dot_columns_tile_bf16).
+template <typename W, typename T>
+FDC_AVX512 void dot_columns(const W* p, int64_t p_ld, int64_t group, const T* const* runs, const int64_t* first,
+                            const int64_t* len, int64_t count, int64_t col_stride, int64_t dim, float* acc,
+                            int64_t acc_ld) {
   for (int64_t h0 = 0; h0 < group; h0 += 4) {
     const int64_t heads = std::min<int64_t>(4, group - h0);
-    const uint16_t* ph = p + h0 * p_ld;
+    const W* ph = p + h0 * p_ld;
     float* ah = acc + h0 * acc_ld;
     const int64_t cols = heads == 1 ? 16 : heads == 2 ? 8 : 4;
     for (int64_t c0 = 0; c0 < dim; c0 += cols) {
       switch (heads) {
-        case 1: dot_columns_tile_bf16<1, 16>(ph, p_ld, runs, first, len, count, col_stride, c0, dim, ah, acc_ld); break;
-        case 2: dot_columns_tile_bf16<2, 8>(ph, p_ld, runs, first, len, count, col_stride, c0, dim, ah, acc_ld); break;
-        case 3: dot_columns_tile_bf16<3, 4>(ph, p_ld, runs, first, len, count, col_stride, c0, dim, ah, acc_ld); break;
-        default: dot_columns_tile_bf16<4, 4>(ph, p_ld, runs, first, len, count, col_stride, c0, dim, ah, acc_ld); break;
+        case 1: column_tile<1, 16>(ph, p_ld, runs, first, len, count, col_stride, c0, dim, ah, acc_ld); break;
+        case 2: column_tile<2, 8>(ph, p_ld, runs, first, len, count, col_stride, c0, dim, ah, acc_ld); break;
+        case 3: column_tile<3, 4>(ph, p_ld, runs, first, len, count, col_stride, c0, dim, ah, acc_ld); break;
+        default: column_tile<4, 4>(ph, p_ld, runs, first, len, count, col_stride, c0, dim, ah, acc_ld); break;
       }
     }
   }
