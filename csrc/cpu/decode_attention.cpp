@@ -436,6 +436,9 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
   // 8.2 against 8.5 from 64-token, 9.3 against 9.4 from 32-token, but 12.2 against 11.8 from 16-token pages, whose
   // half-filled registers cost more than the widening they save.
   const bool bf16_pages = std::is_same_v<T, c10::BFloat16> && bf16_dot && vc.paged() && vc.page_size >= 32;
+  // Parts of the next block of a contiguous cache read ahead, one before each of the first KV heads: one per head by
+  // prefetcht1, the whole block before head 0 by loads (kLoadsBlockBytes).
+  const int64_t read_ahead_parts = way == ReadAhead::kPrefetchL2 ? hkv : 1;
   PageRuns<T> runs[2];  // paged: the block's and the next block's runs, by turns
   if (kc.paged()) runs[0].assign(kc, vc, b, piece.t0, std::min(piece.t1, piece.t0 + rows));
   const T* run_values[kMaxPagedBlockKeys];  // one KV head's value columns in each run of the block
@@ -448,10 +451,9 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
     for (int64_t j = 0; j < hkv; ++j) {
       if (kc.paged()) {
         read_ahead_runs(ahead, kc.page_size, qk_width, v_width, j, hkv, way);
-      } else if (next > 0 && (way == ReadAhead::kPrefetchL2 || j == 0)) {  // kLoads: all of it before head 0
-        const int64_t shares = way == ReadAhead::kPrefetchL2 ? hkv : 1;
-        read_ahead_share(kc, kc.at(b, t1, 0), next, j, shares, way);
-        read_ahead_share(vc, vc.at(b, t1, 0), next, j, shares, way);
+      } else if (next > 0 && j < read_ahead_parts) {
+        read_ahead_share(kc, kc.at(b, t1, 0), next, j, read_ahead_parts, way);
+        read_ahead_share(vc, vc.at(b, t1, 0), next, j, read_ahead_parts, way);
       }
       const int64_t k_col = layout.qk_offsets[j], v_col = layout.v_offsets[j];
       const int64_t dq = layout.qk_offsets[j + 1] - k_col, dv = layout.v_offsets[j + 1] - v_col;

@@ -35,6 +35,11 @@ FDC_AVX512 inline __mmask16 lanes_mask(int64_t count) {
   return count >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << count) - 1);
 }
 
+// Mask of the first min(count, 32) bf16 elements of a register (count >= 0).
+FDC_AVX512 inline __mmask32 pairs_mask(int64_t count) {
+  return count >= 2 * kLanes ? __mmask32(0xFFFFFFFF) : __mmask32((uint64_t(1) << count) - 1);
+}
+
 // 16 elements (those of `mask`, the rest 0) as float.
 FDC_AVX512 inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
 FDC_AVX512 inline __m512 load16(const c10::BFloat16* p, __mmask16 mask) {  // bf16 is the upper half of a float32
@@ -108,7 +113,7 @@ FDC_AVX512_BF16 inline void dot_rows_bf16_by_sums(const uint16_t* a, int64_t a_l
   constexpr int64_t kPairs = 2 * kLanes;  // bf16 elements per register
   const int64_t full = len / kPairs * kPairs;
   const int64_t rest = len - full;
-  const __mmask32 tail = __mmask32((uint64_t(1) << rest) - 1);
+  const __mmask32 tail = pairs_mask(rest);
   for (int64_t r0 = 0; r0 < n; r0 += kLanes) {
     const c10::BFloat16* row[kLanes];
     for (int64_t k = 0; k < kLanes; ++k) row[k] = rows + std::min(r0 + k, n - 1) * row_stride;
@@ -179,7 +184,7 @@ FDC_AVX512_BF16 void dot_rows_bf16_lanes(const uint16_t* a, int64_t a_ld, const 
   for (int h = 0; h < kHeads; ++h) acc[h] = _mm512_setzero_ps();
   for (int64_t x = 0; x < len; x += kPairs) {
     const int64_t cols = std::min(kPairs, len - x);
-    const __mmask32 mask = cols == kPairs ? __mmask32(0xFFFFFFFF) : __mmask32((1u << cols) - 1);
+    const __mmask32 mask = pairs_mask(cols);
     __m512i t[kLanes];
 #pragma GCC unroll 16
     for (int k = 0; k < kLanes; ++k) t[k] = _mm512_maskz_loadu_epi16(mask, row[k] + x);
@@ -311,8 +316,7 @@ FDC_AVX512_BF16 void dot_columns_tile_bf16(const uint16_t* p, int64_t p_ld, cons
     for (int c = 0; c < kCols; ++c) col[c] = runs[s] + std::min<int64_t>(c0 + c, dim - 1) * col_stride;
     const uint16_t* ps = p + first[s];
     for (int64_t t = 0; t < len[s]; t += kPairs) {
-      const int64_t rest = std::min(kPairs, len[s] - t);
-      const __mmask32 mask = rest == kPairs ? __mmask32(0xFFFFFFFF) : __mmask32((1u << rest) - 1);
+      const __mmask32 mask = pairs_mask(len[s] - t);
       __m512bh x[kCols];
 #pragma GCC unroll 16
       for (int c = 0; c < kCols; ++c) x[c] = (__m512bh)_mm512_maskz_loadu_epi16(mask, col[c] + t);
@@ -442,7 +446,7 @@ FDC_AVX512 void axpy_rows(const float* w, int64_t w_ld, int64_t group, const T* 
 }
 
 // The first n of x rounded to bf16 (round to nearest even) as raw bits, then zeros up to the next multiple of 32:
-// the weights of axpy_rows_bf16.
+// the weights of axpy_rows_bf16 and of dot_columns' bf16 tiles.
 FDC_AVX512_BF16 inline void round_to_bf16(const float* x, int64_t n, uint16_t* out) {
   for (int64_t i = 0; i < n; i += 2 * kLanes) {
     const __m512 low = _mm512_maskz_loadu_ps(lanes_mask(n - i), x + i);
@@ -517,8 +521,7 @@ FDC_AVX512_BF16 inline void axpy_rows_bf16(const uint16_t* w, int64_t w_ld, int6
   for (int64_t x0 = 0; x0 < len; x0 += kTileColumns) {
     const int64_t cols = std::min(kTileColumns, len - x0);
     const int chunks = static_cast<int>((cols + kPairs - 1) / kPairs);
-    const int64_t rest = cols - (chunks - 1) * kPairs;
-    const __mmask32 last = rest == kPairs ? __mmask32(0xFFFFFFFF) : __mmask32((1u << rest) - 1);
+    const __mmask32 last = pairs_mask(cols - (chunks - 1) * kPairs);
     for (int64_t h0 = 0; h0 < group; h0 += 4) {
       const int heads = static_cast<int>(std::min<int64_t>(4, group - h0));
       const uint16_t* wh = w + h0 * w_ld;
