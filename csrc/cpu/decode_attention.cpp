@@ -31,6 +31,8 @@ namespace {
 constexpr int64_t kMaxBlockKeys = 512;
 // The longest block of keys of a piece of a paged cache (paged_block_keys), whose page runs a piece lists per block.
 constexpr int64_t kMaxPagedBlockKeys = 128;
+// Bytes per cache line on the x86-64 CPUs whose caches the AVX-512 kernel reads ahead.
+constexpr int64_t kCacheLine = 64;
 
 // Keys per block of the portable task kernel (run_task): a whole page at vLLM's CPU page size, so a KV head's block of
 // a dim-major page is one contiguous run of d * 128 elements instead of two halves read one after the other, column by
@@ -266,14 +268,16 @@ struct RowScratch {
         softmax(heads) {}
 };
 
-// How read_ahead brings the next block towards the core: the best way was measured to differ between vendors.
-// - kLoads: plain loads, one byte per cache line. On the 2-core AMD EPYC (bench/bench_ops.py shapes, one thread),
+// How the next block is brought towards the core: the best way was measured to differ between vendors.
+// - kLoads: plain loads, one byte per cache line, the whole block before its first KV head, its ranges of bytes
+//   interleaved (read_ahead_interleaved). On the 2-core AMD EPYC (bench/bench_ops.py shapes, one thread),
 //   prefetcht0 of the next block made no difference (16 ms for B=4 x 8K bf16, as without), prefetcht1 gave 9.6 ms,
 //   these loads 8.1 ms: loads cannot be dropped when the miss buffers are full, and the out-of-order core keeps
 //   working on the current block meanwhile. Measured again with 512 KiB blocks (alternated call by call): B=8 x 16K
 //   bf16 8.1 ms with a load per line, 13.7 without reading ahead, 14.0 and 14.8 with a load per 128 or 256 bytes;
 //   from 16-token pages, B=4 x 8K bf16, 2.6 / 3.5 / 4.4 / 4.3 ms in the same order.
-// - kPrefetchL2: prefetcht1 per cache line. On the 2-core Intel Xeon with AMX (bench_ops shapes, 2 threads, the
+// - kPrefetchL2: prefetcht1 per cache line, a share of the block before each KV head (prefetch_rows_share,
+//   prefetch_runs_share). On the 2-core Intel Xeon with AMX (bench_ops shapes, 2 threads, the
 //   variants taken in turn in one process), B=8 x 16K took 17.1 ms in bf16 and 27.5 ms in fp32 with loads, 15.8 and
 //   26.2 with prefetcht0, 15.5 and 25.9 with prefetcht1 (prefetcht2 alike), 19.9 and 29.0 without reading ahead:
 //   there a load that misses holds up retirement, so the block's arithmetic waited behind the loads it follows.
@@ -286,17 +290,17 @@ ReadAhead read_ahead_for_this_cpu() {
 }
 
 // K and V bytes of a contiguous cache's block under kLoads (contiguous_block_rows), whose successor is read ahead
-// whole, K rows then V rows, before the block's first KV head (run_piece_avx512). Measured on the 2-core AMD EPYC
-// (Zen 5; bench_ops' layout, whose rows take 1632 bytes in bf16 and 3264 in float; variants alternated call by call
-// in one process, the times below from one run each): B=8 x 16K bf16 took 6.8 / 6.8 / 7.1 / 7.9 ms with blocks of
-// 64 / 96 / 128 / 160 rows (104 / 157 / 209 / 261 KB), B=4 x 8K bf16 1.71 / 1.65 / 1.69 / 1.78; fp32 B=8 x 16K 12.2
-// / 12.5 / 13.0 / 12.8 ms with 48 / 64 / 96 / 128 rows (157 / 209 / 313 / 418 KB), B=4 x 8K 2.9 / 2.9 / 3.8 / 3.3 ms;
-// 384- and 512-row blocks were slower again (bf16 8x16K 8.4 and 9.1 ms). Against the layout before, 512 KiB blocks
-// whose successor was read in one share per KV head before that head's work (bf16 8.1 and 2.6 ms, fp32 13.8 and 3.8):
-// 16%, 37%, 11% and 22% faster. Per-head shares of 128-row blocks had taken 7.9 and 1.9 ms in bf16 in an earlier
-// run, and shares of half a head each were slower than shares per head (bf16 B=8 x 16K 9.2 against 8.5 ms): one long
-// sequential sweep per block is what the L2 stream prefetcher follows best. So about 160 KiB (its block and the one
-// read ahead take a third of the 1 MiB L2).
+// whole before the block's first KV head (run_piece_avx512; K rows then V rows when these figures were taken). Measured
+// on the 2-core AMD EPYC (Zen 5; bench_ops' layout, whose rows take 1632 bytes in bf16 and 3264 in float; variants
+// alternated call by call in one process, the times below from one run each): B=8 x 16K bf16 took 6.8 / 6.8 / 7.1 / 7.9
+// ms with blocks of 64 / 96 / 128 / 160 rows (104 / 157 / 209 / 261 KB), B=4 x 8K bf16 1.71 / 1.65 / 1.69 / 1.78; fp32
+// B=8 x 16K 12.2 / 12.5 / 13.0 / 12.8 ms with 48 / 64 / 96 / 128 rows (157 / 209 / 313 / 418 KB), B=4 x 8K 2.9 / 2.9
+// / 3.8 / 3.3 ms; 384- and 512-row blocks were slower again (bf16 8x16K 8.4 and 9.1 ms). Against the layout before, 512
+// KiB blocks whose successor was read in one share per KV head before that head's work (bf16 8.1 and 2.6 ms, fp32 13.8
+// and 3.8): 16%, 37%, 11% and 22% faster. Per-head shares of 128-row blocks had taken 7.9 and 1.9 ms in bf16 in an
+// earlier run, and shares of half a head each were slower than shares per head (bf16 B=8 x 16K 9.2 against 8.5 ms): one
+// long sequential sweep per block is what the L2 stream prefetcher follows best. So about 160 KiB (its block and the
+// one read ahead take a third of the 1 MiB L2).
 constexpr int64_t kLoadsBlockBytes = 160 << 10;
 
 // Rows per block of a piece of a contiguous cache whose rows take row_bytes of K and V together.
@@ -333,28 +337,20 @@ int64_t paged_block_keys(ReadAhead way) {
   return way == ReadAhead::kPrefetchL2 ? 256 / int64_t(sizeof(T)) : kMaxPagedBlockKeys;
 }
 
-// Brings bytes [first, first + bytes) towards the core ahead of use, one access per cache line.
-inline void read_ahead(const void* first, int64_t bytes, ReadAhead way) {
-  constexpr int64_t kLine = 64;
+// prefetcht1 of bytes [first, first + bytes), one per cache line (ReadAhead::kPrefetchL2).
+inline void prefetch_l2(const void* first, int64_t bytes) {
   const char* p = static_cast<const char*>(first);
-  if (way == ReadAhead::kPrefetchL2) {
-    for (int64_t byte = 0; byte < bytes; byte += kLine) _mm_prefetch(p + byte, _MM_HINT_T1);
-    return;
-  }
-  char sink = 0;
-  for (int64_t byte = 0; byte < bytes; byte += kLine) sink ^= *static_cast<const volatile char*>(p + byte);
-  asm volatile("" : : "r"(sink));
+  for (int64_t byte = 0; byte < bytes; byte += kCacheLine) _mm_prefetch(p + byte, _MM_HINT_T1);
 }
 
-// Asks for the j-th of `shares` parts of n rows of a contiguous cache (every column of each), the first at `first`,
-// ahead of use (read_ahead): a range of bytes. One block ahead was best (ReadAhead).
+// prefetch_l2 of the j-th of `shares` parts of n rows of a contiguous cache (every column of each), the first at
+// `first`: a range of bytes. One block ahead was best (ReadAhead).
 template <typename T>
-FDC_AVX512 inline void read_ahead_share(const CacheView<T>& cache, const T* first, int64_t n, int64_t j, int64_t shares,
-                                        ReadAhead way) {
+inline void prefetch_rows_share(const CacheView<T>& cache, const T* first, int64_t n, int64_t j, int64_t shares) {
   if (n <= 0) return;
   const char* start = reinterpret_cast<const char*>(first);
   const int64_t bytes = n * cache.stride1 * int64_t(sizeof(T));
-  read_ahead(start + bytes * j / shares, bytes * (j + 1) / shares - bytes * j / shares, way);
+  prefetch_l2(start + bytes * j / shares, bytes * (j + 1) / shares - bytes * j / shares);
 }
 
 // The keys [t0, t1) of request b in a paged cache as runs, one per page they touch: run s is keys t0 + first[s] ..
@@ -376,18 +372,17 @@ struct PageRuns {
   }
 };
 
-// Asks for the j-th of `shares` parts of a paged block's K and V ahead of use (read_ahead), page by page: the block's
-// columns listed run by run (the K columns of run 0, its V columns, the K columns of run 1, ...), each part a
-// contiguous slice of that list, so a part is one or two long ranges of bytes (whole pages, or a page's K or V
-// columns) where a whole page is in the block. On the AMD EPYC (builds alternated process by process), B=8 x 16K
-// bf16 from 128-token pages took 6.8-6.9 ms against 7.7-8.0 when each part was the j-th share of every run's K
-// columns and of its V columns, B=4 x 8K 1.60-1.62 against 1.87-1.91 ms; from 16-token pages B=4 x 8K bf16 2.27-2.43
-// against 2.54-2.69 ms and B=8 x 16K float 17.6 against 20.5 ms, B=8 x 16K bf16 the same (10.8-11.2 ms). One block
-// ahead was best: B=8 x 16K bf16 from shuffled 16-token pages took 16.5 / 17.4 / 17.8 / 17.8 ms reading 1 / 2 / 3 / 4
-// blocks ahead (Intel Xeon, before this order).
+// prefetch_l2 of the j-th of `shares` parts of a paged block's K and V, page by page: the block's columns listed run
+// by run (the K columns of run 0, its V columns, the K columns of run 1, ...), each part a contiguous slice of that
+// list, so a part is one or two long ranges of bytes (whole pages, or a page's K or V columns) where a whole page is
+// in the block. On the AMD EPYC, when it read ahead this way by loads (builds alternated process by process), B=8 x
+// 16K bf16 from 128-token pages took 6.8-6.9 ms against 7.7-8.0 when each part was the j-th share of every run's K
+// columns and of its V columns, B=4 x 8K 1.60-1.62 against 1.87-1.91 ms. One block ahead was best: B=8 x 16K bf16
+// from shuffled 16-token pages took 16.5 / 17.4 / 17.8 / 17.8 ms reading 1 / 2 / 3 / 4 blocks ahead (Intel Xeon,
+// before this order).
 template <typename T>
-FDC_AVX512 inline void read_ahead_runs(const PageRuns<T>& runs, int64_t page_size, int64_t qk_width, int64_t v_width,
-                                       int64_t j, int64_t shares, ReadAhead way) {
+inline void prefetch_runs_share(const PageRuns<T>& runs, int64_t page_size, int64_t qk_width, int64_t v_width,
+                                int64_t j, int64_t shares) {
   const int64_t per_run = qk_width + v_width, total = runs.count * per_run;
   const int64_t u1 = total * (j + 1) / shares;
   const int64_t run_bytes = page_size * int64_t(sizeof(T));  // bytes between columns
@@ -398,22 +393,73 @@ FDC_AVX512 inline void read_ahead_runs(const PageRuns<T>& runs, int64_t page_siz
     const char* first =
         reinterpret_cast<const char*>(keys ? runs.k[s] : runs.v[s]) + (keys ? c : c - qk_width) * run_bytes;
     if (runs.len[s] == page_size) {
-      read_ahead(first, cols * run_bytes, way);
+      prefetch_l2(first, cols * run_bytes);
     } else {
-      for (int64_t k = 0; k < cols; ++k) read_ahead(first + k * run_bytes, runs.len[s] * int64_t(sizeof(T)), way);
+      for (int64_t k = 0; k < cols; ++k) prefetch_l2(first + k * run_bytes, runs.len[s] * int64_t(sizeof(T)));
     }
     u += cols;
   }
 }
 
+// The ranges of bytes that hold a block's K and V, at most kMaxRanges: a contiguous cache's K rows and V rows (2), or
+// each page run's K columns and V columns (from the run's first key in column 0 to its last key in the last column).
+template <int64_t kMaxRanges>
+struct BlockBytes {
+  const char* first[kMaxRanges];
+  int64_t bytes[kMaxRanges];
+  int64_t count = 0;
+
+  void add(const void* start, int64_t size) {
+    first[count] = static_cast<const char*>(start);
+    bytes[count++] = size;
+  }
+  // n rows of `width` columns of a contiguous cache from key t of request b (with what lies between the rows)
+  template <typename T>
+  void add_rows(const CacheView<T>& cache, int64_t b, int64_t t, int64_t n, int64_t width) {
+    if (n > 0) add(cache.at(b, t, 0), ((n - 1) * cache.stride1 + width) * int64_t(sizeof(T)));
+  }
+  template <typename T>
+  void add_runs(const PageRuns<T>& runs, int64_t page_size, int64_t qk_width, int64_t v_width) {
+    for (int64_t s = 0; s < runs.count; ++s) {
+      add(runs.k[s], ((qk_width - 1) * page_size + runs.len[s]) * int64_t(sizeof(T)));
+      add(runs.v[s], ((v_width - 1) * page_size + runs.len[s]) * int64_t(sizeof(T)));
+    }
+  }
+};
+
+// ReadAhead::kLoads: a load of one byte per cache line of every range, the ranges taken in turns line by line (line 0
+// of each, then line 1, ...), so that every range's stream is under way at once. On the 2-core AMD EPYC (bench_ops'
+// layout, builds alternated process by process, the slow and the fast memory spells both met), against the ranges
+// read one after the other (whole block before head 0, the same for pages in per-head shares): shuffled 16-token
+// pages B=4 x 8K bf16 2.65 -> 2.1-2.2 ms and B=8 x 16K 12.1-12.5 -> 9.7-10.2 ms, float 18.0-18.4 -> 16.5 ms;
+// 128-token pages bf16 1.65-1.70 -> 1.4-1.55 and 7.1-7.5 -> 6.4-6.8 ms; a contiguous cache, whose K and V rows are
+// two ranges, bf16 B=4 x 8K 1.56-1.66 -> 1.33-1.48 ms, B=8 x 16K 6.6-6.7 -> 5.7-6.6 ms. The same order in a plain
+// read of 13 KB chunks shuffled over 200 MB (16 chunks a block, read ahead one block ahead) gave 18 GB/s per core
+// against 12.5 in chunk order. Two or four lines per range per turn instead of one were no better; 64-key paged
+// blocks (fewer ranges) and 256-key blocks (more bytes than fit beside the current block in L2) were slower.
+// The range count's bound is a template argument so that a contiguous block's two ranges are an unrolled pair of
+// loads per line (SmolLM2's 30-layer step, whose blocks are short, took 10% longer with a loop over a runtime count).
+template <int64_t kMaxRanges>
+FDC_AVX512 inline void read_ahead_interleaved(const BlockBytes<kMaxRanges>& block) {
+  int64_t longest = 0;
+  for (int64_t r = 0; r < block.count; ++r) longest = std::max(longest, block.bytes[r]);
+  char sink = 0;
+  for (int64_t byte = 0; byte < longest; byte += kCacheLine) {
+#pragma GCC unroll 2
+    for (int64_t r = 0; r < std::min(kMaxRanges, block.count); ++r) {
+      if (byte < block.bytes[r]) sink ^= *static_cast<const volatile char*>(block.first[r] + byte);
+    }
+  }
+  asm volatile("" : : "r"(sink));
+}
+
 // One piece on AVX-512: blocks of contiguous_block_rows keys of a contiguous cache or paged_block_keys of a paged one
 // (the runs of every page the block touches), each scored and accumulated for every KV head in turn, so a block (whole
-// rows of a contiguous cache, runs of pages' columns) is read once for all heads. Before KV head j works on a block,
-// the j-th share of the next block's K and V is read ahead (read_ahead_share, read_ahead_runs), so the reads ahead are
-// spread over the block's work; by loads, the next block of a contiguous cache is read ahead whole before head 0
-// (kLoadsBlockBytes). With AVX-512-BF16, bf16 keys and values are multiplied without widening (dot_rows_bf16,
-// axpy_rows_bf16). Products follow the cache's memory order: dot products along token-major rows, weighted
-// row sums along a dim-major page's token runs.
+// rows of a contiguous cache, runs of pages' columns) is read once for all heads. The next block is read ahead as the
+// CPU's ReadAhead says: by loads, whole before head 0 (read_ahead_interleaved); by prefetcht1, its j-th share before
+// KV head j, so the prefetches are spread over the block's work. With AVX-512-BF16, bf16 keys and values are multiplied
+// without widening (dot_rows_bf16, axpy_rows_bf16). Products follow the cache's memory order: dot products along
+// token-major rows, weighted row sums along a dim-major page's token runs.
 template <typename T>
 FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const T* q, int64_t q_ld,
                                  const CacheView<T>& kc, const CacheView<T>& vc, T* out, int64_t out_ld, RowScratch& ws,
@@ -436,9 +482,6 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
   // 8.2 against 8.5 from 64-token, 9.3 against 9.4 from 32-token, but 12.2 against 11.8 from 16-token pages, whose
   // half-filled registers cost more than the widening they save.
   const bool bf16_pages = std::is_same_v<T, c10::BFloat16> && bf16_dot && vc.paged() && vc.page_size >= 32;
-  // Parts of the next block of a contiguous cache read ahead, one before each of the first KV heads: one per head by
-  // prefetcht1, the whole block before head 0 by loads (kLoadsBlockBytes).
-  const int64_t read_ahead_parts = way == ReadAhead::kPrefetchL2 ? hkv : 1;
   PageRuns<T> runs[2];  // paged: the block's and the next block's runs, by turns
   if (kc.paged()) runs[0].assign(kc, vc, b, piece.t0, std::min(piece.t1, piece.t0 + rows));
   const T* run_values[kMaxPagedBlockKeys];  // one KV head's value columns in each run of the block
@@ -449,11 +492,24 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
     PageRuns<T>& ahead = runs[turn ^ 1];
     if (kc.paged()) ahead.assign(kc, vc, b, t1, t1 + next);
     for (int64_t j = 0; j < hkv; ++j) {
-      if (kc.paged()) {
-        read_ahead_runs(ahead, kc.page_size, qk_width, v_width, j, hkv, way);
-      } else if (next > 0 && j < read_ahead_parts) {
-        read_ahead_share(kc, kc.at(b, t1, 0), next, j, read_ahead_parts, way);
-        read_ahead_share(vc, vc.at(b, t1, 0), next, j, read_ahead_parts, way);
+      if (way == ReadAhead::kLoads) {
+        if (j == 0 && next > 0) {
+          if (kc.paged()) {
+            BlockBytes<2 * kMaxPagedBlockKeys> block;
+            block.add_runs(ahead, kc.page_size, qk_width, v_width);
+            read_ahead_interleaved(block);
+          } else {
+            BlockBytes<2> block;
+            block.add_rows(kc, b, t1, next, qk_width);
+            block.add_rows(vc, b, t1, next, v_width);
+            read_ahead_interleaved(block);
+          }
+        }
+      } else if (kc.paged()) {
+        prefetch_runs_share(ahead, kc.page_size, qk_width, v_width, j, hkv);
+      } else {
+        prefetch_rows_share(kc, kc.at(b, t1, 0), next, j, hkv);
+        prefetch_rows_share(vc, vc.at(b, t1, 0), next, j, hkv);
       }
       const int64_t k_col = layout.qk_offsets[j], v_col = layout.v_offsets[j];
       const int64_t dq = layout.qk_offsets[j + 1] - k_col, dv = layout.v_offsets[j + 1] - v_col;
