@@ -490,6 +490,14 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
   // 8.2 against 8.5 from 64-token, 9.3 against 9.4 from 32-token, but 12.2 against 11.8 from 16-token pages, whose
   // half-filled registers cost more than the widening they save.
   const bool bf16_pages = std::is_same_v<T, c10::BFloat16> && bf16_dot && vc.paged() && vc.page_size >= 32;
+  // Key scores of bf16 pages without widening: pages of 32 tokens or more by axpy_rows_bf16 (two columns interleaved,
+  // one vdpbf16ps per pair of columns and head), pages of 16 by dot_page16_bf16 (two columns in one load). On the AMD
+  // EPYC (bench_ops' layer, pages shuffled over the pool, builds alternated process by process), 128-token pages
+  // B=4 x 8K took 1.34-1.55 against 1.46-1.60 ms by widening, B=8 x 16K 6.1-6.8 against 6.5-7.2; 32-token 1.83-1.85
+  // against 1.91-1.97 and 8.2-8.3 against 8.4-8.6; 16-token 2.15-2.23 against 2.32-2.44 and 10.2-10.5 against
+  // 10.7-10.9 (axpy_rows_bf16 there: 2.1-2.7 and 10.5-11.1, its registers half empty). The runs of a 16-token page
+  // start at its first token: pieces start at page starts (cut_rows) and blocks are whole pages (paged_block_keys).
+  const bool bf16_key_pages = std::is_same_v<T, c10::BFloat16> && bf16_dot && kc.paged();
   PageRuns<T> runs[2];  // paged: the block's and the next block's runs, by turns
   if (kc.paged()) runs[0].assign(kc, vc, b, piece.t0, std::min(piece.t1, piece.t0 + rows));
   const T* run_values[kMaxPagedBlockKeys];  // one KV head's value columns in each run of the block
@@ -526,10 +534,22 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
       const float* qj = ws.q.data() + group * k_col;  // the G query heads of KV head j, dq apart
       if (kc.paged()) {  // each run's keys are dq columns of consecutive tokens: scores = sum_c q[c] K[c]
         for (int64_t i = 0; i < group; ++i) std::fill(scores + i * kMaxBlockKeys, scores + i * kMaxBlockKeys + n, 0.f);
+        const uint16_t* q_bf16 = reinterpret_cast<const uint16_t*>(qb + group * k_col);  // read as bf16 only
         for (int64_t s = 0; s < here.count; ++s) {
           run_values[s] = here.v[s] + v_col * col_stride;
-          avx512::axpy_rows(qj, dq, group, here.k[s] + k_col * col_stride, col_stride, dq, here.len[s],
-                            scores + here.first[s], kMaxBlockKeys);
+          const T* keys = here.k[s] + k_col * col_stride;
+          float* run_scores = scores + here.first[s];
+          if constexpr (std::is_same_v<T, c10::BFloat16>) {
+            if (bf16_key_pages && kc.page_size == 16) {
+              avx512::dot_page16_bf16(q_bf16, dq, group, keys, dq, here.len[s], run_scores, kMaxBlockKeys);
+              continue;
+            }
+            if (bf16_key_pages) {
+              avx512::axpy_rows_bf16(q_bf16, dq, group, keys, col_stride, dq, here.len[s], run_scores, kMaxBlockKeys);
+              continue;
+            }
+          }
+          avx512::axpy_rows(qj, dq, group, keys, col_stride, dq, here.len[s], run_scores, kMaxBlockKeys);
         }
       } else {  // keys are n rows of dq: one dot product per (query head, key)
         const T* keys = kc.at(b, t0, k_col);

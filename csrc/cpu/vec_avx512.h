@@ -542,6 +542,60 @@ FDC_AVX512_BF16 inline void axpy_rows_bf16(const uint16_t* w, int64_t w_ld, int6
   }
 }
 
+// Scores of one run of a dim-major bf16 page of 16 tokens (each column's 16 tokens take 32 bytes, columns back to
+// back) against kHeads bf16 query rows, with AVX-512-BF16: columns c and c + 1 are one 64-byte load, interleaved
+// token by token (vpermw), so one vdpbf16ps with a head's query pair (q[c], q[c + 1]) broadcast adds both columns'
+// products to the 16 tokens' scores, where axpy_rows widens each column and takes an FMA per column and head.
+// out[h * out_ld + t] = sum_c a[h * a_ld + c] * run[c * 16 + t] for h < kHeads, t < len (overwritten); the run
+// starts at its page's first token, dim is even. Lane t only ever meets token t, so unused slots of a short run,
+// whatever they hold, stay in the lanes that are not stored.
+template <int kHeads>
+FDC_AVX512_BF16 void dot_page16_bf16_tile(const uint16_t* a, int64_t a_ld, const c10::BFloat16* run, int64_t dim,
+                                          int64_t len, float* out, int64_t out_ld) {
+  constexpr int64_t kTokens = 16;
+  // word 2t of the interleaved register: token t of the first column; word 2t + 1: token t of the second
+  alignas(64) static constexpr uint16_t kInterleave[2 * kTokens] = {0,  16, 1,  17, 2,  18, 3,  19, 4,  20, 5,
+                                                                    21, 6,  22, 7,  23, 8,  24, 9,  25, 10, 26,
+                                                                    11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  __m512 sums[kHeads];
+#pragma GCC unroll 8
+  for (int h = 0; h < kHeads; ++h) sums[h] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < dim; c += 2) {
+    const __m512bh x = (__m512bh)_mm512_permutexvar_epi16(interleave, _mm512_loadu_si512(run + c * kTokens));
+#pragma GCC unroll 8
+    for (int h = 0; h < kHeads; ++h) {
+      uint32_t pair;
+      std::memcpy(&pair, a + h * a_ld + c, sizeof(pair));
+      sums[h] = _mm512_dpbf16_ps(sums[h], x, (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair)));
+    }
+  }
+  const __mmask16 store = lanes_mask(len);
+#pragma GCC unroll 8
+  for (int h = 0; h < kHeads; ++h) _mm512_mask_storeu_ps(out + h * out_ld, store, sums[h]);
+}
+
+// dot_page16_bf16_tile for `group` query heads, 8 at a time (8 accumulators, the columns and a query pair within
+// the 32 registers).
+FDC_AVX512_BF16 inline void dot_page16_bf16(const uint16_t* a, int64_t a_ld, int64_t group, const c10::BFloat16* run,
+                                            int64_t dim, int64_t len, float* out, int64_t out_ld) {
+  for (int64_t h0 = 0; h0 < group; h0 += 8) {
+    const uint16_t* ah = a + h0 * a_ld;
+    float* oh = out + h0 * out_ld;
+    switch (std::min<int64_t>(8, group - h0)) {
+      case 1: dot_page16_bf16_tile<1>(ah, a_ld, run, dim, len, oh, out_ld); break;
+      case 2: dot_page16_bf16_tile<2>(ah, a_ld, run, dim, len, oh, out_ld); break;
+      case 3: dot_page16_bf16_tile<3>(ah, a_ld, run, dim, len, oh, out_ld); break;
+      case 4: dot_page16_bf16_tile<4>(ah, a_ld, run, dim, len, oh, out_ld); break;
+      case 5: dot_page16_bf16_tile<5>(ah, a_ld, run, dim, len, oh, out_ld); break;
+      case 6: dot_page16_bf16_tile<6>(ah, a_ld, run, dim, len, oh, out_ld); break;
+      case 7: dot_page16_bf16_tile<7>(ah, a_ld, run, dim, len, oh, out_ld); break;
+      case 8: dot_page16_bf16_tile<8>(ah, a_ld, run, dim, len, oh, out_ld); break;
+      default: TORCH_CHECK(false, "fdc: page-16 bf16 tile of ", group - h0, " heads, expected 1 to 8");
+    }
+  }
+}
+
 // exp(x), 16 lanes: x = n ln2 + r (Cody-Waite split of ln2), exp(r) by its Taylor polynomial of degree kDegree, times
 // 2^n by vscalefps (exact, no exponent-field arithmetic). Degree 6 is within about 2 ulp of float32; degree 4 within
 // 5e-5 relative (|r| <= ln2 / 2), for results rounded to bfloat16 right after (a rounding step of 3.9e-3). Arguments
