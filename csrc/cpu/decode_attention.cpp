@@ -488,8 +488,11 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
   // Value sums over bf16 pages by vdpbf16ps (dot_columns_tile_bf16) where a page's column fills a 32-token register: on
   // the AMD EPYC (bench_ops' layer, alternated call by call) B=8 x 16K took 7.17 against 7.55 ms from 128-token pages,
   // 8.2 against 8.5 from 64-token, 9.3 against 9.4 from 32-token, but 12.2 against 11.8 from 16-token pages, whose
-  // half-filled registers cost more than the widening they save.
-  const bool bf16_pages = std::is_same_v<T, c10::BFloat16> && bf16_dot && vc.paged() && vc.page_size >= 32;
+  // half-filled registers cost more than the widening they save. So 16-token pages put two columns in a register
+  // (dot_columns_page16_bf16): B=4 x 8K 1.86-2.01 against 2.27-2.35 ms by widening, B=8 x 16K 9.45-9.6 against 10.4
+  // (builds alternated process by process). Pages of 17 to 31 tokens keep widening.
+  const bool bf16_pages =
+      std::is_same_v<T, c10::BFloat16> && bf16_dot && vc.paged() && (vc.page_size >= 32 || vc.page_size == 16);
   // Key scores of bf16 pages without widening: pages of 32 tokens or more by axpy_rows_bf16 (two columns interleaved,
   // one vdpbf16ps per pair of columns and head), pages of 16 by dot_page16_bf16 (two columns in one load). On the AMD
   // EPYC (bench_ops' layer, pages shuffled over the pool, builds alternated process by process), 128-token pages
@@ -580,8 +583,13 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
       if (vc.paged()) {  // each run's values are dv columns of consecutive tokens: acc[i][c] += p_i . V[c]
         if (bf16_pages) {
           if constexpr (std::is_same_v<T, c10::BFloat16>) {
-            avx512::dot_columns(weights_in_bf16(), kMaxBlockKeys, group, run_values, here.first, here.len, here.count,
-                                col_stride, dv, acc, dv);
+            if (vc.page_size == 16) {
+              avx512::dot_columns_page16_bf16(weights_in_bf16(), kMaxBlockKeys, group, run_values, here.first, here.len,
+                                              here.count, dv, acc, dv);
+            } else {
+              avx512::dot_columns(weights_in_bf16(), kMaxBlockKeys, group, run_values, here.first, here.len, here.count,
+                                  col_stride, dv, acc, dv);
+            }
           }
         } else {
           avx512::dot_columns(scores, kMaxBlockKeys, group, run_values, here.first, here.len, here.count, col_stride,

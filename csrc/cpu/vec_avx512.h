@@ -49,9 +49,12 @@ FDC_AVX512 inline __m512 load16(const c10::Half* p, __mmask16 mask) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
 }
 
-// The 16 horizontal sums of v[0..15], lane k holding the sum of v[k]: four rounds of pairing and adding (30
-// shuffles and 15 adds for 16 sums, against 16 separate reduction trees of 4 shuffles and 4 adds each).
-FDC_AVX512 inline __m512 sum16x16(const __m512* v) {
+// The first three of sum16x16's four rounds: lane 4L + i of the first (n = 0) and second (n = 1) half holds the sum
+// of v[8n + 4(L / 2) + i] over its 128-bit lanes 2(L % 2) and 2(L % 2) + 1 (L < 4, i < 4).
+struct Halves {
+  __m512 first, second;
+};
+FDC_AVX512 inline Halves sum16x16_halves(const __m512* v) {
   __m512 pairs[8];  // per 128-bit lane L: (v[2k] at 0 and 2, v[2k+1] at 1 and 3)
 #pragma GCC unroll 8
   for (int k = 0; k < 8; ++k) {
@@ -64,11 +67,29 @@ FDC_AVX512 inline __m512 sum16x16(const __m512* v) {
     quads[m] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
   }
   // 0x88 picks 128-bit lanes (0, 2) of each operand, 0xDD lanes (1, 3): adding them folds lane pairs.
-  const __m512 halves0 =
-      _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88), _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
-  const __m512 halves1 =
-      _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88), _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(halves0, halves1, 0x88), _mm512_shuffle_f32x4(halves0, halves1, 0xDD));
+  return {
+      _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88), _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD)),
+      _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88), _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD))};
+}
+
+// The 16 horizontal sums of v[0..15], lane k holding the sum of v[k]: four rounds of pairing and adding (30
+// shuffles and 15 adds for 16 sums, against 16 separate reduction trees of 4 shuffles and 4 adds each).
+FDC_AVX512 inline __m512 sum16x16(const __m512* v) {
+  const Halves halves = sum16x16_halves(v);
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves.first, halves.second, 0x88),
+                       _mm512_shuffle_f32x4(halves.first, halves.second, 0xDD));
+}
+
+// The 32 sums of the column pairs v[0..15] (v[k]: terms of column 2k in lanes 0-7, of column 2k + 1 in lanes 8-15):
+// sums[n] lane c holds column 16n + c. sum16x16_halves leaves column 16n + 8(L / 2) + 2i + L % 2 in lane 4L + i of
+// half n (its three rounds add 128-bit lanes 0 and 1, and 2 and 3); one permute per half puts them in order
+// (checked lane by lane against the instructions' definitions before use).
+FDC_AVX512 inline void sum_column_pairs(const __m512* v, __m512* sums) {
+  alignas(64) static constexpr int32_t kOrder[kLanes] = {0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15};
+  const __m512i order = _mm512_load_si512(kOrder);
+  const Halves halves = sum16x16_halves(v);
+  sums[0] = _mm512_permutexvar_ps(order, halves.first);
+  sums[1] = _mm512_permutexvar_ps(order, halves.second);
 }
 
 // Dot products along rows: out[i * out_ld + r] = sum_x a[i * a_ld + x] * rows[r * row_stride + x] for
@@ -592,6 +613,74 @@ FDC_AVX512_BF16 inline void dot_page16_bf16(const uint16_t* a, int64_t a_ld, int
       case 7: dot_page16_bf16_tile<7>(ah, a_ld, run, dim, len, oh, out_ld); break;
       case 8: dot_page16_bf16_tile<8>(ah, a_ld, run, dim, len, oh, out_ld); break;
       default: TORCH_CHECK(false, "fdc: page-16 bf16 tile of ", group - h0, " heads, expected 1 to 8");
+    }
+  }
+}
+
+// dot_columns for bf16 pages of 16 tokens and weights rounded to bf16 (round_to_bf16), with AVX-512-BF16: two
+// columns of a page (32 bytes each, back to back) in one load, against the run's 16 weights in both halves of a
+// register, so one vdpbf16ps per head adds two tokens' products of each column into each lane, and a register is
+// full where a 16-token column alone fills half of one (dot_columns_tile_bf16 on 16-token pages lost to widening).
+// kHeads x kPairs accumulators of column pairs, reduced once per block by sum_column_pairs. The slots of a short
+// run are zeroed as the columns are loaded, so whatever they hold (NaN) meets the weights after the run (the next
+// run's probabilities, or round_to_bf16's zeros) as zero.
+template <int kHeads, int kPairs>
+FDC_AVX512_BF16 void dot_columns_page16_tile_bf16(const uint16_t* p, int64_t p_ld, const c10::BFloat16* const* runs,
+                                                  const int64_t* first, const int64_t* len, int64_t count, int64_t c0,
+                                                  int64_t dim, float* acc, int64_t acc_ld) {
+  static_assert(kHeads * kPairs <= kLanes);
+  constexpr int64_t kTokens = 16, kCols = 2 * kPairs;
+  __m512 sums[kLanes];
+#pragma GCC unroll 16
+  for (int k = 0; k < kLanes; ++k) sums[k] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < count; ++s) {
+    const __mmask32 tokens = lanes_mask(len[s]), mask = tokens | (tokens << kTokens);  // the run's slots, both halves
+    __m512bh x[kPairs];  // a short last tile repeats the final pair and stores only the real columns
+#pragma GCC unroll 8
+    for (int q = 0; q < kPairs; ++q) {
+      x[q] = (__m512bh)_mm512_maskz_loadu_epi16(mask, runs[s] + std::min<int64_t>(c0 + 2 * q, dim - 2) * kTokens);
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < kHeads; ++h) {
+      const __m256i w16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + h * p_ld + first[s]));
+      const __m512bh w = (__m512bh)_mm512_broadcast_i64x4(w16);
+#pragma GCC unroll 8
+      for (int q = 0; q < kPairs; ++q) sums[h * kPairs + q] = _mm512_dpbf16_ps(sums[h * kPairs + q], x[q], w);
+    }
+  }
+  alignas(64) float total[2 * kLanes];  // h * kCols + c: head h, column c0 + c
+  __m512 columns[2];
+  sum_column_pairs(sums, columns);
+  _mm512_store_ps(total, columns[0]);
+  _mm512_store_ps(total + kLanes, columns[1]);
+  const __mmask16 store = lanes_mask(std::min<int64_t>(kCols, dim - c0));
+#pragma GCC unroll 4
+  for (int h = 0; h < kHeads; ++h) {
+    float* a = acc + h * acc_ld + c0;
+    const __m512 part = _mm512_maskz_loadu_ps(store, total + h * kCols);
+    _mm512_mask_storeu_ps(a, store, _mm512_add_ps(part, _mm512_maskz_loadu_ps(store, a)));
+  }
+}
+
+// dot_columns (its contract, col_stride 16) for bf16 pages of 16 tokens, by dot_columns_page16_tile_bf16: query
+// heads four at a time, in tiles of 16 columns for one or two heads and 8 for three or four (at most 16
+// accumulators, the pairs and a weight register within the 32 registers).
+FDC_AVX512_BF16 inline void dot_columns_page16_bf16(const uint16_t* p, int64_t p_ld, int64_t group,
+                                                    const c10::BFloat16* const* runs, const int64_t* first,
+                                                    const int64_t* len, int64_t count, int64_t dim, float* acc,
+                                                    int64_t acc_ld) {
+  for (int64_t h0 = 0; h0 < group; h0 += 4) {
+    const int64_t heads = std::min<int64_t>(4, group - h0);
+    const uint16_t* ph = p + h0 * p_ld;
+    float* ah = acc + h0 * acc_ld;
+    const int64_t cols = heads <= 2 ? 16 : 8;
+    for (int64_t c0 = 0; c0 < dim; c0 += cols) {
+      switch (heads) {
+        case 1: dot_columns_page16_tile_bf16<1, 8>(ph, p_ld, runs, first, len, count, c0, dim, ah, acc_ld); break;
+        case 2: dot_columns_page16_tile_bf16<2, 8>(ph, p_ld, runs, first, len, count, c0, dim, ah, acc_ld); break;
+        case 3: dot_columns_page16_tile_bf16<3, 4>(ph, p_ld, runs, first, len, count, c0, dim, ah, acc_ld); break;
+        default: dot_columns_page16_tile_bf16<4, 4>(ph, p_ld, runs, first, len, count, c0, dim, ah, acc_ld); break;
+      }
     }
   }
 }
