@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #define FDC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
 #define FDC_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
@@ -225,6 +226,25 @@ FDC_AVX512_BF16 void dot_rows_bf16_lanes(const uint16_t* a, int64_t a_ld, const 
   for (int h = 0; h < kHeads; ++h) _mm512_mask_storeu_ps(out + h * out_ld, store, acc[h]);
 }
 
+// Calls tile(h0, std::integral_constant<int, heads>{}) for the query heads of `group` taken 8 at a time (h0 the
+// first, heads = min(8, group - h0)): the dispatch of the kernels whose tiles take 1 to 8 heads as a template
+// argument.
+template <typename Tile>
+inline void for_head_tiles_of_8(int64_t group, Tile&& tile) {
+  for (int64_t h0 = 0; h0 < group; h0 += 8) {
+    switch (std::min<int64_t>(8, group - h0)) {
+      case 1: tile(h0, std::integral_constant<int, 1>{}); break;
+      case 2: tile(h0, std::integral_constant<int, 2>{}); break;
+      case 3: tile(h0, std::integral_constant<int, 3>{}); break;
+      case 4: tile(h0, std::integral_constant<int, 4>{}); break;
+      case 5: tile(h0, std::integral_constant<int, 5>{}); break;
+      case 6: tile(h0, std::integral_constant<int, 6>{}); break;
+      case 7: tile(h0, std::integral_constant<int, 7>{}); break;
+      default: tile(h0, std::integral_constant<int, 8>{}); break;
+    }
+  }
+}
+
 // dot_rows_bf16_by_sums by dot_rows_bf16_lanes: 16 rows at a time (a short last group repeats its final row and
 // stores only the real ones), query heads 8 at a time (8 accumulators beside the 16 transposed registers).
 FDC_AVX512_BF16 inline void dot_rows_bf16_transposed(const uint16_t* a, int64_t a_ld, int64_t group,
@@ -234,20 +254,9 @@ FDC_AVX512_BF16 inline void dot_rows_bf16_transposed(const uint16_t* a, int64_t 
     const c10::BFloat16* row[kLanes];
     for (int64_t k = 0; k < kLanes; ++k) row[k] = rows + std::min(r0 + k, n - 1) * row_stride;
     const __mmask16 store = lanes_mask(n - r0);
-    for (int64_t h0 = 0; h0 < group; h0 += 8) {
-      const uint16_t* ah = a + h0 * a_ld;
-      float* oh = out + h0 * out_ld + r0;
-      switch (std::min<int64_t>(8, group - h0)) {
-        case 1: dot_rows_bf16_lanes<1>(ah, a_ld, row, len, store, oh, out_ld); break;
-        case 2: dot_rows_bf16_lanes<2>(ah, a_ld, row, len, store, oh, out_ld); break;
-        case 3: dot_rows_bf16_lanes<3>(ah, a_ld, row, len, store, oh, out_ld); break;
-        case 4: dot_rows_bf16_lanes<4>(ah, a_ld, row, len, store, oh, out_ld); break;
-        case 5: dot_rows_bf16_lanes<5>(ah, a_ld, row, len, store, oh, out_ld); break;
-        case 6: dot_rows_bf16_lanes<6>(ah, a_ld, row, len, store, oh, out_ld); break;
-        case 7: dot_rows_bf16_lanes<7>(ah, a_ld, row, len, store, oh, out_ld); break;
-        default: dot_rows_bf16_lanes<8>(ah, a_ld, row, len, store, oh, out_ld); break;
-      }
-    }
+    for_head_tiles_of_8(group, [&](int64_t h0, auto heads) {
+      dot_rows_bf16_lanes<decltype(heads)::value>(a + h0 * a_ld, a_ld, row, len, store, out + h0 * out_ld + r0, out_ld);
+    });
   }
 }
 
@@ -600,21 +609,9 @@ FDC_AVX512_BF16 void dot_page16_bf16_tile(const uint16_t* a, int64_t a_ld, const
 // the 32 registers).
 FDC_AVX512_BF16 inline void dot_page16_bf16(const uint16_t* a, int64_t a_ld, int64_t group, const c10::BFloat16* run,
                                             int64_t dim, int64_t len, float* out, int64_t out_ld) {
-  for (int64_t h0 = 0; h0 < group; h0 += 8) {
-    const uint16_t* ah = a + h0 * a_ld;
-    float* oh = out + h0 * out_ld;
-    switch (std::min<int64_t>(8, group - h0)) {
-      case 1: dot_page16_bf16_tile<1>(ah, a_ld, run, dim, len, oh, out_ld); break;
-      case 2: dot_page16_bf16_tile<2>(ah, a_ld, run, dim, len, oh, out_ld); break;
-      case 3: dot_page16_bf16_tile<3>(ah, a_ld, run, dim, len, oh, out_ld); break;
-      case 4: dot_page16_bf16_tile<4>(ah, a_ld, run, dim, len, oh, out_ld); break;
-      case 5: dot_page16_bf16_tile<5>(ah, a_ld, run, dim, len, oh, out_ld); break;
-      case 6: dot_page16_bf16_tile<6>(ah, a_ld, run, dim, len, oh, out_ld); break;
-      case 7: dot_page16_bf16_tile<7>(ah, a_ld, run, dim, len, oh, out_ld); break;
-      case 8: dot_page16_bf16_tile<8>(ah, a_ld, run, dim, len, oh, out_ld); break;
-      default: TORCH_CHECK(false, "fdc: page-16 bf16 tile of ", group - h0, " heads, expected 1 to 8");
-    }
-  }
+  for_head_tiles_of_8(group, [&](int64_t h0, auto heads) {
+    dot_page16_bf16_tile<decltype(heads)::value>(a + h0 * a_ld, a_ld, run, dim, len, out + h0 * out_ld, out_ld);
+  });
 }
 
 // dot_columns for bf16 pages of 16 tokens and weights rounded to bf16 (round_to_bf16), with AVX-512-BF16: two
