@@ -300,7 +300,10 @@ ReadAhead read_ahead_for_this_cpu() {
 // and 3.8): 16%, 37%, 11% and 22% faster. Per-head shares of 128-row blocks had taken 7.9 and 1.9 ms in bf16 in an
 // earlier run, and shares of half a head each were slower than shares per head (bf16 B=8 x 16K 9.2 against 8.5 ms): one
 // long sequential sweep per block is what the L2 stream prefetcher follows best. So about 160 KiB (its block and the
-// one read ahead take a third of the 1 MiB L2).
+// one read ahead take a third of the 1 MiB L2). Measured again once the read-ahead took K and V in turns
+// (read_ahead_interleaved; builds alternated process by process): 96 / 160 / 256 KiB took 1.54-1.57 / 1.41-1.46 /
+// 1.62-1.69 ms for B=4 x 8K bf16 and 6.6-6.8 / 6.1-6.3 / 6.55-6.75 for B=8 x 16K; fp32 2.87-3.06 / 2.61-2.63 /
+// 2.89-2.92 and 11.7-12.5 / 10.9-11.3 / 11.1-11.6 ms.
 constexpr int64_t kLoadsBlockBytes = 160 << 10;
 
 // Rows per block of a piece of a contiguous cache whose rows take row_bytes of K and V together.
