@@ -31,8 +31,6 @@ namespace {
 constexpr int64_t kMaxBlockKeys = 512;
 // The longest block of keys of a piece of a paged cache (paged_block_keys), whose page runs a piece lists per block.
 constexpr int64_t kMaxPagedBlockKeys = 128;
-// Bytes per cache line on the x86-64 CPUs whose caches the AVX-512 kernel reads ahead.
-constexpr int64_t kCacheLine = 64;
 
 // Keys per block of the portable task kernel (run_task): a whole page at vLLM's CPU page size, so a KV head's block of
 // a dim-major page is one contiguous run of d * 128 elements instead of two halves read one after the other, column by
@@ -268,43 +266,56 @@ struct RowScratch {
         softmax(heads) {}
 };
 
-// How the next block is brought towards the core: the best way was measured to differ between vendors.
-// - kLoads: plain loads, one byte per cache line, the whole block before its first KV head, its ranges of bytes
-//   interleaved (read_ahead_interleaved). On the 2-core AMD EPYC (bench/bench_ops.py shapes, one thread),
-//   prefetcht0 of the next block made no difference (16 ms for B=4 x 8K bf16, as without), prefetcht1 gave 9.6 ms,
-//   these loads 8.1 ms: loads cannot be dropped when the miss buffers are full, and the out-of-order core keeps
-//   working on the current block meanwhile. Measured again with 512 KiB blocks (alternated call by call): B=8 x 16K
-//   bf16 8.1 ms with a load per line, 13.7 without reading ahead, 14.0 and 14.8 with a load per 128 or 256 bytes;
-//   from 16-token pages, B=4 x 8K bf16, 2.6 / 3.5 / 4.4 / 4.3 ms in the same order.
+// How the next block is brought towards the core: the best way was measured to differ between vendors, and on AMD
+// between kernels (read_ahead_for).
+// - kStream: prefetcht0 of the whole next block, one cache line per register the kernels load from the current block
+//   (avx512::PrefetchStream), its ranges of bytes in turns. On the 2-core AMD EPYC (bench_ops' layout; builds
+//   alternated process by process, each time a median of 15 calls), against plain loads of the whole block, its
+//   ranges in turns, before its first KV head (the way before): bf16 B=8 x 16K contiguous 6.4-7.7 -> 5.7-5.9 ms,
+//   B=4 x 8K 1.45-1.56 -> 1.31-1.40; from 16-token pages shuffled over the pool 8.4-9.9 -> 6.9-7.0 and 1.5-2.3 ->
+//   1.23-1.37 ms. A load that misses holds up retirement, so the loads had to come as a burst of their own, which
+//   the block's arithmetic then waited behind; prefetches retire at once, so spread over the arithmetic they
+//   overlap it (in a burst, prefetches had been no better than the loads: 16 ms against 8.1, B=4 x 8K bf16, an
+//   earlier kernel).
+// - kLoads: those loads, where the block's arithmetic is short next to its bytes: contiguous caches whose rows are
+//   widened to float (float32, float16, or bf16 without AVX-512-BF16). There the stream lost (same A/B: float32 B=8 x
+//   16K 10.3-11.9 ms by loads against 12.0-14.9 by the stream, float16 7.4-7.6 against 7.6-9.1; SmolLM2's float32 step,
+//   30 layers of one 8K request, 9.0-10.9 against 11.1-12.1 ms), while from pages the stream won in every precision
+//   (float32 16-token pages 17.4-18.9 -> 12.3-14.2 ms, 128-token 13.1-13.5 -> 10.8-12.0; float16 11.0-11.2 -> 8.1-9.6
+//   and 7.5-7.7 -> 6.3).
 // - kPrefetchL2: prefetcht1 per cache line, a share of the block before each KV head (prefetch_rows_share,
 //   prefetch_runs_share). On the 2-core Intel Xeon with AMX (bench_ops shapes, 2 threads, the
 //   variants taken in turn in one process), B=8 x 16K took 17.1 ms in bf16 and 27.5 ms in fp32 with loads, 15.8 and
 //   26.2 with prefetcht0, 15.5 and 25.9 with prefetcht1 (prefetcht2 alike), 19.9 and 29.0 without reading ahead:
 //   there a load that misses holds up retirement, so the block's arithmetic waited behind the loads it follows.
-//   Reading 2, 3 or 4 blocks ahead instead of 1 was slower (bf16 16.3, 16.8, 16.9 ms; fp32 27.9, 28.4, 29.2).
-enum class ReadAhead { kLoads, kPrefetchL2 };
+//   Reading 2, 3 or 4 blocks ahead instead of 1 was slower (bf16 16.3, 16.8, 16.9 ms; fp32 27.9, 28.4, 29.2). The
+//   stream has not been measured there.
+enum class ReadAhead { kStream, kLoads, kPrefetchL2 };
 
-ReadAhead read_ahead_for_this_cpu() {
-  static const ReadAhead way = __builtin_cpu_is("intel") ? ReadAhead::kPrefetchL2 : ReadAhead::kLoads;
-  return way;
+// The way for this CPU, a paged cache or not, and products without widening (bf16 by vdpbf16ps) or not.
+ReadAhead read_ahead_for(bool paged, bool bf16_products) {
+  static const bool intel = __builtin_cpu_is("intel");
+  if (intel) return ReadAhead::kPrefetchL2;
+  return paged || bf16_products ? ReadAhead::kStream : ReadAhead::kLoads;
 }
 
-// K and V bytes of a contiguous cache's block under kLoads (contiguous_block_rows), whose successor is read ahead
-// whole before the block's first KV head (run_piece_avx512; K rows then V rows when these figures were taken). Measured
-// on the 2-core AMD EPYC (Zen 5; bench_ops' layout, whose rows take 1632 bytes in bf16 and 3264 in float; variants
-// alternated call by call in one process, the times below from one run each): B=8 x 16K bf16 took 6.8 / 6.8 / 7.1 / 7.9
-// ms with blocks of 64 / 96 / 128 / 160 rows (104 / 157 / 209 / 261 KB), B=4 x 8K bf16 1.71 / 1.65 / 1.69 / 1.78; fp32
-// B=8 x 16K 12.2 / 12.5 / 13.0 / 12.8 ms with 48 / 64 / 96 / 128 rows (157 / 209 / 313 / 418 KB), B=4 x 8K 2.9 / 2.9
-// / 3.8 / 3.3 ms; 384- and 512-row blocks were slower again (bf16 8x16K 8.4 and 9.1 ms). Against the layout before, 512
-// KiB blocks whose successor was read in one share per KV head before that head's work (bf16 8.1 and 2.6 ms, fp32 13.8
-// and 3.8): 16%, 37%, 11% and 22% faster. Per-head shares of 128-row blocks had taken 7.9 and 1.9 ms in bf16 in an
-// earlier run, and shares of half a head each were slower than shares per head (bf16 B=8 x 16K 9.2 against 8.5 ms): one
-// long sequential sweep per block is what the L2 stream prefetcher follows best. So about 160 KiB (its block and the
-// one read ahead take a third of the 1 MiB L2). Measured again once the read-ahead took K and V in turns
-// (read_ahead_interleaved; builds alternated process by process): 96 / 160 / 256 KiB took 1.54-1.57 / 1.41-1.46 /
-// 1.62-1.69 ms for B=4 x 8K bf16 and 6.6-6.8 / 6.1-6.3 / 6.55-6.75 for B=8 x 16K; fp32 2.87-3.06 / 2.61-2.63 /
-// 2.89-2.92 and 11.7-12.5 / 10.9-11.3 / 11.1-11.6 ms.
-constexpr int64_t kLoadsBlockBytes = 160 << 10;
+// K and V bytes of a contiguous cache's block under kStream and kLoads (contiguous_block_rows). When the next block was
+// read ahead whole by loads before the block's first KV head (K rows then V rows when these figures were taken),
+// measured on the 2-core AMD EPYC (Zen 5; bench_ops' layout, whose rows take 1632 bytes in bf16 and 3264 in float;
+// variants alternated call by call in one process, the times below from one run each): B=8 x 16K bf16 took 6.8 / 6.8
+// / 7.1 / 7.9 ms with blocks of 64 / 96 / 128 / 160 rows (104 / 157 / 209 / 261 KB), B=4 x 8K bf16 1.71 / 1.65 / 1.69
+// / 1.78; fp32 B=8 x 16K 12.2 / 12.5 / 13.0 / 12.8 ms with 48 / 64 / 96 / 128 rows (157 / 209 / 313 / 418 KB), B=4 x
+// 8K 2.9 / 2.9 / 3.8 / 3.3 ms; 384- and 512-row blocks were slower again (bf16 8x16K 8.4 and 9.1 ms). Against the
+// layout before, 512 KiB blocks whose successor was read in one share per KV head before that head's work (bf16 8.1
+// and 2.6 ms, fp32 13.8 and 3.8): 16%, 37%, 11% and 22% faster. Per-head shares of 128-row blocks had taken 7.9 and 1.9
+// ms in bf16 in an earlier run, and shares of half a head each were slower than shares per head (bf16 B=8 x 16K 9.2
+// against 8.5 ms): one long sequential sweep per block is what the L2 stream prefetcher follows best. So about 160 KiB
+// (its block and the one read ahead take a third of the 1 MiB L2). Measured again once the read-ahead took K and V in
+// turns (builds alternated process by process): 96 / 160 / 256 KiB took 1.54-1.57 / 1.41-1.46 / 1.62-1.69 ms for B=4 x
+// 8K bf16 and 6.6-6.8 / 6.1-6.3 / 6.55-6.75 for B=8 x 16K; fp32 2.87-3.06 / 2.61-2.63 / 2.89-2.92 and 11.7-12.5
+// / 10.9-11.3 / 11.1-11.6 ms. With the stream (kStream, bf16): 96 / 160 / 256 KiB 1.22-1.43 / 1.23-1.37 / 1.37-1.52
+// and 6.1-6.2 / 5.9-6.35 / 6.5-7.0 ms, 96 and 160 within the noise.
+constexpr int64_t kBlockBytes = 160 << 10;
 
 // Rows per block of a piece of a contiguous cache whose rows take row_bytes of K and V together.
 // - kPrefetchL2: 16, one dot_rows group and the fewest: on the Intel Xeon (same A/B as above, reading 1 block ahead)
@@ -312,15 +323,15 @@ constexpr int64_t kLoadsBlockBytes = 160 << 10;
 //   16 / 32 / 48 / 64 rows, and B=4 x 8K 2.56 / 2.67 / 2.59 / 2.74 ms (bf16); 128 and 256 rows were slower than 64
 //   again. A block of 16 rows (26 KiB of K and V in bf16 for the benchmark's layout) stays in L1 from its scores to
 //   its value sums, and each head's share of the read-ahead is a short burst between its products.
-// - kLoads: kLoadsBlockBytes of rows, a multiple of 16 from 16 to kMaxBlockKeys, and at most a quarter of the piece's
-//   `piece_rows` (but not below 64): a piece's first block is never read ahead, so a short piece of narrow rows cut
-//   as one block read all of it waiting. SmolLM2's decode shape on the AMD EPYC (30 layers, 3 KV heads of 64 + 64
-//   float columns, one request of 4K keys: pieces of 512 rows) took 5.6-5.8 ms per step in one block per piece and
+// - kStream and kLoads: kBlockBytes of rows, a multiple of 16 from 16 to kMaxBlockKeys, and at most a quarter of
+//   the piece's `piece_rows` (but not below 64): a piece's first block is never read ahead, so a short piece of narrow
+//   rows cut as one block read all of it waiting. SmolLM2's decode shape on the AMD EPYC (30 layers, 3 KV heads of 64 +
+//   64 float columns, one request of 4K keys: pieces of 512 rows) took 5.6-5.8 ms per step in one block per piece and
 //   5.1-5.3 in quarters when blocks were 512 KiB.
 int64_t contiguous_block_rows(ReadAhead way, int64_t row_bytes, int64_t piece_rows) {
   if (way == ReadAhead::kPrefetchL2) return 16;
   const int64_t quarter = std::max<int64_t>(64, ceil_div(piece_rows, 4 * 16) * 16);
-  return std::clamp<int64_t>(std::min(kLoadsBlockBytes / row_bytes / 16 * 16, quarter), 16, kMaxBlockKeys);
+  return std::clamp<int64_t>(std::min(kBlockBytes / row_bytes / 16 * 16, quarter), 16, kMaxBlockKeys);
 }
 
 // Keys per block of a piece of a paged cache: the runs of every page the block touches, at most kMaxPagedBlockKeys.
@@ -331,7 +342,8 @@ int64_t contiguous_block_rows(ReadAhead way, int64_t row_bytes, int64_t piece_ro
 //   B=4 x 8K bf16 64: 2.47 / 2.42, 128: 2.37 / 2.23; fp32 B=4 x 8K 64: 4.7 / 4.0, 128: 4.9 / 4.6; B=8 x 16K fp32
 //   64: 24.0 / 24.0, 128: 26.2 / 23.5. So the bytes per column set the length, not the key count: the best was 256
 //   bytes in both precisions, and twice that was slower in both.
-// - kLoads: 128 keys in both precisions. On the AMD EPYC (same A/B), B=8 x 16K from 128-token pages took in float
+// - kStream: 128 keys in both precisions (measured when the next block was read ahead by loads). On the AMD EPYC (same
+// A/B), B=8 x 16K from 128-token pages took in float
 //   18.9-19.1 / 12.9-13.0 / 13.9-14.8 ms with blocks of 64 / 128 / 256 keys (256 / 512 / 1024 bytes of a column),
 //   in bf16 8.5 / 9.1-9.3 / 9.4-10.1 ms with 128 / 256 / 512 keys; from 16-token pages every length was within the
 //   noise (bf16 12.4-13.5 ms, float 21.4-21.8).
@@ -343,7 +355,7 @@ int64_t paged_block_keys(ReadAhead way) {
 // prefetcht1 of bytes [first, first + bytes), one per cache line (ReadAhead::kPrefetchL2).
 inline void prefetch_l2(const void* first, int64_t bytes) {
   const char* p = static_cast<const char*>(first);
-  for (int64_t byte = 0; byte < bytes; byte += kCacheLine) _mm_prefetch(p + byte, _MM_HINT_T1);
+  for (int64_t byte = 0; byte < bytes; byte += avx512::kCacheLine) _mm_prefetch(p + byte, _MM_HINT_T1);
 }
 
 // prefetch_l2 of the j-th of `shares` parts of n rows of a contiguous cache (every column of each), the first at
@@ -405,7 +417,14 @@ inline void prefetch_runs_share(const PageRuns<T>& runs, int64_t page_size, int6
 }
 
 // The ranges of bytes that hold a block's K and V, at most kMaxRanges: a contiguous cache's K rows and V rows (2), or
-// each page run's K columns and V columns (from the run's first key in column 0 to its last key in the last column).
+// each page run's K columns and V columns (from the run's first key in column 0 to its last key in the last column),
+// prefetched by an avx512::PrefetchStream (ReadAhead::kStream), a line of each range in turn. Ranges in turns were
+// measured when the block was read ahead by loads before its first KV head (2-core AMD EPYC, bench_ops' layout, builds
+// alternated process by process), against ranges one after the other: from shuffled 16-token pages B=4 x 8K bf16
+// 2.65 -> 2.1-2.2 ms and B=8 x 16K 12.1-12.5 -> 9.7-10.2 ms, 128-token pages 1.65-1.70 -> 1.4-1.55 and 7.1-7.5 ->
+// 6.4-6.8 ms, a contiguous cache 1.56-1.66 -> 1.33-1.48 and 6.6-6.7 -> 5.7-6.6 ms. Pages that follow each other in
+// memory are one range (add): 16-token pages in pool order, taken in turns page by page, had taken 11.3-11.8 ms
+// (B=8 x 16K bf16) against 7.7-8.1 as one K and one V range.
 template <int64_t kMaxRanges>
 struct BlockBytes {
   const char* first[kMaxRanges];
@@ -434,28 +453,23 @@ struct BlockBytes {
     for (int64_t s = 0; s < runs.count; ++s)
       add(runs.v[s], ((v_width - 1) * page_size + runs.len[s]) * int64_t(sizeof(T)));
   }
+  avx512::PrefetchStream stream() const {
+    avx512::PrefetchStream ahead{first, bytes, count};
+    for (int64_t r = 0; r < count; ++r) ahead.longest = std::max(ahead.longest, bytes[r]);
+    return ahead;
+  }
 };
 
-// ReadAhead::kLoads: a load of one byte per cache line of every range, the ranges taken in turns line by line (line 0
-// of each, then line 1, ...), so that every range's stream is under way at once. On the 2-core AMD EPYC (bench_ops'
-// layout, builds alternated process by process, the slow and the fast memory spells both met), against the ranges
-// read one after the other (whole block before head 0, the same for pages in per-head shares): shuffled 16-token
-// pages B=4 x 8K bf16 2.65 -> 2.1-2.2 ms and B=8 x 16K 12.1-12.5 -> 9.7-10.2 ms, float 18.0-18.4 -> 16.5 ms;
-// 128-token pages bf16 1.65-1.70 -> 1.4-1.55 and 7.1-7.5 -> 6.4-6.8 ms; a contiguous cache, whose K and V rows are
-// two ranges, bf16 B=4 x 8K 1.56-1.66 -> 1.33-1.48 ms, B=8 x 16K 6.6-6.7 -> 5.7-6.6 ms. The same order in a plain
-// read of 13 KB chunks shuffled over 200 MB (16 chunks a block, read ahead one block ahead) gave 18 GB/s per core
-// against 12.5 in chunk order. Two or four lines per range per turn instead of one were no better; 64-key paged
-// blocks (fewer ranges) and 256-key blocks (more bytes than fit beside the current block in L2) were slower. Pages
-// that follow each other in memory are one range (BlockBytes::add): 16-token pages in pool order, taken in turns
-// page by page, took 11.3-11.8 ms (B=8 x 16K bf16) against 8.7 before; as one K and one V range, 7.7-8.1 ms.
-// The range count's bound is a template argument so that a contiguous block's two ranges are an unrolled pair of
-// loads per line (SmolLM2's 30-layer step, whose blocks are short, took 10% longer with a loop over a runtime count).
+// ReadAhead::kLoads: a load of one byte per cache line of every range, in the order of PrefetchStream (ranges in
+// turns, line by line). The range count's bound is a template argument so that a contiguous block's two ranges are an
+// unrolled pair of loads per line (SmolLM2's 30-layer step, whose blocks are short, took 10% longer with a loop over
+// a runtime count).
 template <int64_t kMaxRanges>
 FDC_AVX512 inline void read_ahead_interleaved(const BlockBytes<kMaxRanges>& block) {
   int64_t longest = 0;
   for (int64_t r = 0; r < block.count; ++r) longest = std::max(longest, block.bytes[r]);
   char sink = 0;
-  for (int64_t byte = 0; byte < longest; byte += kCacheLine) {
+  for (int64_t byte = 0; byte < longest; byte += avx512::kCacheLine) {
 #pragma GCC unroll 2
     for (int64_t r = 0; r < std::min(kMaxRanges, block.count); ++r) {
       if (byte < block.bytes[r]) sink ^= *static_cast<const volatile char*>(block.first[r] + byte);
@@ -467,10 +481,10 @@ FDC_AVX512 inline void read_ahead_interleaved(const BlockBytes<kMaxRanges>& bloc
 // One piece on AVX-512: blocks of contiguous_block_rows keys of a contiguous cache or paged_block_keys of a paged one
 // (the runs of every page the block touches), each scored and accumulated for every KV head in turn, so a block (whole
 // rows of a contiguous cache, runs of pages' columns) is read once for all heads. The next block is read ahead as the
-// CPU's ReadAhead says: by loads, whole before head 0 (read_ahead_interleaved); by prefetcht1, its j-th share before
-// KV head j, so the prefetches are spread over the block's work. With AVX-512-BF16, bf16 keys and values are multiplied
-// without widening (dot_rows_bf16, axpy_rows_bf16). Products follow the cache's memory order: dot products along
-// token-major rows, weighted row sums along a dim-major page's token runs.
+// CPU's ReadAhead says: by a PrefetchStream that the kernels step through as they load the current block (each KV
+// head's end catching up with its share), or by prefetcht1, its j-th share before KV head j. With AVX-512-BF16, bf16
+// keys and values are multiplied without widening (dot_rows_bf16, axpy_rows_bf16). Products follow the cache's memory
+// order: dot products along token-major rows, weighted row sums along a dim-major page's token runs.
 template <typename T>
 FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const T* q, int64_t q_ld,
                                  const CacheView<T>& kc, const CacheView<T>& vc, T* out, int64_t out_ld, RowScratch& ws,
@@ -506,32 +520,38 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
   const bool bf16_key_pages = std::is_same_v<T, c10::BFloat16> && bf16_dot && kc.paged();
   PageRuns<T> runs[2];  // paged: the block's and the next block's runs, by turns
   if (kc.paged()) runs[0].assign(kc, vc, b, piece.t0, std::min(piece.t1, piece.t0 + rows));
-  const T* run_values[kMaxPagedBlockKeys];  // one KV head's value columns in each run of the block
+  const T* run_values[kMaxPagedBlockKeys];        // one KV head's value columns in each run of the block
+  BlockBytes<2 * kMaxPagedBlockKeys> next_bytes;  // kStream: the next block's ranges
   for (int64_t t0 = piece.t0, turn = 0; t0 < piece.t1; turn ^= 1) {
     const int64_t t1 = std::min(piece.t1, t0 + rows), n = t1 - t0;
     const int64_t next = std::min(piece.t1, t1 + rows) - t1;  // keys of the next block (0 after the last)
     const PageRuns<T>& here = runs[turn];
     PageRuns<T>& ahead = runs[turn ^ 1];
     if (kc.paged()) ahead.assign(kc, vc, b, t1, t1 + next);
-    for (int64_t j = 0; j < hkv; ++j) {
-      if (way == ReadAhead::kLoads) {
-        if (j == 0 && next > 0) {
-          if (kc.paged()) {
-            BlockBytes<2 * kMaxPagedBlockKeys> block;
-            block.add_runs(ahead, kc.page_size, qk_width, v_width);
-            read_ahead_interleaved(block);
-          } else {
-            BlockBytes<2> block;
-            block.add_rows(kc, b, t1, next, qk_width);
-            block.add_rows(vc, b, t1, next, v_width);
-            read_ahead_interleaved(block);
-          }
-        }
-      } else if (kc.paged()) {
-        prefetch_runs_share(ahead, kc.page_size, qk_width, v_width, j, hkv);
+    next_bytes.count = 0;
+    if (way == ReadAhead::kStream && next > 0) {
+      if (kc.paged()) {
+        next_bytes.add_runs(ahead, kc.page_size, qk_width, v_width);
       } else {
-        prefetch_rows_share(kc, kc.at(b, t1, 0), next, j, hkv);
-        prefetch_rows_share(vc, vc.at(b, t1, 0), next, j, hkv);
+        next_bytes.add_rows(kc, b, t1, next, qk_width);
+        next_bytes.add_rows(vc, b, t1, next, v_width);
+      }
+    }
+    avx512::PrefetchStream stream = next_bytes.stream();
+    if (way == ReadAhead::kLoads && next > 0) {  // contiguous caches only (read_ahead_for)
+      BlockBytes<2> rows_ahead;
+      rows_ahead.add_rows(kc, b, t1, next, qk_width);
+      rows_ahead.add_rows(vc, b, t1, next, v_width);
+      read_ahead_interleaved(rows_ahead);
+    }
+    for (int64_t j = 0; j < hkv; ++j) {
+      if (way == ReadAhead::kPrefetchL2) {
+        if (kc.paged()) {
+          prefetch_runs_share(ahead, kc.page_size, qk_width, v_width, j, hkv);
+        } else {
+          prefetch_rows_share(kc, kc.at(b, t1, 0), next, j, hkv);
+          prefetch_rows_share(vc, vc.at(b, t1, 0), next, j, hkv);
+        }
       }
       const int64_t k_col = layout.qk_offsets[j], v_col = layout.v_offsets[j];
       const int64_t dq = layout.qk_offsets[j + 1] - k_col, dv = layout.v_offsets[j + 1] - v_col;
@@ -547,22 +567,23 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
           float* run_scores = scores + here.first[s];
           if constexpr (std::is_same_v<T, c10::BFloat16>) {
             if (bf16_key_pages && kc.page_size == 16) {
-              avx512::dot_page16_bf16(q_bf16, dq, group, keys, dq, here.len[s], run_scores, kMaxBlockKeys);
+              avx512::dot_page16_bf16(q_bf16, dq, group, keys, dq, here.len[s], run_scores, kMaxBlockKeys, stream);
               continue;
             }
             if (bf16_key_pages) {
-              avx512::axpy_rows_bf16(q_bf16, dq, group, keys, col_stride, dq, here.len[s], run_scores, kMaxBlockKeys);
+              avx512::axpy_rows_bf16(q_bf16, dq, group, keys, col_stride, dq, here.len[s], run_scores, kMaxBlockKeys,
+                                     stream);
               continue;
             }
           }
-          avx512::axpy_rows(qj, dq, group, keys, col_stride, dq, here.len[s], run_scores, kMaxBlockKeys);
+          avx512::axpy_rows(qj, dq, group, keys, col_stride, dq, here.len[s], run_scores, kMaxBlockKeys, stream);
         }
       } else {  // keys are n rows of dq: one dot product per (query head, key)
         const T* keys = kc.at(b, t0, k_col);
         if constexpr (std::is_same_v<T, c10::BFloat16>) {
           if (bf16_dot) {
             avx512::dot_rows_bf16(reinterpret_cast<const uint16_t*>(qb + group * k_col), dq, group, keys, kc.stride1, n,
-                                  dq, scores, kMaxBlockKeys);
+                                  dq, scores, kMaxBlockKeys, stream);
           } else {
             avx512::dot_rows(qj, dq, group, keys, kc.stride1, n, dq, scores, kMaxBlockKeys);
           }
@@ -588,26 +609,27 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
           if constexpr (std::is_same_v<T, c10::BFloat16>) {
             if (vc.page_size == 16) {
               avx512::dot_columns_page16_bf16(weights_in_bf16(), kMaxBlockKeys, group, run_values, here.first, here.len,
-                                              here.count, dv, acc, dv);
+                                              here.count, dv, acc, dv, stream);
             } else {
               avx512::dot_columns(weights_in_bf16(), kMaxBlockKeys, group, run_values, here.first, here.len, here.count,
-                                  col_stride, dv, acc, dv);
+                                  col_stride, dv, acc, dv, stream);
             }
           }
         } else {
           avx512::dot_columns(scores, kMaxBlockKeys, group, run_values, here.first, here.len, here.count, col_stride,
-                              dv, acc, dv);
+                              dv, acc, dv, stream);
         }
       } else if constexpr (std::is_same_v<T, c10::BFloat16>) {  // values are n rows of dv: acc_i += sum_t p_i[t] V[t]
         if (bf16_dot) {
           avx512::axpy_rows_bf16(weights_in_bf16(), kMaxBlockKeys, group, vc.at(b, t0, v_col), vc.stride1, n, dv, acc,
-                                 dv);
+                                 dv, stream);
         } else {
-          avx512::axpy_rows(scores, kMaxBlockKeys, group, vc.at(b, t0, v_col), vc.stride1, n, dv, acc, dv);
+          avx512::axpy_rows(scores, kMaxBlockKeys, group, vc.at(b, t0, v_col), vc.stride1, n, dv, acc, dv, stream);
         }
       } else {
-        avx512::axpy_rows(scores, kMaxBlockKeys, group, vc.at(b, t0, v_col), vc.stride1, n, dv, acc, dv);
+        avx512::axpy_rows(scores, kMaxBlockKeys, group, vc.at(b, t0, v_col), vc.stride1, n, dv, acc, dv, stream);
       }
+      stream.finish_share(j + 1, hkv);
     }
     t0 = t1;
   }
@@ -744,7 +766,8 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
     scalar_t* op_out = out.data_ptr<scalar_t>();
     const scalar_t* qp = qc.data_ptr<scalar_t>();
     if (by_pieces) {
-      const ReadAhead way = read_ahead_for_this_cpu();
+      const ReadAhead way = read_ahead_for(block_table.has_value(),
+                                           std::is_same_v<scalar_t, c10::BFloat16> && isa == CpuIsa::kAvx512Bf16);
       at::parallel_for(0, int64_t(pieces.size()), 1, [&](int64_t p0, int64_t p1) {
         RowScratch ws(group, layout.qk_offsets[hkv], layout.v_offsets[hkv], hkv * group);
         for (int64_t p = p0; p < p1; ++p) {

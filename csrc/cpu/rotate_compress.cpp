@@ -30,7 +30,8 @@ void rotate_rows(const at::Tensor& x, const at::Tensor& rot, const checks::HostL
       const float* w = xp + t * x.stride(0) + j * group * x.stride(1);
       const float* r = rp + j * head_dim * r_max;
       if (wide) {  // tiles of up to 4 query heads x 64 columns: each row of R_j is loaded once for the whole tile
-        avx512::axpy_rows(w, x.stride(1), group, r, r_max, head_dim, dim, o, dim);
+        avx512::PrefetchStream nothing_ahead;
+        avx512::axpy_rows(w, x.stride(1), group, r, r_max, head_dim, dim, o, dim, nothing_ahead);
       } else {
         axpy_rows(w, x.stride(1), group, r, r_max, head_dim, dim, o, dim);
       }
