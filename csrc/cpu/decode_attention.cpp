@@ -342,14 +342,23 @@ int64_t contiguous_block_rows(ReadAhead way, int64_t row_bytes, int64_t piece_ro
 //   B=4 x 8K bf16 64: 2.47 / 2.42, 128: 2.37 / 2.23; fp32 B=4 x 8K 64: 4.7 / 4.0, 128: 4.9 / 4.6; B=8 x 16K fp32
 //   64: 24.0 / 24.0, 128: 26.2 / 23.5. So the bytes per column set the length, not the key count: the best was 256
 //   bytes in both precisions, and twice that was slower in both.
-// - kStream: 128 keys in both precisions (measured when the next block was read ahead by loads). On the AMD EPYC (same
-// A/B), B=8 x 16K from 128-token pages took in float
-//   18.9-19.1 / 12.9-13.0 / 13.9-14.8 ms with blocks of 64 / 128 / 256 keys (256 / 512 / 1024 bytes of a column),
-//   in bf16 8.5 / 9.1-9.3 / 9.4-10.1 ms with 128 / 256 / 512 keys; from 16-token pages every length was within the
-//   noise (bf16 12.4-13.5 ms, float 21.4-21.8).
+// - kStream: whole pages, as many as fit in kStreamPagedBlockKeys, or one page of at most kMaxPagedBlockKeys keys
+//   (half a page beyond). On the AMD EPYC (same A/B), with the stream: from 16-token pages B=8 x 16K took 5.2-6.4 ms
+//   in bf16 with 64-key blocks against 6.3-7.7 with 128 (float 11.1-11.7 against 12.6-14.6), B=4 x 8K 1.3-1.4 in
+//   both (float 2.47-2.58 against 3.2-3.6); in a noisier hour, 6 rounds, bf16 B=8 x 16K 5.5-7.9 ms (median 7.5)
+//   against 6.5-10.3 (7.6). 32-key blocks were slower in bf16 (2.3 and 6.4 ms); 32-token pages took bf16 1.7 /
+//   1.6-2.5 ms and 7.1 / 6.8-7.2 with 64 / 128 keys, float 2.5 / 3.3 ms at B=4 x 8K; 128-token pages cut in blocks of
+//   64 or 96 keys were slower than whole (B=8 x 16K bf16 7.3-7.8 against 5.7-6.0 ms). When the next block
+//   was read ahead by loads, B=8 x 16K from 128-token pages took in float 18.9-19.1 / 12.9-13.0 / 13.9-14.8 ms with
+//   blocks of 64 / 128 / 256 keys (256 / 512 / 1024 bytes of a column), in bf16 8.5 / 9.1-9.3 / 9.4-10.1 ms with 128
+//   / 256 / 512 keys.
+constexpr int64_t kStreamPagedBlockKeys = 64;
+
 template <typename T>
-int64_t paged_block_keys(ReadAhead way) {
-  return way == ReadAhead::kPrefetchL2 ? 256 / int64_t(sizeof(T)) : kMaxPagedBlockKeys;
+int64_t paged_block_keys(ReadAhead way, int64_t page_size) {
+  if (way == ReadAhead::kPrefetchL2) return 256 / int64_t(sizeof(T));
+  return page_size < kStreamPagedBlockKeys ? kStreamPagedBlockKeys / page_size * page_size
+                                           : std::min(page_size, kMaxPagedBlockKeys);
 }
 
 // prefetcht1 of bytes [first, first + bytes), one per cache line (ReadAhead::kPrefetchL2).
@@ -499,7 +508,7 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
   float* scores = ws.scores.data();
 
   const int64_t rows = kc.paged()
-                           ? paged_block_keys<T>(way)
+                           ? paged_block_keys<T>(way, kc.page_size)
                            : contiguous_block_rows(way, (qk_width + v_width) * int64_t(sizeof(T)), piece.t1 - piece.t0);
   const int64_t col_stride = kc.col_stride();
   // Value sums over bf16 pages by vdpbf16ps (dot_columns_tile_bf16) where a page's column fills a 32-token register: on
