@@ -5,6 +5,8 @@ slot and page that must not be read."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -211,6 +213,9 @@ def test_prefill_attention_bf16_without_onednn():
 # FDC_CPU_ISA caps the CPU row kernels (csrc/cpu/cpu_common.h): "" runs the widest this CPU has (AVX-512-BF16 where
 # present), the others force the AVX-512 kernels without the bf16 dot product, or the portable ones.
 CPU_ISAS = ("", "avx512", "portable")
+# FDC_CPU_READ_AHEAD picks how the AVX-512 decode kernel brings the next block in (csrc/cpu/decode_attention.cpp): ""
+# is this CPU's own way, the others force one, so every way runs on whichever CPU the tests meet.
+READ_AHEADS = ("", "stream", "loads", "prefetch_l2")
 
 
 @pytest.mark.parametrize("isa", CPU_ISAS)
@@ -219,6 +224,8 @@ CPU_ISAS = ("", "avx512", "portable")
 def test_decode_attention(case, paged, isa, monkeypatch):
     monkeypatch.setenv("FDC_CPU_ISA", isa)
     gen, rng, replay = case_generator(f"decode_attention paged={paged}", case)
+    read_ahead = rng.choice(READ_AHEADS)
+    monkeypatch.setenv("FDC_CPU_READ_AHEAD", read_ahead)
     layout = random_layout(rng, max_group=16)  # above 8 the AVX-512 bf16 key products take query heads in two rounds
     dtype = rng.choice(DTYPES)
     batch = rng.randint(1, 6)
@@ -248,18 +255,23 @@ def test_decode_attention(case, paged, isa, monkeypatch):
     out = ops.decode_attention(*args, plan=plan, block_table=block_table)
     expected = reference.decode_attention_ref(*args, block_table=block_table)
     torch_lowp = reference.decode_attention_ref(*args, block_table=block_table, compute_dtype=dtype)
-    assert_close_to_reference(out, expected, torch_lowp, f"decode_attention paged={paged} {replay}")
+    assert_close_to_reference(out, expected, torch_lowp,
+                              f"decode_attention paged={paged} read_ahead={read_ahead!r} {replay}")
 
 
+@pytest.mark.parametrize("read_ahead", READ_AHEADS)
+@pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("isa", CPU_ISAS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_attention_many_blocks_per_piece(dtype, isa, monkeypatch):
-    """A wide layer (8 KV heads of 256 + 256 columns) over 2000 keys: whatever block length this CPU's read-ahead
-    picks (16 rows on Intel; on AMD 160 KiB of K and V, at least 16 rows), each piece of the AVX-512 kernel spans
-    many blocks, so the next block's read-ahead and the softmax carried from block to block are exercised; keys whose
-    scores jump far above every earlier one make later blocks rescale what earlier ones summed. Unused cache rows
-    hold NaN."""
+def test_decode_attention_many_blocks_per_piece(dtype, isa, paged, read_ahead, monkeypatch):
+    """A wide layer (8 KV heads of 256 + 256 columns) over 2000 keys: whatever block length the read-ahead picks
+    (16 rows or 128 to 256 bytes of each page column by prefetch_l2; 160 KiB of K and V, at least 16 rows, or up to
+    128 keys of pages otherwise), each piece of the AVX-512 kernel spans many blocks, so the next block's read-ahead and
+    the softmax carried from block to block are exercised; keys whose scores jump far above every earlier one make
+    later blocks rescale what earlier ones summed. Unused cache rows and slots hold NaN; pages (16 tokens) are
+    shuffled over the pool."""
     monkeypatch.setenv("FDC_CPU_ISA", isa)
+    monkeypatch.setenv("FDC_CPU_READ_AHEAD", read_ahead)
     gen = torch.Generator().manual_seed(11)
     dims, group, length = [256] * 8, 2, 2000
     qk_offsets = v_offsets = offsets(dims)
@@ -271,11 +283,26 @@ def test_decode_attention_many_blocks_per_piece(dtype, isa, monkeypatch):
     k_cache[0, :length] = (randn((length, width), torch.float32, gen) * key_scale).to(dtype)
     v_cache[0, :length] = randn((length, width), dtype, gen)
     q = randn((1, group * width), dtype, gen)
+    block_table = None
+    if paged:
+        page_size = 16
+        block_table, num_pages = random_block_table([length], length + 24, page_size, random.Random(11))
+        k_cache = to_pages(k_cache, [length], block_table, num_pages, page_size)
+        v_cache = to_pages(v_cache, [length], block_table, num_pages, page_size)
     args = (q, k_cache, v_cache, torch.tensor([length], dtype=torch.int32), qk_offsets, v_offsets, group, 0.04)
-    out = ops.decode_attention(*args)
-    expected = reference.decode_attention_ref(*args)
-    torch_lowp = reference.decode_attention_ref(*args, compute_dtype=dtype)
-    assert_close_to_reference(out, expected, torch_lowp, f"decode_attention many blocks {dtype} isa={isa!r}")
+    out = ops.decode_attention(*args, block_table=block_table)
+    expected = reference.decode_attention_ref(*args, block_table=block_table)
+    torch_lowp = reference.decode_attention_ref(*args, block_table=block_table, compute_dtype=dtype)
+    what = f"decode_attention many blocks {dtype} isa={isa!r} paged={paged} read_ahead={read_ahead!r}"
+    assert_close_to_reference(out, expected, torch_lowp, what)
+
+
+def test_cpu_read_ahead_rejects_unknown_names(monkeypatch):
+    monkeypatch.setenv("FDC_CPU_READ_AHEAD", "telepathy")
+    q, k, v = torch.randn(1, 16), torch.randn(1, 4, 8), torch.randn(1, 4, 8)
+    offsets8 = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="fdc::decode_attention: FDC_CPU_READ_AHEAD must be .* but is 'telepathy'"):
+        ops.decode_attention(q, k, v, torch.tensor([4], dtype=torch.int32), offsets8, offsets8, 2, 0.3)
 
 
 def test_cpu_isa_rejects_unknown_names(monkeypatch):

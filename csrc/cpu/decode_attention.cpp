@@ -13,7 +13,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <memory>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -292,8 +294,19 @@ struct RowScratch {
 //   stream has not been measured there.
 enum class ReadAhead { kStream, kLoads, kPrefetchL2 };
 
-// The way for this CPU, a paged cache or not, and products without widening (bf16 by vdpbf16ps) or not.
-ReadAhead read_ahead_for(bool paged, bool bf16_products) {
+// The way for this CPU, a paged cache or not, and products without widening (bf16 by vdpbf16ps) or not, unless the
+// environment variable FDC_CPU_READ_AHEAD names one (stream, loads or prefetch_l2; read at every call, like
+// FDC_CPU_ISA, so tests run every way on any CPU and a new CPU can be measured without a rebuild). `op` names the
+// caller in the error raised for any other value.
+ReadAhead read_ahead_for(const char* op, bool paged, bool bf16_products) {
+  const char* forced = std::getenv("FDC_CPU_READ_AHEAD");
+  if (forced != nullptr && *forced != '\0') {
+    const std::string_view name(forced);
+    if (name == "stream") return ReadAhead::kStream;
+    if (name == "loads") return ReadAhead::kLoads;
+    if (name == "prefetch_l2") return ReadAhead::kPrefetchL2;
+    TORCH_CHECK(false, "fdc::", op, ": FDC_CPU_READ_AHEAD must be stream, loads or prefetch_l2 but is '", name, "'");
+  }
   static const bool intel = __builtin_cpu_is("intel");
   if (intel) return ReadAhead::kPrefetchL2;
   return paged || bf16_products ? ReadAhead::kStream : ReadAhead::kLoads;
@@ -357,6 +370,7 @@ constexpr int64_t kStreamPagedBlockKeys = 64;
 template <typename T>
 int64_t paged_block_keys(ReadAhead way, int64_t page_size) {
   if (way == ReadAhead::kPrefetchL2) return 256 / int64_t(sizeof(T));
+  if (way == ReadAhead::kLoads) return kMaxPagedBlockKeys;
   return page_size < kStreamPagedBlockKeys ? kStreamPagedBlockKeys / page_size * page_size
                                            : std::min(page_size, kMaxPagedBlockKeys);
 }
@@ -538,21 +552,21 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
     PageRuns<T>& ahead = runs[turn ^ 1];
     if (kc.paged()) ahead.assign(kc, vc, b, t1, t1 + next);
     next_bytes.count = 0;
-    if (way == ReadAhead::kStream && next > 0) {
+    if (way != ReadAhead::kPrefetchL2 && next > 0) {
       if (kc.paged()) {
         next_bytes.add_runs(ahead, kc.page_size, qk_width, v_width);
+        if (way == ReadAhead::kLoads) read_ahead_interleaved(next_bytes);
+      } else if (way == ReadAhead::kLoads) {
+        BlockBytes<2> rows_ahead;
+        rows_ahead.add_rows(kc, b, t1, next, qk_width);
+        rows_ahead.add_rows(vc, b, t1, next, v_width);
+        read_ahead_interleaved(rows_ahead);
       } else {
         next_bytes.add_rows(kc, b, t1, next, qk_width);
         next_bytes.add_rows(vc, b, t1, next, v_width);
       }
     }
-    avx512::PrefetchStream stream = next_bytes.stream();
-    if (way == ReadAhead::kLoads && next > 0) {  // contiguous caches only (read_ahead_for)
-      BlockBytes<2> rows_ahead;
-      rows_ahead.add_rows(kc, b, t1, next, qk_width);
-      rows_ahead.add_rows(vc, b, t1, next, v_width);
-      read_ahead_interleaved(rows_ahead);
-    }
+    avx512::PrefetchStream stream = way == ReadAhead::kStream ? next_bytes.stream() : avx512::PrefetchStream{};
     for (int64_t j = 0; j < hkv; ++j) {
       if (way == ReadAhead::kPrefetchL2) {
         if (kc.paged()) {
@@ -764,6 +778,9 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
   const int32_t* splits = by_pieces ? piece_splits.data() : view.split_offsets();  // (B * H_kv + 1)
   const Problem pb{&layout, static_cast<float>(scale), splits, partial_out.get(), partial_lse.get(), max_v_dim};
 
+  const ReadAhead way =
+      read_ahead_for(op, block_table.has_value(), q.scalar_type() == at::kBFloat16 && isa == CpuIsa::kAvx512Bf16);
+
   FDC_DISPATCH_FLOAT_TYPES(q.scalar_type(), "fdc::decode_attention", [&] {
     const int32_t* bt = block_table ? table.data_ptr<int32_t>() : nullptr;
     const auto view_of = [&](const at::Tensor& cache) {
@@ -775,8 +792,6 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
     scalar_t* op_out = out.data_ptr<scalar_t>();
     const scalar_t* qp = qc.data_ptr<scalar_t>();
     if (by_pieces) {
-      const ReadAhead way = read_ahead_for(block_table.has_value(),
-                                           std::is_same_v<scalar_t, c10::BFloat16> && isa == CpuIsa::kAvx512Bf16);
       at::parallel_for(0, int64_t(pieces.size()), 1, [&](int64_t p0, int64_t p1) {
         RowScratch ws(group, layout.qk_offsets[hkv], layout.v_offsets[hkv], hkv * group);
         for (int64_t p = p0; p < p1; ++p) {
