@@ -375,7 +375,10 @@ FDC_AVX512 void dot_columns_tile(const float* p, int64_t p_ld, const T* const* r
       }
     }
   }
-  add_column_sums<kHeads, kCols>(sums, c0, dim, acc, acc_ld);
+  __m512 reduced[kLanes];  // a copy: with `sums` itself passed on, GCC stored every accumulator on each pass
+#pragma GCC unroll 16
+  for (int k = 0; k < kLanes; ++k) reduced[k] = sums[k];
+  add_column_sums<kHeads, kCols>(reduced, c0, dim, acc, acc_ld);
   stream = ahead;
 }
 
@@ -415,7 +418,10 @@ FDC_AVX512_BF16 void dot_columns_tile_bf16(const uint16_t* p, int64_t p_ld, cons
       }
     }
   }
-  add_column_sums<kHeads, kCols>(sums, c0, dim, acc, acc_ld);
+  __m512 reduced[kLanes];  // a copy: with `sums` itself passed on, GCC stored every accumulator on each pass
+#pragma GCC unroll 16
+  for (int k = 0; k < kLanes; ++k) reduced[k] = sums[k];
+  add_column_sums<kHeads, kCols>(reduced, c0, dim, acc, acc_ld);
   stream = ahead;
 }
 
@@ -721,7 +727,10 @@ FDC_AVX512_BF16 void dot_columns_page16_tile_bf16(const uint16_t* p, int64_t p_l
   }
   alignas(64) float total[2 * kLanes];  // h * kCols + c: head h, column c0 + c
   __m512 columns[2];
-  sum_column_pairs(sums, columns);
+  __m512 reduced[kLanes];  // a copy: with `sums` itself passed on, GCC stored every accumulator on each pass
+#pragma GCC unroll 16
+  for (int k = 0; k < kLanes; ++k) reduced[k] = sums[k];
+  sum_column_pairs(reduced, columns);
   _mm512_store_ps(total, columns[0]);
   _mm512_store_ps(total + kLanes, columns[1]);
   const __mmask16 store = lanes_mask(std::min<int64_t>(kCols, dim - c0));
