@@ -297,19 +297,12 @@ def test_decode_attention_many_blocks_per_piece(dtype, isa, paged, read_ahead, m
     assert_close_to_reference(out, expected, torch_lowp, what)
 
 
-def test_cpu_read_ahead_rejects_unknown_names(monkeypatch):
-    monkeypatch.setenv("FDC_CPU_READ_AHEAD", "telepathy")
+@pytest.mark.parametrize("variable, value", [("FDC_CPU_ISA", "avx9000"), ("FDC_CPU_READ_AHEAD", "telepathy")])
+def test_cpu_switches_reject_unknown_names(variable, value, monkeypatch):
+    monkeypatch.setenv(variable, value)
     q, k, v = torch.randn(1, 16), torch.randn(1, 4, 8), torch.randn(1, 4, 8)
     offsets8 = torch.tensor([0, 8], dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="fdc::decode_attention: FDC_CPU_READ_AHEAD must be .* but is 'telepathy'"):
-        ops.decode_attention(q, k, v, torch.tensor([4], dtype=torch.int32), offsets8, offsets8, 2, 0.3)
-
-
-def test_cpu_isa_rejects_unknown_names(monkeypatch):
-    monkeypatch.setenv("FDC_CPU_ISA", "avx9000")
-    q, k, v = torch.randn(1, 16), torch.randn(1, 4, 8), torch.randn(1, 4, 8)
-    offsets8 = torch.tensor([0, 8], dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="fdc::decode_attention: FDC_CPU_ISA must be .* but is 'avx9000'"):
+    with pytest.raises(RuntimeError, match=f"fdc::decode_attention: {variable} must be .* but is '{value}'"):
         ops.decode_attention(q, k, v, torch.tensor([4], dtype=torch.int32), offsets8, offsets8, 2, 0.3)
 
 
