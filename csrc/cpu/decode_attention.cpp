@@ -511,7 +511,7 @@ FDC_AVX512 inline void read_ahead_interleaved(const BlockBytes<kMaxRanges>& bloc
 template <typename T>
 FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const T* q, int64_t q_ld,
                                  const CacheView<T>& kc, const CacheView<T>& vc, T* out, int64_t out_ld, RowScratch& ws,
-                                 bool bf16_dot, ReadAhead way) {
+                                 bool bf16_dot, ReadAhead way, const RowPiece* following) {
   const checks::HostLayout& layout = *pb.layout;
   const int64_t hkv = layout.num_kv_heads(), group = layout.group, b = piece.b;
   const int64_t qk_width = layout.qk_offsets[hkv], v_width = layout.v_offsets[hkv];
@@ -521,9 +521,11 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
   std::fill(ws.softmax.begin(), ws.softmax.end(), OnlineSoftmax{});
   float* scores = ws.scores.data();
 
-  const int64_t rows = kc.paged()
-                           ? paged_block_keys<T>(way, kc.page_size)
-                           : contiguous_block_rows(way, (qk_width + v_width) * int64_t(sizeof(T)), piece.t1 - piece.t0);
+  const auto block_keys = [&](const RowPiece& of) {
+    return kc.paged() ? paged_block_keys<T>(way, kc.page_size)
+                      : contiguous_block_rows(way, (qk_width + v_width) * int64_t(sizeof(T)), of.t1 - of.t0);
+  };
+  const int64_t rows = block_keys(piece);
   const int64_t col_stride = kc.col_stride();
   // Value sums over bf16 pages by vdpbf16ps (dot_columns_tile_bf16) where a page's column fills a 32-token register: on
   // the AMD EPYC (bench_ops' layer, alternated call by call) B=8 x 16K took 7.17 against 7.55 ms from 128-token pages,
@@ -547,10 +549,16 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
   BlockBytes<2 * kMaxPagedBlockKeys> next_bytes;  // kStream: the next block's ranges
   for (int64_t t0 = piece.t0, turn = 0; t0 < piece.t1; turn ^= 1) {
     const int64_t t1 = std::min(piece.t1, t0 + rows), n = t1 - t0;
-    const int64_t next = std::min(piece.t1, t1 + rows) - t1;  // keys of the next block (0 after the last)
+    // The block read ahead: the piece's next, or after its last the first block of the piece this thread runs next
+    // (`following`), so that only a thread's first piece starts on a block nobody asked for.
+    int64_t next_b = b, next_t0 = t1, next = std::min(piece.t1, t1 + rows) - t1;
+    if (next == 0 && following != nullptr) {
+      next_b = following->b, next_t0 = following->t0;
+      next = std::min(following->t1 - following->t0, block_keys(*following));
+    }
     const PageRuns<T>& here = runs[turn];
     PageRuns<T>& ahead = runs[turn ^ 1];
-    if (kc.paged()) ahead.assign(kc, vc, b, t1, t1 + next);
+    if (kc.paged()) ahead.assign(kc, vc, next_b, next_t0, next_t0 + next);
     next_bytes.count = 0;
     if (way != ReadAhead::kPrefetchL2 && next > 0) {
       if (kc.paged()) {
@@ -558,12 +566,12 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
         if (way == ReadAhead::kLoads) read_ahead_interleaved(next_bytes);
       } else if (way == ReadAhead::kLoads) {
         BlockBytes<2> rows_ahead;
-        rows_ahead.add_rows(kc, b, t1, next, qk_width);
-        rows_ahead.add_rows(vc, b, t1, next, v_width);
+        rows_ahead.add_rows(kc, next_b, next_t0, next, qk_width);
+        rows_ahead.add_rows(vc, next_b, next_t0, next, v_width);
         read_ahead_interleaved(rows_ahead);
       } else {
-        next_bytes.add_rows(kc, b, t1, next, qk_width);
-        next_bytes.add_rows(vc, b, t1, next, v_width);
+        next_bytes.add_rows(kc, next_b, next_t0, next, qk_width);
+        next_bytes.add_rows(vc, next_b, next_t0, next, v_width);
       }
     }
     avx512::PrefetchStream stream = way == ReadAhead::kStream ? next_bytes.stream() : avx512::PrefetchStream{};
@@ -572,8 +580,8 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
         if (kc.paged()) {
           prefetch_runs_share(ahead, kc.page_size, qk_width, v_width, j, hkv);
         } else {
-          prefetch_rows_share(kc, kc.at(b, t1, 0), next, j, hkv);
-          prefetch_rows_share(vc, vc.at(b, t1, 0), next, j, hkv);
+          prefetch_rows_share(kc, kc.at(next_b, next_t0, 0), next, j, hkv);
+          prefetch_rows_share(vc, vc.at(next_b, next_t0, 0), next, j, hkv);
         }
       }
       const int64_t k_col = layout.qk_offsets[j], v_col = layout.v_offsets[j];
@@ -796,7 +804,7 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
         RowScratch ws(group, layout.qk_offsets[hkv], layout.v_offsets[hkv], hkv * group);
         for (int64_t p = p0; p < p1; ++p) {
           run_piece_avx512(pieces[p], pb, qp, qc.stride(0), kview, vview, op_out, out.stride(0), ws,
-                           isa == CpuIsa::kAvx512Bf16, way);
+                           isa == CpuIsa::kAvx512Bf16, way, p + 1 < p1 ? &pieces[p + 1] : nullptr);
         }
       });
     } else {
