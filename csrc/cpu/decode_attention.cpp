@@ -478,11 +478,8 @@ struct BlockBytes {
     for (int64_t s = 0; s < runs.count; ++s)
       add(runs.v[s], ((v_width - 1) * page_size + runs.len[s]) * int64_t(sizeof(T)));
   }
-  avx512::PrefetchStream stream() const {
-    avx512::PrefetchStream ahead{first, bytes, count};
-    for (int64_t r = 0; r < count; ++r) ahead.longest = std::max(ahead.longest, bytes[r]);
-    return ahead;
-  }
+  int64_t longest() const { return count == 0 ? 0 : *std::max_element(bytes, bytes + count); }
+  avx512::PrefetchStream stream() const { return {first, bytes, count, longest()}; }
 };
 
 // ReadAhead::kLoads: a load of one byte per cache line of every range, in the order of PrefetchStream (ranges in
@@ -491,8 +488,7 @@ struct BlockBytes {
 // a runtime count).
 template <int64_t kMaxRanges>
 FDC_AVX512 inline void read_ahead_interleaved(const BlockBytes<kMaxRanges>& block) {
-  int64_t longest = 0;
-  for (int64_t r = 0; r < block.count; ++r) longest = std::max(longest, block.bytes[r]);
+  const int64_t longest = block.longest();
   char sink = 0;
   for (int64_t byte = 0; byte < longest; byte += avx512::kCacheLine) {
 #pragma GCC unroll 2
