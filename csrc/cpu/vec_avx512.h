@@ -160,48 +160,6 @@ FDC_AVX512 void dot_rows(const float* a, int64_t a_ld, int64_t group, const T* r
   }
 }
 
-// dot_rows for bf16 `a` (raw bits, a_ld elements apart) and bf16 rows, with AVX-512-BF16: vdpbf16ps multiplies
-// 32 bf16 pairs exactly and adds them into 16 float lanes, so rows are never widened; out is overwritten. Lanes hold
-// columns: each head's 16 accumulators are reduced by a sum16x16 (dot_rows_bf16 picks this or the transposed form).
-FDC_AVX512_BF16 inline void dot_rows_bf16_by_sums(const uint16_t* a, int64_t a_ld, int64_t group,
-                                                  const c10::BFloat16* rows, int64_t row_stride, int64_t n, int64_t len,
-                                                  float* out, int64_t out_ld, PrefetchStream& stream) {
-  PrefetchStream ahead = stream;
-  constexpr int64_t kPairs = 2 * kLanes;  // bf16 elements per register
-  const int64_t full = len / kPairs * kPairs;
-  const int64_t rest = len - full;
-  const __mmask32 tail = pairs_mask(rest);
-  for (int64_t r0 = 0; r0 < n; r0 += kLanes) {
-    const c10::BFloat16* row[kLanes];
-    for (int64_t k = 0; k < kLanes; ++k) row[k] = rows + std::min(r0 + k, n - 1) * row_stride;
-    const __mmask16 store = lanes_mask(n - r0);
-    for (int64_t i = 0; i < group; ++i) {
-      const uint16_t* ai = a + i * a_ld;
-      __m512 acc[kLanes];
-#pragma GCC unroll 16
-      for (int k = 0; k < kLanes; ++k) acc[k] = _mm512_setzero_ps();
-      for (int64_t x = 0; x < full; x += kPairs) {
-        const __m512bh av = (__m512bh)_mm512_loadu_si512(ai + x);
-#pragma GCC unroll 16
-        for (int k = 0; k < kLanes; ++k) {
-          acc[k] = _mm512_dpbf16_ps(acc[k], av, (__m512bh)_mm512_loadu_si512(row[k] + x));
-          if (i == 0) ahead.step();
-        }
-      }
-      if (tail) {
-        const __m512bh av = (__m512bh)_mm512_maskz_loadu_epi16(tail, ai + full);
-#pragma GCC unroll 16
-        for (int k = 0; k < kLanes; ++k) {
-          acc[k] = _mm512_dpbf16_ps(acc[k], av, (__m512bh)_mm512_maskz_loadu_epi16(tail, row[k] + full));
-          if (i == 0) ahead.step();
-        }
-      }
-      _mm512_mask_storeu_ps(out + i * out_ld + r0, store, sum16x16(acc));
-    }
-  }
-  stream = ahead;
-}
-
 // Transposes 16 registers of 16 32-bit lanes in place: afterwards t[c] lane r holds what t[r] lane c held. 32-bit then
 // 64-bit interleaves give, per 128-bit lane, 4 x 4 blocks; two rounds of 128-bit lane shuffles put the blocks in
 // place (64 shuffles; checked lane by lane against the instructions' definitions before use).
@@ -233,7 +191,7 @@ FDC_AVX512 inline void transpose16x16_epi32(__m512i* t) {
   }
 }
 
-// dot_rows_bf16_by_sums for up to 16 rows and kHeads query heads, lanes holding rows: each 32 columns of the 16 rows
+// dot_rows_bf16 for up to 16 rows and kHeads query heads, lanes holding rows: each 32 columns of the 16 rows
 // are transposed in registers (transpose16x16_epi32) so register p holds column pair p of every row, and vdpbf16ps with
 // a query's pair broadcast adds it to 16 rows' scores at once. The transpose serves every head and no horizontal sum is
 // left. len is even.
@@ -303,11 +261,19 @@ inline void for_head_tiles_of_8(int64_t group, Tile&& tile) {
   }
 }
 
-// dot_rows_bf16_by_sums by dot_rows_bf16_lanes: 16 rows at a time (a short last group repeats its final row and
-// stores only the real ones), query heads 8 at a time (8 accumulators beside the 16 transposed registers).
-FDC_AVX512_BF16 inline void dot_rows_bf16_transposed(const uint16_t* a, int64_t a_ld, int64_t group,
-                                                     const c10::BFloat16* rows, int64_t row_stride, int64_t n,
-                                                     int64_t len, float* out, int64_t out_ld, PrefetchStream& ahead) {
+// dot_rows for bf16 `a` (raw bits, a_ld elements apart) and bf16 rows, with AVX-512-BF16: vdpbf16ps multiplies
+// 32 bf16 pairs exactly and adds them into 16 float lanes, so rows are never widened; out is overwritten. By
+// dot_rows_bf16_lanes: 16 rows at a time (a short last group repeats its final row and stores only the real ones),
+// query heads 8 at a time (8 accumulators beside the 16 transposed registers). Per 16 rows and 32 columns the
+// transpose pays 16 loads and 64 shuffles once for all heads. The form with lanes holding columns (16 loads per head,
+// then a 16 x 16 reduction of each head's accumulators: 30 shuffles and 15 adds per 16 rows) was faster for 1 and 2
+// query heads per KV head while the transposed form kept one accumulator chain per head; with its 8 chains
+// (dot_rows_bf16_lanes) the transposed form won there too, on the 2-core AMD EPYC (bench_ops' layer, builds alternated
+// process by process): 2 heads B=8 x 16K 5.9-6.1 against 6.6-6.7 ms, B=4 x 8K 0.94-1.01 against 1.02-1.05; 1 head
+// B=8 x 16K 5.8-6.0 against 6.3-6.6, B=4 x 8K within noise. So it is the only form.
+FDC_AVX512_BF16 inline void dot_rows_bf16(const uint16_t* a, int64_t a_ld, int64_t group, const c10::BFloat16* rows,
+                                          int64_t row_stride, int64_t n, int64_t len, float* out, int64_t out_ld,
+                                          PrefetchStream& ahead) {
   for (int64_t r0 = 0; r0 < n; r0 += kLanes) {
     const c10::BFloat16* row[kLanes];
     for (int64_t k = 0; k < kLanes; ++k) row[k] = rows + std::min(r0 + k, n - 1) * row_stride;
@@ -316,25 +282,6 @@ FDC_AVX512_BF16 inline void dot_rows_bf16_transposed(const uint16_t* a, int64_t 
       dot_rows_bf16_lanes<decltype(heads)::value>(a + h0 * a_ld, a_ld, row, len, store, out + h0 * out_ld + r0, out_ld,
                                                   ahead);
     });
-  }
-}
-
-// Scores of n bf16 rows against `group` bf16 query rows (dot_rows_bf16_by_sums' contract). Per 16 rows and 32
-// columns the transposed form pays 16 loads and 64 shuffles once for all heads, the other 16 loads and, per head, a
-// share of a 16 x 16 reduction (30 shuffles and 15 adds per 16 rows): so the transpose wins from about 3 heads. On the
-// 2-core AMD EPYC (bench_ops' layer, bf16, variants alternated call by call), B=2 x 4K (in L3) took by sums /
-// transposed 0.19 / 0.22 ms with 1 query head per KV head, 0.25 / 0.26 with 2, 0.29-0.32 / 0.27-0.28 with 3, 0.37 /
-// 0.33 with 4 and 0.53 / 0.44 with 8; B=4 x 8K (from DRAM) 1.14 / 1.31, 1.22 / 1.34, 1.39-1.41 / 1.43-1.44, 1.55-1.57
-// / 1.48-1.50 and 2.26 / 1.93 ms.
-constexpr int64_t kTransposeMinGroup = 3;
-
-FDC_AVX512_BF16 inline void dot_rows_bf16(const uint16_t* a, int64_t a_ld, int64_t group, const c10::BFloat16* rows,
-                                          int64_t row_stride, int64_t n, int64_t len, float* out, int64_t out_ld,
-                                          PrefetchStream& ahead) {
-  if (group >= kTransposeMinGroup) {
-    dot_rows_bf16_transposed(a, a_ld, group, rows, row_stride, n, len, out, out_ld, ahead);
-  } else {
-    dot_rows_bf16_by_sums(a, a_ld, group, rows, row_stride, n, len, out, out_ld, ahead);
   }
 }
 
