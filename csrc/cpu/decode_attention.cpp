@@ -29,7 +29,7 @@ namespace fdc::cpu {
 namespace {
 
 // The longest block of keys of a piece (run_piece_avx512), the scores' leading dimension there, a multiple of 32
-// (round_to_bf16): reached by contiguous caches of narrow layers (contiguous_block_rows).
+// (exp_sum_to_bf16 fills whole 32-value chunks): reached by contiguous caches of narrow layers (contiguous_block_rows).
 constexpr int64_t kMaxBlockKeys = 512;
 // The longest block of keys of a piece of a paged cache (paged_block_keys), whose page runs a piece lists per block.
 constexpr int64_t kMaxPagedBlockKeys = 128;
@@ -541,6 +541,7 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
   // 10.7-10.9 (axpy_rows_bf16 there: 2.1-2.7 and 10.5-11.1, its registers half empty). The runs of a 16-token page
   // start at its first token: pieces start at page starts (cut_rows) and blocks are whole pages (paged_block_keys).
   const bool bf16_key_pages = std::is_same_v<T, c10::BFloat16> && bf16_dot && kc.paged();
+  const bool bf16_weights = vc.paged() ? bf16_pages : std::is_same_v<T, c10::BFloat16> && bf16_dot;
   PageRuns<T> runs[2];  // paged: the block's and the next block's runs, by turns
   if (kc.paged()) runs[0].assign(kc, vc, b, piece.t0, std::min(piece.t1, piece.t0 + rows));
   const T* run_values[kMaxPagedBlockKeys];        // one KV head's value columns in each run of the block
@@ -620,27 +621,30 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
           avx512::dot_rows(qj, dq, group, keys, kc.stride1, n, dq, scores, kMaxBlockKeys);
         }
       }
+      uint16_t* const weights = ws.weights_bf16.data();
       for (int64_t i = 0; i < group; ++i) {
         float* si = scores + i * kMaxBlockKeys;
         const float factor = softmax[i].rescale_for(avx512::max_of(si, n) * pb.scale);
         if (factor != 1.f) avx512::scale_in_place(acc + i * dv, dv, factor);
-        softmax[i].sum += avx512::exp_and_sum<kExpDegree<T>>(si, n, pb.scale, softmax[i].max);
-      }
-      const auto weights_in_bf16 = [&] {  // the probabilities rounded to bf16, as the output will be
-        uint16_t* weights = ws.weights_bf16.data();
-        for (int64_t i = 0; i < group; ++i) {
-          avx512::round_to_bf16(scores + i * kMaxBlockKeys, n, weights + i * kMaxBlockKeys);
+        // Where the value products take bf16 weights, the exps are rounded as they are made (exp2_for_bf16, one
+        // pass): on the AMD EPYC (bench_ops' layer, bf16, in L3, builds alternated process by process, 8 rounds)
+        // B=1 x 8K contiguous took 0.24-0.26 against 0.25-0.36 ms with float exps rounded in a pass of their own,
+        // 128-token pages 0.22-0.29 against 0.24-0.33.
+        if (bf16_weights) {
+          softmax[i].sum += avx512::exp_sum_to_bf16<true>(
+              si, n, pb.scale, softmax[i].max, reinterpret_cast<c10::BFloat16*>(weights + i * kMaxBlockKeys));
+        } else {
+          softmax[i].sum += avx512::exp_and_sum<kExpDegree<T>>(si, n, pb.scale, softmax[i].max);
         }
-        return weights;
-      };
+      }
       if (vc.paged()) {  // each run's values are dv columns of consecutive tokens: acc[i][c] += p_i . V[c]
         if (bf16_pages) {
           if constexpr (std::is_same_v<T, c10::BFloat16>) {
             if (vc.page_size == 16) {
-              avx512::dot_columns_page16_bf16(weights_in_bf16(), kMaxBlockKeys, group, run_values, here.first, here.len,
+              avx512::dot_columns_page16_bf16(weights, kMaxBlockKeys, group, run_values, here.first, here.len,
                                               here.count, dv, acc, dv, stream);
             } else {
-              avx512::dot_columns(weights_in_bf16(), kMaxBlockKeys, group, run_values, here.first, here.len, here.count,
+              avx512::dot_columns(weights, kMaxBlockKeys, group, run_values, here.first, here.len, here.count,
                                   col_stride, dv, acc, dv, stream);
             }
           }
@@ -650,8 +654,8 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
         }
       } else if constexpr (std::is_same_v<T, c10::BFloat16>) {  // values are n rows of dv: acc_i += sum_t p_i[t] V[t]
         if (bf16_dot) {
-          avx512::axpy_rows_bf16(weights_in_bf16(), kMaxBlockKeys, group, vc.at(b, t0, v_col), vc.stride1, n, dv, acc,
-                                 dv, stream);
+          avx512::axpy_rows_bf16(weights, kMaxBlockKeys, group, vc.at(b, t0, v_col), vc.stride1, n, dv, acc, dv,
+                                 stream);
         } else {
           avx512::axpy_rows(scores, kMaxBlockKeys, group, vc.at(b, t0, v_col), vc.stride1, n, dv, acc, dv, stream);
         }

@@ -342,7 +342,7 @@ FDC_AVX512 void dot_columns_tile(const float* p, int64_t p_ld, const T* const* r
   stream = ahead;
 }
 
-// dot_columns_tile for bf16 pages and weights rounded to bf16 (round_to_bf16), with AVX-512-BF16: 32 tokens of a
+// dot_columns_tile for bf16 pages and weights rounded to bf16 (exp_sum_to_bf16), with AVX-512-BF16: 32 tokens of a
 // column per load, and one vdpbf16ps per head multiplies them by the head's 32 weights and adds the products in pairs
 // into 16 lanes, where dot_columns_tile widens 16 tokens per load and takes an FMA per 16. Reduced the same way, once
 // per block.
@@ -406,7 +406,7 @@ FDC_AVX512 inline void column_tile(const uint16_t* p, int64_t p_ld, const c10::B
 // pair, 16 for a single head), so the horizontal sums cost one sum16x16 per 16 outputs and block, however many
 // pages the block spans. dot_rows over each run instead re-widened every column for each query head and reduced
 // each page's 16 x 16 products by a sum16x16 of its own.
-// p holds float weights, or bf16 weights (round_to_bf16) for bf16 pages on a CPU with AVX-512-BF16
+// p holds float weights, or bf16 weights (exp_sum_to_bf16) for bf16 pages on a CPU with AVX-512-BF16
 // (dot_columns_tile_bf16).
 template <typename W, typename T>
 FDC_AVX512 void dot_columns(const W* p, int64_t p_ld, int64_t group, const T* const* runs, const int64_t* first,
@@ -504,16 +504,6 @@ FDC_AVX512 void axpy_rows(const float* w, int64_t w_ld, int64_t group, const T* 
   }
 }
 
-// The first n of x rounded to bf16 (round to nearest even) as raw bits, then zeros up to the next multiple of 32:
-// the weights of axpy_rows_bf16 and of dot_columns' bf16 tiles.
-FDC_AVX512_BF16 inline void round_to_bf16(const float* x, int64_t n, uint16_t* out) {
-  for (int64_t i = 0; i < n; i += 2 * kLanes) {
-    const __m512 low = _mm512_maskz_loadu_ps(lanes_mask(n - i), x + i);
-    const __m512 high = _mm512_maskz_loadu_ps(lanes_mask(std::max<int64_t>(0, n - i - kLanes)), x + i + kLanes);
-    _mm512_storeu_si512(out + i, (__m512i)_mm512_cvtne2ps_pbh(high, low));
-  }
-}
-
 // axpy_tile for bf16 rows and bf16 weights, with AVX-512-BF16: rows r and r + 1 are interleaved element by element
 // (vpunpcklwd and vpunpckhwd, within each 128-bit lane), so one vdpbf16ps adds w[r] row_r + w[r + 1] row_{r + 1} to
 // 16 columns, against two widenings and two FMAs per row in float. kChunks registers of 32 columns (the last masked
@@ -576,7 +566,7 @@ FDC_AVX512_BF16 void axpy_pairs_tile(const uint16_t* w, int64_t w_ld, const c10:
   stream = ahead;
 }
 
-// axpy_rows for bf16 rows with bf16 weights (round_to_bf16, w_ld elements per head), by axpy_pairs_tile: tiles of
+// axpy_rows for bf16 rows with bf16 weights (exp_sum_to_bf16, w_ld elements per head), by axpy_pairs_tile: tiles of
 // up to 4 heads x 64 columns (16 accumulators, 4 interleaved row registers and a weight pair within the 32 registers).
 FDC_AVX512_BF16 inline void axpy_rows_bf16(const uint16_t* w, int64_t w_ld, int64_t group, const c10::BFloat16* rows,
                                            int64_t row_stride, int64_t n, int64_t len, float* acc, int64_t acc_ld,
@@ -652,13 +642,13 @@ FDC_AVX512_BF16 inline void dot_page16_bf16(const uint16_t* a, int64_t a_ld, int
   });
 }
 
-// dot_columns for bf16 pages of 16 tokens and weights rounded to bf16 (round_to_bf16), with AVX-512-BF16: two
+// dot_columns for bf16 pages of 16 tokens and weights rounded to bf16 (exp_sum_to_bf16), with AVX-512-BF16: two
 // columns of a page (32 bytes each, back to back) in one load, against the run's 16 weights in both halves of a
 // register, so one vdpbf16ps per head adds two tokens' products of each column into each lane, and a register is
 // full where a 16-token column alone fills half of one (dot_columns_tile_bf16 on 16-token pages lost to widening).
 // kHeads x kPairs accumulators of column pairs, reduced once per block by sum_column_pairs. The slots of a short
 // run are zeroed as the columns are loaded, so whatever they hold (NaN) meets the weights after the run (the next
-// run's probabilities, or round_to_bf16's zeros) as zero.
+// run's probabilities, or exp_sum_to_bf16's zeros) as zero.
 template <int kHeads, int kPairs>
 FDC_AVX512_BF16 void dot_columns_page16_tile_bf16(const uint16_t* p, int64_t p_ld, const c10::BFloat16* const* runs,
                                                   const int64_t* first, const int64_t* len, int64_t count, int64_t c0,
@@ -770,7 +760,10 @@ FDC_AVX512 inline __m512 exp2_for_bf16(__m512 y) {
 
 // out[i] = bfloat16(exp(x[i] * scale - shift)) for i < n (vcvtne2ps2bf16: round to nearest even, 32 values per
 // conversion and store); returns the sum of the float32 exps (the softmax denominator is summed before rounding, as
-// torch's CPU flash attention does).
+// torch's CPU flash attention does). With kZeroToChunkEnd, zeros follow up to the next multiple of 32 (out must have
+// room): the weights of axpy_rows_bf16 and of dot_columns' bf16 tiles, which read them in pairs or whole 16-token
+// runs.
+template <bool kZeroToChunkEnd = false>
 FDC_AVX512_BF16 inline float exp_sum_to_bf16(const float* x, int64_t n, float scale, float shift, c10::BFloat16* out) {
   constexpr float kLog2e = 1.44269504088896341f;
   const __m512 sc = _mm512_set1_ps(scale * kLog2e), s = _mm512_set1_ps(-shift * kLog2e);
@@ -781,8 +774,8 @@ FDC_AVX512_BF16 inline float exp_sum_to_bf16(const float* x, int64_t n, float sc
     const __m512 e1 =
         _mm512_maskz_mov_ps(hi, exp2_for_bf16(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(hi, x + i + kLanes), sc, s)));
     sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
-    _mm512_mask_storeu_epi16(out + i, (__mmask32(hi) << 16) | lo,
-                             reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0)));
+    const __mmask32 store = kZeroToChunkEnd ? __mmask32(0xFFFFFFFF) : (__mmask32(hi) << 16) | lo;
+    _mm512_mask_storeu_epi16(out + i, store, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0)));
   };
   const int64_t full = n / (2 * kLanes) * (2 * kLanes);
   for (int64_t i = 0; i < full; i += 2 * kLanes) step(i, 0xFFFF, 0xFFFF);
