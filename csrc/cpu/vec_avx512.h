@@ -264,7 +264,7 @@ inline void for_head_tiles_of_8(int64_t group, Tile&& tile) {
 // dot_rows for bf16 `a` (raw bits, a_ld elements apart) and bf16 rows, with AVX-512-BF16: vdpbf16ps multiplies
 // 32 bf16 pairs exactly and adds them into 16 float lanes, so rows are never widened; out is overwritten. By
 // dot_rows_bf16_lanes: 16 rows at a time (a short last group repeats its final row and stores only the real ones),
-// query heads 8 at a time (8 accumulators beside the 16 transposed registers). Per 16 rows and 32 columns the
+// query heads 8 at a time (at most 8 accumulators beside the 16 transposed registers). Per 16 rows and 32 columns the
 // transpose pays 16 loads and 64 shuffles once for all heads. The form with lanes holding columns (16 loads per head,
 // then a 16 x 16 reduction of each head's accumulators: 30 shuffles and 15 adds per 16 rows) was faster for 1 and 2
 // query heads per KV head while the transposed form kept one accumulator chain per head; with its 8 chains
