@@ -284,7 +284,14 @@ struct RowScratch {
 //   16K 10.3-11.9 ms by loads against 12.0-14.9 by the stream, float16 7.4-7.6 against 7.6-9.1; SmolLM2's float32 step,
 //   30 layers of one 8K request, 9.0-10.9 against 11.1-12.1 ms), while from pages the stream won in every precision
 //   (float32 16-token pages 17.4-18.9 -> 12.3-14.2 ms, 128-token 13.1-13.5 -> 10.8-12.0; float16 11.0-11.2 -> 8.1-9.6
-//   and 7.5-7.7 -> 6.3).
+//   and 7.5-7.7 -> 6.3). From memory the burst is most of a float32 step: perf puts 59% of the kernel's samples at B=8
+//   x 16K (11.7 ms) in it and the rest in the arithmetic that waits behind it (about 31 and 44 GB/s per core, one after
+//   the other). Ways to overlap them were slower (2-core AMD EPYC, float32 B=8 x 16K, settings or builds alternated
+//   process by process): the stream by prefetcht1 12.9-14.6 ms against 10.4-11.5 by loads; loads for the first two
+//   thirds or half of each range and the stream for the rest 11.8-13.0 and 13.3-13.6 against 10.1-11.6; no read-ahead
+//   17.0-18.9 against 11.0-16.8. A burst of 8 loads per loop instead of 2 (fewer instructions per line in flight)
+//   changed nothing (10.4-10.9 against 10.5-10.9 ms): the burst is held by the core's misses in flight, not by its
+//   instruction window.
 // - kPrefetchL2: prefetcht1 per cache line, a share of the block before each KV head (prefetch_rows_share,
 //   prefetch_runs_share). On the 2-core Intel Xeon with AMX (bench_ops shapes, 2 threads, the
 //   variants taken in turn in one process), B=8 x 16K took 17.1 ms in bf16 and 27.5 ms in fp32 with loads, 15.8 and
