@@ -127,59 +127,67 @@ FDC_AVX512 inline void sum_column_pairs(const __m512* v, __m512* sums) {
   sums[1] = _mm512_permutexvar_ps(order, halves.second);
 }
 
-// dot_rows for fewer than 16 rows: the rows are addressed through a table of 16 pointers (a short group repeats its
-// final row and stores only the real ones), one `a` row at a time against 16 accumulators.
+// Rows of a group of keys, row k at at(k): from one pointer and the stride (StridedRows), or through a table that
+// repeats the last real row of a short group (RowTable).
 template <typename T>
-FDC_AVX512 void dot_rows_short(const float* a, int64_t a_ld, int64_t group, const T* rows, int64_t row_stride,
-                               int64_t n, int64_t len, float* out, int64_t out_ld) {
-  const int64_t full = len / kLanes * kLanes;
-  const __mmask16 tail = lanes_mask(len - full);
+struct StridedRows {
+  const T* first;
+  int64_t stride;
+  const T* at(int64_t k) const { return first + k * stride; }
+};
+template <typename T>
+struct RowTable {
   const T* row[kLanes];
-  for (int64_t k = 0; k < kLanes; ++k) row[k] = rows + std::min<int64_t>(k, n - 1) * row_stride;
-  const __mmask16 store = lanes_mask(n);
-  for (int64_t i = 0; i < group; ++i) {
-    const float* ai = a + i * a_ld;
-    __m512 acc[kLanes];
-#pragma GCC unroll 16
-    for (int k = 0; k < kLanes; ++k) acc[k] = _mm512_setzero_ps();
-    for (int64_t x = 0; x < full; x += kLanes) {
-      const __m512 av = _mm512_loadu_ps(ai + x);
-#pragma GCC unroll 16
-      for (int k = 0; k < kLanes; ++k) acc[k] = _mm512_fmadd_ps(av, load16(row[k] + x, 0xFFFF), acc[k]);
-    }
-    if (tail) {
-      const __m512 av = _mm512_maskz_loadu_ps(tail, ai + full);
-#pragma GCC unroll 16
-      for (int k = 0; k < kLanes; ++k) acc[k] = _mm512_fmadd_ps(av, load16(row[k] + full, tail), acc[k]);
-    }
-    _mm512_mask_storeu_ps(out + i * out_ld, store, sum16x16(acc));
+  RowTable(const T* first, int64_t stride, int64_t n) {
+    for (int64_t k = 0; k < kLanes; ++k) row[k] = first + std::min<int64_t>(k, n - 1) * stride;
   }
-}
+  const T* at(int64_t k) const { return row[k]; }
+};
 
-// acc[8 * h + k] += a_h * row k (16 columns at `rows`, `mask`) for rows k < 8 and the query heads h < kHeads (1 or 2):
-// each row register is loaded once for both heads.
-template <int kHeads, typename T>
-FDC_AVX512 inline void fma_8_rows(__m512* acc, const __m512* a, const T* rows, int64_t row_stride, __mmask16 mask) {
+// acc[8 * h + k] += a_h * row k0 + k (16 columns from x, `mask`) for rows k < 8 and the query heads h < kHeads (1 or
+// 2): each row register is loaded once for both heads.
+template <int kHeads, typename Rows>
+FDC_AVX512 inline void fma_8_rows(__m512* acc, const __m512* a, const Rows& rows, int64_t k0, int64_t x,
+                                  __mmask16 mask) {
 #pragma GCC unroll 2
-  for (int k0 = 0; k0 < 8; k0 += 4) {  // 4 row registers, then their FMAs: 6-10% faster than row by row (G = 2, 4)
+  for (int k1 = 0; k1 < 8; k1 += 4) {  // 4 row registers, then their FMAs: 6-10% faster than row by row (G = 2, 4)
     __m512 row[4];
 #pragma GCC unroll 4
-    for (int k = 0; k < 4; ++k) row[k] = load16(rows + (k0 + k) * row_stride, mask);
+    for (int k = 0; k < 4; ++k) row[k] = load16(rows.at(k0 + k1 + k) + x, mask);
 #pragma GCC unroll 2
     for (int h = 0; h < kHeads; ++h)
 #pragma GCC unroll 4
-      for (int k = 0; k < 4; ++k) acc[8 * h + k0 + k] = _mm512_fmadd_ps(a[h], row[k], acc[8 * h + k0 + k]);
+      for (int k = 0; k < 4; ++k) acc[8 * h + k1 + k] = _mm512_fmadd_ps(a[h], row[k], acc[8 * h + k1 + k]);
   }
+}
+
+// The dot products of one query head `a` (len = full + the lanes of `tail`) with 16 rows, lane k holding row k's.
+template <typename Rows>
+FDC_AVX512 inline __m512 dot_16_rows(const float* a, const Rows& rows, int64_t full, __mmask16 tail) {
+  __m512 acc[kLanes];
+#pragma GCC unroll 16
+  for (int k = 0; k < kLanes; ++k) acc[k] = _mm512_setzero_ps();
+  for (int64_t x = 0; x < full; x += kLanes) {
+    const __m512 av = _mm512_loadu_ps(a + x);
+    fma_8_rows<1>(acc, &av, rows, 0, x, 0xFFFF);
+    fma_8_rows<1>(acc + 8, &av, rows, 8, x, 0xFFFF);
+  }
+  if (tail) {
+    const __m512 av = _mm512_maskz_loadu_ps(tail, a + full);
+    fma_8_rows<1>(acc, &av, rows, 0, full, tail);
+    fma_8_rows<1>(acc + 8, &av, rows, 8, full, tail);
+  }
+  return sum16x16(acc);
 }
 
 // Dot products along rows: out[i * out_ld + r] = sum_x a[i * a_ld + x] * rows[r * row_stride + x] for
 // i < group, r < n, x < len. Query heads in pairs against 8 rows at a time (16 accumulators, each row register loaded
 // once for both heads; sum16x16 finishes the pair's 16 scores together), a last odd head against 16 rows, rows short
-// of a group by dot_rows_short. The rows are addressed from one pointer and the stride: the earlier kernel's table of
-// 16 row pointers (dot_rows_short) did not fit beside the accumulators, so GCC kept the pointers in vector registers
-// and spilled accumulators inside the column loop. In a microbenchmark of one block in cache (96 rows, 2-core AMD
-// EPYC), ns per FMA with the table / now: 0.64 / 0.49 for 1 query head per KV head, 0.53 / 0.36 for 2, 0.48 / 0.34
-// for 3, 0.44 / 0.29 for 4 (axpy_rows: 0.13-0.18).
+// of a group through a RowTable. Whole groups are addressed from one pointer and the stride: the earlier kernel's
+// table of 16 row pointers for every group did not fit beside the accumulators, so GCC kept the pointers in vector
+// registers and spilled accumulators inside the column loop. In a microbenchmark of one block in cache (96 rows, 2-core
+// AMD EPYC), ns per FMA with the table / now: 0.64 / 0.51 for 1 query head per KV head, 0.53 / 0.34 for 2, 0.48 / 0.34
+// for 3, 0.44 / 0.26 for 4 (axpy_rows: 0.14-0.38).
 template <typename T>
 FDC_AVX512 void dot_rows(const float* a, int64_t a_ld, int64_t group, const T* rows, int64_t row_stride, int64_t n,
                          int64_t len, float* out, int64_t out_ld) {
@@ -193,13 +201,14 @@ FDC_AVX512 void dot_rows(const float* a, int64_t a_ld, int64_t group, const T* r
       __m512 acc[kLanes], av[2];
 #pragma GCC unroll 16
       for (int k = 0; k < kLanes; ++k) acc[k] = _mm512_setzero_ps();
+      const StridedRows<T> eight{first, row_stride};
       for (int64_t x = 0; x < full; x += kLanes) {
         av[0] = _mm512_loadu_ps(ai + x), av[1] = _mm512_loadu_ps(ai + a_ld + x);
-        fma_8_rows<2>(acc, av, first + x, row_stride, 0xFFFF);
+        fma_8_rows<2>(acc, av, eight, 0, x, 0xFFFF);
       }
       if (tail) {
         av[0] = _mm512_maskz_loadu_ps(tail, ai + full), av[1] = _mm512_maskz_loadu_ps(tail, ai + a_ld + full);
-        fma_8_rows<2>(acc, av, first + full, row_stride, tail);
+        fma_8_rows<2>(acc, av, eight, 0, full, tail);
       }
       const __m512 sums = sum16x16(acc);  // lanes 0-7: head i's 8 rows, 8-15: head i + 1's
       _mm256_storeu_ps(out + i * out_ld + r0, _mm512_castps512_ps256(sums));
@@ -207,34 +216,24 @@ FDC_AVX512 void dot_rows(const float* a, int64_t a_ld, int64_t group, const T* r
                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sums), 1)));
     }
   }
-  if (pairs > 0 && rows_of_pairs < n) {
-    dot_rows_short(a, a_ld, pairs, rows + rows_of_pairs * row_stride, row_stride, n - rows_of_pairs, len,
-                   out + rows_of_pairs, out_ld);
+  if (pairs > 0 && rows_of_pairs < n) {  // fewer than 8 rows left
+    const RowTable<T> short_group(rows + rows_of_pairs * row_stride, row_stride, n - rows_of_pairs);
+    for (int64_t i = 0; i < pairs; ++i) {
+      _mm512_mask_storeu_ps(out + i * out_ld + rows_of_pairs, lanes_mask(n - rows_of_pairs),
+                            dot_16_rows(a + i * a_ld, short_group, full, tail));
+    }
   }
   if (pairs == group) return;
   const float* last = a + pairs * a_ld;  // the odd head
   float* last_out = out + pairs * out_ld;
   const int64_t rows_of_16 = n / kLanes * kLanes;
   for (int64_t r0 = 0; r0 < rows_of_16; r0 += kLanes) {
-    const T* first = rows + r0 * row_stride;
-    __m512 acc[kLanes];
-#pragma GCC unroll 16
-    for (int k = 0; k < kLanes; ++k) acc[k] = _mm512_setzero_ps();
-    for (int64_t x = 0; x < full; x += kLanes) {
-      const __m512 av = _mm512_loadu_ps(last + x);
-      fma_8_rows<1>(acc, &av, first + x, row_stride, 0xFFFF);
-      fma_8_rows<1>(acc + 8, &av, first + 8 * row_stride + x, row_stride, 0xFFFF);
-    }
-    if (tail) {
-      const __m512 av = _mm512_maskz_loadu_ps(tail, last + full);
-      fma_8_rows<1>(acc, &av, first + full, row_stride, tail);
-      fma_8_rows<1>(acc + 8, &av, first + 8 * row_stride + full, row_stride, tail);
-    }
-    _mm512_storeu_ps(last_out + r0, sum16x16(acc));
+    _mm512_storeu_ps(last_out + r0, dot_16_rows(last, StridedRows<T>{rows + r0 * row_stride, row_stride}, full, tail));
   }
   if (rows_of_16 < n) {
-    dot_rows_short(last, a_ld, 1, rows + rows_of_16 * row_stride, row_stride, n - rows_of_16, len,
-                   last_out + rows_of_16, out_ld);
+    _mm512_mask_storeu_ps(
+        last_out + rows_of_16, lanes_mask(n - rows_of_16),
+        dot_16_rows(last, RowTable<T>(rows + rows_of_16 * row_stride, row_stride, n - rows_of_16), full, tail));
   }
 }
 
