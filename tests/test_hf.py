@@ -145,14 +145,14 @@ def test_kv_cache_nbytes_is_the_allocated_widths_times_tokens(method):
     ids = torch.randint(1, model.config.vocab_size, (3, rng.randrange(4, 30)), generator=generator)
     new_tokens = rng.randrange(2, 80)  # past the initial capacity sometimes: the buffers grow
     full_cache = transformers.DynamicCache()
-    generate(model, ids, past_key_values=full_cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    generate(model, ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **{hf.cache_keyword(model): full_cache})
     full_bytes = hf.kv_cache_nbytes(full_cache)
     dims = [[rng.choice([8, 16]) for _ in range(2)] for _ in range(2)]
     dims[rng.randrange(2)][rng.randrange(2)] = 8  # at least one head narrower than head_dim 16
     allocation = hf.compress(model, artifact, qk_dims=dims, v_dims=dims[::-1], method=method)
     assert allocation.compression_rate > 0
     cache = transformers.DynamicCache()
-    generate(model, ids, past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    generate(model, ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **{hf.cache_keyword(model): cache})
     assert all(isinstance(layer, CompressedKVLayer) for layer in cache.layers)
     tokens = 3 * (ids.shape[1] + new_tokens - 1)  # the last generated token is never fed back
     width = int(allocation.qk_dims.sum() + allocation.v_dims.sum())

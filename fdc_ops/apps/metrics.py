@@ -94,6 +94,9 @@ def latency(model, prompt_tokens: int = 512, new_tokens: int = 32, batch: int = 
     time between tokens (median single-token decode step with the cache), in milliseconds, best of ``repeats``."""
     from transformers import DynamicCache
 
+    from ..hf.compat import cache_keyword
+
+    keyword = cache_keyword(model)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (batch, prompt_tokens), generator=torch.Generator().manual_seed(seed))
     ids = ids.to(next(model.parameters()).device)
@@ -102,13 +105,13 @@ def latency(model, prompt_tokens: int = 512, new_tokens: int = 32, batch: int = 
         for _ in range(repeats):
             cache = DynamicCache()
             begin = time.perf_counter()
-            logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            logits = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{keyword: cache}).logits
             first.append(time.perf_counter() - begin)
             token = logits[:, -1].argmax(-1, keepdim=True)
             steps = []
             for _ in range(new_tokens):
                 begin = time.perf_counter()
-                logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits
+                logits = model(input_ids=token, use_cache=True, **{keyword: cache}).logits
                 token = logits[:, -1].argmax(-1, keepdim=True)
                 steps.append(time.perf_counter() - begin)
             between.append(statistics.median(steps))

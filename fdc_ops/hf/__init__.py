@@ -5,21 +5,27 @@ the KV cache a generation holds.
     artifact = fdc_ops.calibration.calibrate(model, tokenizer)    # Wikipedia text; text="random" for the paper's
     allocation = fdc_ops.hf.compress(model, artifact, compression=0.1)   # or removal_rate=0.05 (the paper's rule)
     cache = transformers.DynamicCache()
-    model.generate(**inputs, past_key_values=cache)      # or let generate() create the cache
+    model.generate(**inputs, **{fdc_ops.hf.cache_keyword(model): cache})   # or let generate() create the cache
     fdc_ops.hf.kv_cache_nbytes(cache)
 
 The per-family knowledge (which projections exist, Phi-3's fused qkv_proj, Qwen3's per-head norms, each family's
 RoPE function with its partial rotary) lives in fdc_ops.hf.families and in the modules' use of the family's own
-``apply_rotary_pos_emb``; everything else is shared.
+``apply_rotary_pos_emb``; everything else is shared. Importing this package refuses a transformers release outside
+the tested range (fdc_ops.supported.TRANSFORMERS; fdc_ops.hf.compat).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import calibration
-from . import families
-from .modules import CompressedKVLayer, FDCAttention, PaddingState, PaluAttention
+from . import compat
+
+compat.check_transformers()
+
+from .. import calibration  # noqa: E402  (after the release check: calibration reads transformers too)
+from . import families  # noqa: E402
+from .compat import cache_keyword, returned_cache  # noqa: E402,F401  (re-exported for step-by-step callers)
+from .modules import CompressedKVLayer, FDCAttention, PaddingState, PaluAttention  # noqa: E402
 
 METHODS = ("fdc", "palu")
 

