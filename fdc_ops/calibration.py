@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -554,7 +556,9 @@ def fold_value_and_output(v_weight: torch.Tensor, o_weight: torch.Tensor, v_enco
 # The artifact
 
 FORMAT = "fdc_ops.calibration"
-FORMAT_VERSION = 2  # 2: V encoder/decoder pair (output-aware V), Palu's value basis, measured sensitivity
+# 2: V encoder/decoder pair (output-aware V), Palu's value basis, measured sensitivity; 3: the model's identity
+# (every layer's attention weights, digests in each dtype: families.weight_identity)
+FORMAT_VERSION = 3
 METADATA_FILE = "fdc_artifact.json"
 TENSORS_FILE = "fdc_artifact.safetensors"
 ORTHONORMALITY_TOLERANCE = 1e-4  # bases are stored in float32: columns orthonormal to ~1e-6; this flags corruption
@@ -567,6 +571,31 @@ RECALIBRATE = ("recalibrate: fdc_ops.calibration.calibrate(model, tokenizer) or 
 
 class ArtifactError(ValueError):
     """A calibration artifact that cannot be used: unreadable, corrupt, of another format version or another model."""
+
+
+def require_number(value, name: str, who: str) -> float:
+    """``value`` as a float when it is a finite real number (not a bool, not a string), else TypeError or
+    ValueError naming ``who`` (the entry point) and the argument ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{who}: {name} must be a number, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{who}: {name} must be finite, got {value!r}")
+    return float(value)
+
+
+def require_widths(value, name: str, who: str) -> torch.Tensor:
+    """``value`` (nested lists or a tensor of whole numbers) as an int64 tensor, else TypeError naming ``who`` and
+    ``name``: 8.5 or "8" is refused instead of being truncated or parsed."""
+    try:
+        tensor = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise TypeError(f"{who}: {name} must be whole numbers (nested lists or a tensor), got {value!r} "
+                        f"({error})") from None
+    if tensor.dtype == torch.bool or tensor.dtype.is_complex:
+        raise TypeError(f"{who}: {name} must be whole numbers, got {tensor.dtype}")
+    if tensor.dtype.is_floating_point and not bool((tensor == tensor.round()).all()):
+        raise TypeError(f"{who}: {name} must be whole numbers, got {tensor.tolist()}")
+    return tensor.to(torch.int64)
 
 
 def _tensor_specs(shape: AttentionShape) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -633,6 +662,18 @@ class FDCArtifact:
         if (removal_rate is None) == (compression is None):
             raise ValueError("fdc_ops.calibration.allocate: give exactly one of removal_rate and compression, got "
                              f"removal_rate={removal_rate}, compression={compression}")
+        who = "fdc_ops.calibration.allocate"
+        if removal_rate is not None:
+            removal_rate = require_number(removal_rate, "removal_rate", who)
+            if not 0.0 <= removal_rate <= 1.0:
+                raise ValueError(f"{who}: removal_rate must be in [0, 1], got {removal_rate}")
+        if compression is not None:
+            compression = require_number(compression, "compression", who)
+        if isinstance(multiple, bool) or not isinstance(multiple, numbers.Integral):
+            raise TypeError(f"{who}: multiple must be an int, got {type(multiple).__name__} {multiple!r}")
+        for name, value in (("weighting", weighting), ("rule", rule)):
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"{who}: {name} must be a string, got {type(value).__name__} {value!r}")
         if method not in ("fdc", "palu"):
             raise ValueError(f"fdc_ops.calibration.allocate: method must be 'fdc' or 'palu', got {method!r}")
         if multiple <= 0:
@@ -705,15 +746,23 @@ class FDCArtifact:
         return self.v_encoder, self.v_decoder
 
     def check_model(self, model) -> None:
-        """Raises ArtifactError unless the artifact was calibrated on this model (same config and weights)."""
+        """Raises ArtifactError unless the artifact was calibrated on this model's checkpoint: the same attention
+        config and every layer's attention weights, compared in the least precise of the model's dtype and the
+        calibration's (families.identity_mismatch), so one artifact serves float32, bfloat16 and float16 loads."""
         shape = families.attention_shape(model)
         if shape != self.shape:
             raise ArtifactError(f"fdc_ops: the artifact is for attention shape {self.shape}, the model has {shape}")
-        actual = families.fingerprint(model)
-        if actual != self.metadata["fingerprint"]:
+        found = families.compared_digests(self.metadata["identity"], families.attention_tensors(model))
+        self.check_identity(families.text_config(model), found, "this model")
+
+    def check_identity(self, config, found: dict[str, tuple[str, str, str]], what: str) -> None:
+        """check_model's comparison, for a model known by its text config and the families.compared_digest of each
+        of its attention tensors (the vLLM plugin computes them as the checkpoint streams in); ``what`` names it."""
+        why = families.identity_mismatch(self.metadata["identity"], config, found)
+        if why is not None:
             raise ArtifactError(f"fdc_ops: the artifact was calibrated on model {self.metadata['model_id']!r} "
-                                f"(fingerprint {self.metadata['fingerprint'][:12]}), this model's fingerprint is "
-                                f"{actual[:12]}: recalibrate for this model")
+                                f"(fingerprint {self.metadata['fingerprint'][:12]}), and {what} is another: {why}; "
+                                "recalibrate for this model")
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         names = [name for name in _tensor_specs(self.shape)]
@@ -758,8 +807,9 @@ class FDCArtifact:
         version = metadata.get("format_version")
         if version != FORMAT_VERSION:
             raise ArtifactError(f"fdc_ops: {metadata_path} has format version {version}; this fdc_ops reads version "
-                                f"{FORMAT_VERSION} (version 2 added the output-aware V factors and the measured "
-                                f"sensitivities): {RECALIBRATE}")
+                                f"{FORMAT_VERSION} (version 3 records every layer's attention weights, so a "
+                                f"fine-tune is told from its base model and one artifact serves every dtype): "
+                                f"{RECALIBRATE}")
         if _sha256(tensors_path) != metadata.get("tensors_sha256"):
             raise ArtifactError(f"fdc_ops: {tensors_path} does not match the checksum in {metadata_path} "
                                 f"(truncated or modified)")
@@ -771,6 +821,9 @@ class FDCArtifact:
             shape = AttentionShape(**metadata["shape"])
         except (KeyError, TypeError) as error:
             raise ArtifactError(f"fdc_ops: {metadata_path} has no valid 'shape' ({error})") from None
+        if not _valid_identity(metadata.get("identity")):
+            raise ArtifactError(f"fdc_ops: {metadata_path} has no valid 'identity' (the model's config fields, dtype "
+                                "and attention weight digests)")
         D = shape.head_dim
         expected = _tensor_specs(shape)
         present = [name in tensors for name in SENSITIVITY_TENSORS]
@@ -805,6 +858,17 @@ class FDCArtifact:
         if model is not None:
             artifact.check_model(model)
         return artifact
+
+
+def _valid_identity(identity) -> bool:
+    """Whether ``identity`` has the form families.weight_identity gives."""
+    dtypes = {str(dtype).removeprefix("torch.") for dtype in families.DIGEST_DTYPES}
+    return (isinstance(identity, dict) and isinstance(identity.get("config"), dict)
+            and identity.get("dtype") in dtypes and isinstance(identity.get("weights"), dict)
+            and bool(identity["weights"])
+            and all(isinstance(digests, dict) and set(digests) == dtypes
+                    and all(isinstance(digest, str) for digest in digests.values())
+                    for digests in identity["weights"].values()))
 
 
 def _sha256(path: Path) -> str:
@@ -844,7 +908,8 @@ def artifact_from_statistics(model, stats: CalibrationStatistics, *, v_method: s
 
     metadata = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "model_id": families.model_id(model),
-        "fingerprint": families.fingerprint(model), "shape": dataclasses.asdict(stats.shape),
+        "fingerprint": families.fingerprint(model), "identity": families.weight_identity(model),
+        "shape": dataclasses.asdict(stats.shape),
         "calibration": {**(source or {}), "num_tokens": stats.num_tokens, "seq_len": stats.positions,
                         "v_method": v_method, "qk_mode": "kv_head",
                         "sensitivity_tokens": sensitivity.num_tokens if sensitivity is not None else 0},
@@ -1006,18 +1071,29 @@ def load_or_calibrate(model, tokenizer=None, *, text: str = "wikipedia", num_tok
                       directory=None, progress: bool = True) -> FDCArtifact:
     """The artifact for these settings from the cache (``$FDC_CACHE/artifacts``, keyed by the format version, the
     model's fingerprint and the settings), else from the artifacts shipped with the package (BUNDLED_ARTIFACTS,
-    same keys), calibrating and saving it on first use. ``text``: a bundled text (needs the tokenizer) or
-    ``random``. An artifact that fails validation is recalibrated."""
+    same keys), else any artifact of these settings there whose identity matches the model (a float16 load of a
+    float32 checkpoint has another key), calibrating and saving it on first use. ``text``: a bundled text (needs the
+    tokenizer) or ``random``. An artifact that fails validation is recalibrated."""
     fingerprint = families.fingerprint(model)
-    key = (f"v{FORMAT_VERSION}-{fingerprint[:16]}-{text}-{text_sampling(text)}-{num_tokens}-{seq_len}-{seed}-"
-           f"{v_method}-{sensitivity_tokens}")
-    path = Path(directory or cache_dir() / "artifacts") / key
+    settings = f"{text}-{text_sampling(text)}-{num_tokens}-{seq_len}-{seed}-{v_method}-{sensitivity_tokens}"
+    key = f"v{FORMAT_VERSION}-{fingerprint[:16]}-{settings}"
+    root = Path(directory or cache_dir() / "artifacts")
+    path = root / key
     for candidate in (path, BUNDLED_ARTIFACTS / key):
         if candidate.is_dir():
             try:
                 return FDCArtifact.load(candidate, model=model)
             except ArtifactError as error:
                 print(f"recalibrating: the artifact in {candidate} is unusable ({error})")
+    # The key is the bfloat16 rounding of the weights, which a float16 load of a float32 checkpoint does not share:
+    # any artifact of these settings whose identity matches the model serves it too.
+    pattern = f"v{FORMAT_VERSION}-*-{settings}"
+    for candidate in sorted(root.glob(pattern)) + sorted(BUNDLED_ARTIFACTS.glob(pattern)):
+        if candidate.is_dir() and candidate.name != key:
+            try:
+                return FDCArtifact.load(candidate, model=model)
+            except ArtifactError:
+                continue  # another model's, or unusable
     artifact = calibrate(model, tokenizer, text=text, num_tokens=num_tokens, seq_len=seq_len, seed=seed,
                          v_method=v_method, sensitivity_tokens=sensitivity_tokens, progress=progress)
     artifact.save(path)

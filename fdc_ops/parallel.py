@@ -203,7 +203,8 @@ def permute_allocation(allocation: RankAllocation, order: torch.Tensor) -> RankA
 
 def permute_artifact(artifact: FDCArtifact, order: torch.Tensor) -> FDCArtifact:
     """The artifact of the checkpoint whose KV heads are permuted by ``order`` (L, H_kv) int64: every per-head tensor
-    taken in that order. Its fingerprint is still the original checkpoint's (the caller knows the permuted one)."""
+    taken in that order. Its fingerprint and identity are still the original checkpoint's (the caller knows the permuted
+    one)."""
     layers = torch.arange(order.shape[0]).unsqueeze(1)
     per_head = {field.name: getattr(artifact, field.name)[layers, order] for field in dataclasses.fields(artifact)
                 if isinstance(getattr(artifact, field.name), torch.Tensor)}

@@ -104,3 +104,12 @@ def test_bench_e2e_quick(tmp_path):
     assert [row["width"] for row in report["rows"]] == [None, 64, 32]
     assert {t["verdict"] for t in report["targets"]} <= {"PASS", "MISS"} and len(report["targets"]) == 2
     assert len(list(tmp_path.glob("*.png"))) == 1
+
+
+def test_bench_fingerprint_quick(tmp_path):
+    stdout, report = run_quick("bench_fingerprint.py", tmp_path)
+    assert "check (in bfloat16)" in stdout and "target:" in stdout
+    assert {"device", "torch", "commit", "attention_parameters", "seconds", "target"} <= report.keys()
+    assert report["attention_parameters"] == 4 * 4 * 1024 * 1024
+    assert all(seconds > 0 for seconds in report["seconds"].values())
+    assert report["target"]["passed"] in (True, False)

@@ -3,6 +3,7 @@ folding, the rank allocation, and the artifact file format."""
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -368,10 +369,15 @@ def test_bad_metadata_is_rejected(saved):
     path.write_text(json.dumps({**metadata, "format_version": 99}))
     with pytest.raises(ArtifactError, match="format version 99"):
         FDCArtifact.load(directory)
-    path.write_text(json.dumps({**metadata, "format_version": 1}))
-    with pytest.raises(ArtifactError, match=r"format version 1; this fdc_ops reads version 2 .*: recalibrate: "
+    path.write_text(json.dumps({**metadata, "format_version": 2}))
+    with pytest.raises(ArtifactError, match=r"format version 2; this fdc_ops reads version 3 .*: recalibrate: "
                                             r"fdc_ops.calibration.calibrate\(model, tokenizer\)"):
         FDCArtifact.load(directory)
+    for identity in (None, {**metadata["identity"], "dtype": "int8"}, {**metadata["identity"], "weights": {}},
+                     {**metadata["identity"], "weights": {"layers.0.q_proj.weight": {"float32": "00"}}}):
+        path.write_text(json.dumps({**metadata, "identity": identity}))
+        with pytest.raises(ArtifactError, match="no valid 'identity'"):
+            FDCArtifact.load(directory)
     path.write_text(json.dumps(metadata)[:50])
     with pytest.raises(ArtifactError, match="not valid JSON"):
         FDCArtifact.load(directory)
@@ -415,6 +421,35 @@ def test_artifact_of_another_model_is_rejected(saved):
         FDCArtifact.load(directory, model=tiny_model("llama", seed=12))  # same config, other weights
     with pytest.raises(ArtifactError, match="attention shape"):
         FDCArtifact.load(directory, model=tiny_model("llama", seed=11, num_hidden_layers=3))
+
+
+def test_one_artifact_serves_every_dtype_of_its_checkpoint_and_catches_any_change():
+    """The identity is every layer's attention weights, compared in the least precise of the model's dtype and the
+    calibration's: float32, bfloat16 and float16 loads of the checkpoint pass (and share the cache key), a change to
+    any tensor of any layer is named, down to one float32 ulp when both sides are float32."""
+    model = tiny_model("qwen3", seed=21, num_hidden_layers=4)
+    artifact = small_artifact(model=model)
+    key = families.fingerprint(model)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        served = copy.deepcopy(model).to(dtype)
+        artifact.check_model(served)
+        if dtype != torch.float16:  # float16 rounds a float32 weight differently from bfloat16: another key
+            assert families.fingerprint(served) == key
+    in_bfloat16 = copy.deepcopy(model).to(torch.bfloat16)  # calibrated in bfloat16, served in float32: compared in bf16
+    small_artifact(model=in_bfloat16).check_model(copy.deepcopy(in_bfloat16).to(torch.float32))
+    for layer, name, change in ((2, "k_proj", lambda w: w.mul_(1.01)),  # a middle layer, as a fine-tune would
+                                (3, "q_norm", lambda w: w.add_(1e-2)),
+                                (1, "o_proj", lambda w: w.view(-1)[7].copy_(torch.nextafter(w.view(-1)[7],
+                                                                                           torch.tensor(1.0))))):
+        tuned = copy.deepcopy(model)
+        with torch.no_grad():
+            change(getattr(tuned.get_decoder().layers[layer].self_attn, name).weight)
+        with pytest.raises(ArtifactError, match=rf"1 of its \d+ attention tensors differ, first "
+                                                rf"layers\.{layer}\.{name}\.weight \(in float32\)"):
+            artifact.check_model(tuned)
+    with pytest.raises(ArtifactError, match="calibrated in float16, loaded in bfloat16"):
+        small_artifact(model=copy.deepcopy(model).to(torch.float16)).check_model(copy.deepcopy(model).to(
+            torch.bfloat16))
 
 
 @pytest.mark.parametrize("case", range(4))

@@ -211,3 +211,96 @@ def test_smollm2_at_full_rank_matches_the_original():
                           pad_token_id=tokenizer.pad_token_id)
         assert torch.equal(tokens, expected_tokens), method
         hf.restore(model)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_saved_compressed_model_loads_back_with_bit_identical_logits(method, tmp_path):
+    generator, rng, replay = case_generator(f"save_load_{method}", 0)
+    family = rng.choice(FAMILIES)
+    model, artifact = calibrated(family, rng.randrange(1000))
+    dims = [[rng.choice([8, 16]) for _ in range(2)] for _ in range(2)]
+    dtype = rng.choice([torch.float32, torch.bfloat16])
+    model.save_pretrained(tmp_path / "original")  # loaded in dtype as a user loads it (model.to(dtype) would also
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "original", dtype=dtype).eval()  # round RoPE)
+    allocation = hf.compress(model, artifact, qk_dims=dims, v_dims=dims[::-1], method=method)
+    ids = torch.randint(1, model.config.vocab_size, (2, rng.randrange(4, 20)), generator=generator)
+    with pytest.raises(RuntimeError, match=r"save_compressed\(model, directory, tokenizer\)"):
+        model.save_pretrained(tmp_path / "plain")
+    assert not (tmp_path / "plain").exists()
+    hf.save_compressed(model, tmp_path / "saved")
+    loaded = hf.load_compressed(tmp_path / "saved")
+    assert next(loaded.parameters()).dtype == dtype
+    assert torch.equal(logits_of(loaded, ids), logits_of(model, ids)), f"{family} {dtype}: {replay}"
+    assert torch.equal(generate(loaded, ids), generate(model, ids)), f"{family} {dtype}: {replay}"
+    state = loaded._fdc_compression
+    assert state["method"] == method and torch.equal(state["allocation"].qk_dims, allocation.qk_dims)
+    saved_metadata = {key: value for key, value in state["artifact"].metadata.items()
+                      if key not in ("tensors", "tensors_sha256")}  # what save() adds: the file's own description
+    assert saved_metadata == artifact.metadata, "the artifact keeps its provenance"
+    # The checkpoint itself is the original model: transformers loads it as it is.
+    hf.restore(model)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=dtype)
+    assert torch.equal(logits_of(plain, ids), logits_of(model, ids))
+    model.save_pretrained(tmp_path / "restored")  # allowed again once restored
+
+
+def test_load_compressed_names_what_is_wrong(tmp_path):
+    model, artifact = calibrated("llama", 4)
+    with pytest.raises(calibration.ArtifactError, match="was not written by fdc_ops.hf.save_compressed"):
+        model.save_pretrained(tmp_path / "plain")
+        hf.load_compressed(tmp_path / "plain")
+    with pytest.raises(FileNotFoundError, match="is not a directory"):
+        hf.load_compressed(tmp_path / "missing")
+    with pytest.raises(TypeError, match="directory must be a path"):
+        hf.load_compressed(3)
+    with pytest.raises(ValueError, match="is not compressed"):
+        hf.save_compressed(model, tmp_path / "x")
+    hf.compress(model, artifact, removal_rate=0.0)
+    saved = hf.save_compressed(model, tmp_path / "saved")
+    description = saved / "fdc" / "compression.json"
+    description.write_text(description.read_text().replace('"qk_dims"', '"qk_widths"'))
+    with pytest.raises(calibration.ArtifactError, match="compression.json is incomplete"):
+        hf.load_compressed(saved)
+
+
+def test_entry_points_name_the_argument_and_the_type_they_expect():
+    model, artifact = calibrated("qwen2", 5)
+    for kwargs, message in ((dict(compression="0.1"), "compression must be a number, got str '0.1'"),
+                            (dict(removal_rate=True), "removal_rate must be a number, got bool True"),
+                            (dict(compression=float("nan")), "compression must be finite"),
+                            (dict(qk_dims=[[8, 8.5], [8, 8]], v_dims=[[8] * 2] * 2), "qk_dims must be whole numbers"),
+                            (dict(qk_dims=[[8, "8"], [8, 8]], v_dims=[[8] * 2] * 2), "qk_dims must be whole numbers"),
+                            (dict(allocation={"qk_dims": 8}), "allocation must be an fdc_ops.calibration"),
+                            (dict(compression=0.1, uniform="yes"), "uniform must be True or False")):
+        with pytest.raises((TypeError, ValueError), match=message):
+            hf.compress(model, artifact, **kwargs)
+    with pytest.raises(TypeError, match="artifact must be an fdc_ops.calibration.FDCArtifact"):
+        hf.compress(model, "artifact-directory", compression=0.1)
+    with pytest.raises(TypeError, match="model must be a Hugging Face causal LM"):
+        hf.compress(object(), artifact, compression=0.1)
+    with pytest.raises(TypeError, match="fdc_ops.calibration.allocate: multiple must be an int"):
+        artifact.allocate(compression=0.1, multiple=8.0)
+    with pytest.raises(ValueError, match="removal_rate must be in"):
+        artifact.allocate(1.5)
+    assert not hasattr(model, "_fdc_compression") or model._fdc_compression is None, "nothing was changed"
+
+
+def test_one_artifact_serves_smollm2_in_every_dtype_and_refuses_a_fine_tune():
+    """The bundled artifact (calibrated in float32) for float32, bfloat16 and float16 loads of the bundled model: each
+    finds it (load_or_calibrate), and at full rank generates the tokens the same-dtype model generates uncompressed.
+    A stand-in for a fine-tune (layer 3's k_proj scaled by 1.01) is refused, naming the tensor."""
+    from fdc_ops.hf import loading
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        model, tokenizer = loading.load_model(dtype=dtype)
+        artifact = calibration.load_or_calibrate(model, tokenizer, progress=False)  # calibrating would take minutes
+        assert artifact.metadata["identity"]["dtype"] == "float32"
+        ids = tokenizer("The capital of Germany is", return_tensors="pt")["input_ids"]
+        expected = generate(model, ids, max_new_tokens=12)
+        hf.compress(model, artifact, removal_rate=0.0)
+        assert torch.equal(generate(model, ids, max_new_tokens=12), expected), dtype
+        hf.restore(model)
+    with torch.no_grad():
+        model.get_decoder().layers[3].self_attn.k_proj.weight.mul_(1.01)
+    with pytest.raises(calibration.ArtifactError, match=r"first layers\.3\.k_proj\.weight"):
+        hf.compress(model, artifact, compression=0.1)

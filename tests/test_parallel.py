@@ -121,7 +121,7 @@ def test_permuted_heads_compute_what_the_original_heads_compute(family):
     expected_logits, expected_tokens = outputs(model, artifact, qk_dims, v_dims)
     permute_model(model, partition.order)
     permuted = parallel.permute_artifact(artifact, partition.order)
-    permuted.metadata["fingerprint"] = families.fingerprint(model)
+    permuted.metadata.update(fingerprint=families.fingerprint(model), identity=families.weight_identity(model))
     allocation = parallel.permute_allocation(calibration.RankAllocation(qk_dims, v_dims, 32, "given"), partition.order)
     assert allocation.qk_dims.tolist() == [[32, 8, 24, 8], [8, 24, 16, 32]]
     logits, tokens = outputs(model, permuted, allocation.qk_dims, allocation.v_dims)
@@ -130,6 +130,6 @@ def test_permuted_heads_compute_what_the_original_heads_compute(family):
                                msg=replay)
     assert torch.equal(tokens, expected_tokens), replay
     # The permutation is real: the unpermuted artifact on the permuted model computes something else.
-    with pytest.raises(calibration.ArtifactError, match="fingerprint"):
+    with pytest.raises(calibration.ArtifactError, match="attention tensors differ"):
         hf.compress(model, artifact, qk_dims=qk_dims, v_dims=v_dims)
     assert not torch.equal(permuted.qk_rotation, artifact.qk_rotation)

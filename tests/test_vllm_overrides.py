@@ -36,6 +36,36 @@ def test_overrides_refuse_what_the_plugin_cannot_serve(tmp_path):
         fdc_ops.vllm.hf_overrides(model_dir(tmp_path / "phi3", ["Phi3ForCausalLM"]), tmp_path, compression=0.1)
 
 
+def test_overrides_name_the_argument_and_the_type_they_expect(tmp_path):
+    model = model_dir(tmp_path / "model", ["LlamaForCausalLM"])
+    for kwargs, message in ((dict(compression="0.1"), "compression must be a number, got str"),
+                            (dict(qk_dims=[[8.5]], v_dims=[[8]]), "qk_dims must be whole numbers"),
+                            (dict(compression=0.1, rule=3), "rule must be a string")):
+        with pytest.raises(TypeError, match=message):
+            fdc_ops.vllm.hf_overrides(model, tmp_path / "artifact", **kwargs)
+    with pytest.raises(TypeError, match="artifact must be a directory path"):
+        fdc_ops.vllm.hf_overrides(model, 0.1)
+    with pytest.raises(ValueError, match="was not written by fdc_ops.hf.save_compressed"):
+        fdc_ops.vllm.hf_overrides(model)  # no artifact: only a saved compressed model carries its own
+
+
+def test_overrides_of_a_saved_compressed_model_take_its_artifact_and_widths(tmp_path):
+    from fdc_ops import calibration, hf
+    from tiny_models import tiny_model
+
+    model = tiny_model("qwen2", seed=2)
+    artifact = calibration.calibrate(model, text="random", num_tokens=64, seq_len=16, sensitivity_tokens=0,
+                                     progress=False)
+    dims = [[8, 16], [16, 8]]
+    hf.compress(model, artifact, qk_dims=dims, v_dims=dims[::-1])
+    saved = hf.save_compressed(model, tmp_path / "saved")
+    overrides = fdc_ops.vllm.hf_overrides(saved)
+    assert overrides["architectures"] == ["FDCQwen2ForCausalLM"]
+    assert overrides["fdc"] == {"artifact": str((saved / "fdc" / "artifact").resolve()), "qk_dims": dims,
+                                "v_dims": dims[::-1]}
+    assert fdc_ops.vllm.hf_overrides(saved, compression=0.2)["fdc"]["compression"] == 0.2  # widths given: those
+
+
 @pytest.mark.parametrize("family", ["Llama", "Mistral", "Qwen2", "Qwen3"])
 def test_overrides_map_every_supported_family_to_its_fdc_class(tmp_path, family):
     overrides = fdc_ops.vllm.hf_overrides(model_dir(tmp_path / "model", [f"{family}ForCausalLM"]), tmp_path,

@@ -26,6 +26,7 @@ from .. import calibration  # noqa: E402  (after the release check: calibration 
 from . import families  # noqa: E402
 from .compat import cache_keyword, returned_cache  # noqa: E402,F401  (re-exported for step-by-step callers)
 from .modules import CompressedKVLayer, FDCAttention, PaddingState, PaluAttention  # noqa: E402
+from .saving import load_compressed, save_compressed  # noqa: E402,F401
 
 METHODS = ("fdc", "palu")
 
@@ -35,12 +36,21 @@ def resolve_allocation(artifact: calibration.FDCArtifact, method: str, removal_r
     """The widths :func:`compress` would use for these arguments (exactly one of ``removal_rate``, ``compression``,
     ``allocation``, or ``qk_dims`` with ``v_dims``), validated: also the vLLM plugin's, so both integrations give
     the same widths for the same settings."""
+    who = "fdc_ops.hf.compress"
     shape = artifact.shape
     given = [removal_rate is not None, compression is not None, allocation is not None,
              qk_dims is not None or v_dims is not None]
     if sum(given) != 1:
         raise ValueError("fdc_ops.hf.compress: give exactly one of removal_rate, compression, allocation, or qk_dims "
                          "and v_dims")
+    for name, value in (("removal_rate", removal_rate), ("compression", compression)):
+        if value is not None:
+            calibration.require_number(value, name, who)
+    if allocation is not None and not isinstance(allocation, calibration.RankAllocation):
+        raise TypeError(f"{who}: allocation must be an fdc_ops.calibration.RankAllocation, got "
+                        f"{type(allocation).__name__}")
+    if not isinstance(uniform, bool):
+        raise TypeError(f"{who}: uniform must be True or False, got {uniform!r}")
     if removal_rate is not None or compression is not None:
         allocation = artifact.allocate(removal_rate, weighting=weighting, method=method, compression=compression,
                                        rule=rule)
@@ -48,8 +58,9 @@ def resolve_allocation(artifact: calibration.FDCArtifact, method: str, removal_r
     if allocation is None:
         if qk_dims is None or v_dims is None:
             raise ValueError("fdc_ops.hf.compress: qk_dims and v_dims go together")
-        allocation = calibration.RankAllocation(torch.as_tensor(qk_dims, dtype=torch.int64),
-                                    torch.as_tensor(v_dims, dtype=torch.int64), shape.head_dim, "given")
+        allocation = calibration.RankAllocation(calibration.require_widths(qk_dims, "qk_dims", who),
+                                                calibration.require_widths(v_dims, "v_dims", who), shape.head_dim,
+                                                "given")
     expected = (shape.num_layers, shape.num_kv_heads)
     for name in ("qk_dims", "v_dims"):
         dims = getattr(allocation, name)
@@ -82,10 +93,16 @@ def compress(model, artifact: calibration.FDCArtifact, removal_rate: float | Non
     allocation, or explicit (L, H_kv) ``qk_dims`` and ``v_dims``; ``uniform=True`` gives every head the mean width
     (the /AC ablation). Returns the allocation used. generate() and forward() work unchanged; fdc_ops.hf.restore
     undoes it."""
-    if method not in METHODS:
+    if not isinstance(method, str) or method not in METHODS:
         raise ValueError(f"fdc_ops.hf.compress: method must be one of {METHODS}, got {method!r}")
+    if not hasattr(model, "get_decoder") or not hasattr(model, "config"):
+        raise TypeError(f"fdc_ops.hf.compress: model must be a Hugging Face causal LM (transformers "
+                        f"PreTrainedModel), got {type(model).__name__}")
     if getattr(model, "_fdc_compression", None) is not None:
         raise ValueError("fdc_ops.hf.compress: the model is already compressed; call fdc_ops.hf.restore(model) first")
+    if not isinstance(artifact, calibration.FDCArtifact):
+        raise TypeError("fdc_ops.hf.compress: artifact must be an fdc_ops.calibration.FDCArtifact "
+                        f"(FDCArtifact.load(directory), calibrate or load_or_calibrate), got {type(artifact).__name__}")
     _check_sliding_window(model)
     artifact.check_model(model)
     allocation = resolve_allocation(artifact, method, removal_rate, compression, allocation, qk_dims, v_dims,
@@ -130,8 +147,18 @@ def compress(model, artifact: calibration.FDCArtifact, removal_rate: float | Non
         padding.mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
 
     hook = decoder.register_forward_pre_hook(record_mask, with_kwargs=True)
-    model._fdc_compression = {"method": method, "allocation": allocation, "originals": originals, "hook": hook}
+    model._fdc_compression = {"method": method, "allocation": allocation, "originals": originals, "hook": hook,
+                              "artifact": artifact}
+    model.save_pretrained = _refuse_save_pretrained  # this instance only; restore() removes it
     return allocation
+
+
+def _refuse_save_pretrained(*args, **kwargs):
+    raise RuntimeError("fdc_ops.hf: this model's attention is compressed, and save_pretrained would write the folded, "
+                       "narrower projections, which from_pretrained cannot load. Save it with "
+                       "fdc_ops.hf.save_compressed(model, directory, tokenizer) and load it back with "
+                       "fdc_ops.hf.load_compressed(directory); or fdc_ops.hf.restore(model) first to save the "
+                       "uncompressed model")
 
 
 def _detach(tensor):
@@ -146,6 +173,7 @@ def restore(model) -> None:
     for layer, original in zip(model.get_decoder().layers, state["originals"]):
         layer.self_attn = original
     state["hook"].remove()
+    model.__dict__.pop("save_pretrained", None)
     model._fdc_compression = None
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 #: Hugging Face architecture -> the FDC class vLLM runs for it (fdc_ops.vllm.models): vLLM's own class for the
 #: architecture with FDC attention. Phi-3, which fdc_ops.hf supports, is not here yet (vLLM's Phi-3 is a Llama with a
-#: fused checkpoint projection, which the fingerprint check would have to read).
+#: fused checkpoint projection, which the identity check would have to split).
 ARCHITECTURES = {"LlamaForCausalLM": "FDCLlamaForCausalLM", "MistralForCausalLM": "FDCMistralForCausalLM",
                  "Qwen2ForCausalLM": "FDCQwen2ForCausalLM", "Qwen3ForCausalLM": "FDCQwen3ForCausalLM"}
 
@@ -76,28 +76,48 @@ def cpu_thread_binding(ranks: int) -> str:
     return "|".join(",".join(str(cpu) for cpu in cpus[r * share:(r + 1) * share]) for r in range(ranks))
 
 
-def hf_overrides(model: str | os.PathLike, artifact: str | os.PathLike, *, compression: float | None = None,
-                 removal_rate: float | None = None, rule: str | None = None, qk_dims=None, v_dims=None) -> dict:
+def hf_overrides(model: str | os.PathLike, artifact: str | os.PathLike | None = None, *,
+                 compression: float | None = None, removal_rate: float | None = None, rule: str | None = None,
+                 qk_dims=None, v_dims=None) -> dict:
     """vLLM's ``hf_overrides`` that serve the Hugging Face checkpoint ``model`` (a directory) compressed by FDC: its
     architecture replaced by the FDC class, and the ``fdc`` entry that class reads. The widths come from the
     artifact (a directory written by FDCArtifact.save) by exactly one of: ``compression`` (share of the KV cache
     removed, widths by ``rule``), ``removal_rate`` (the paper's rule), or ``qk_dims`` and ``v_dims`` ((L, H_kv)
-    nested lists), as in fdc_ops.hf.compress."""
+    nested lists), as in fdc_ops.hf.compress. For a directory written by fdc_ops.hf.save_compressed, ``artifact``
+    may be left out (the saved one is used) and so may the widths (the saved ones are used)."""
+    from .. import calibration
+
+    who = "fdc_ops.vllm.hf_overrides"
+    for name, value in (("model", model), ("artifact", artifact)):
+        if value is not None and not isinstance(value, (str, os.PathLike)):
+            raise TypeError(f"{who}: {name} must be a directory path, got {type(value).__name__}")
     config_path = Path(model) / "config.json"
     if not config_path.is_file():
-        raise FileNotFoundError(f"fdc_ops.vllm.hf_overrides: {config_path} does not exist (model must be a Hugging "
-                                "Face model directory)")
+        raise FileNotFoundError(f"{who}: {config_path} does not exist (model must be a Hugging Face model directory)")
     architectures = json.loads(config_path.read_text()).get("architectures") or []
     unsupported = [name for name in architectures if name not in ARCHITECTURES]
     if not architectures or unsupported:
-        raise ValueError(f"fdc_ops.vllm.hf_overrides: {config_path} names architectures {architectures}; the FDC "
-                         f"plugin supports {', '.join(ARCHITECTURES)}")
+        raise ValueError(f"{who}: {config_path} names architectures {architectures}; the FDC plugin supports "
+                         f"{', '.join(ARCHITECTURES)}")
+    if artifact is None:
+        from ..hf import saving
+
+        saved, method, allocation = saving.saved_compression(model)  # ArtifactError unless save_compressed wrote it
+        if method != "fdc":
+            raise ValueError(f"{who}: {model} holds a model compressed with method {method!r}; the plugin serves "
+                             "'fdc'")
+        artifact = Path(model) / saving.FDC_DIRECTORY / saving.ARTIFACT_DIRECTORY
+        if compression is None and removal_rate is None and qk_dims is None and v_dims is None:
+            qk_dims, v_dims = allocation.qk_dims, allocation.v_dims
     entry = {"artifact": str(Path(artifact).resolve())}
-    for name, value in (("compression", compression), ("removal_rate", removal_rate), ("rule", rule)):
+    for name, value in (("compression", compression), ("removal_rate", removal_rate)):
         if value is not None:
-            entry[name] = value
+            entry[name] = calibration.require_number(value, name, who)
+    if rule is not None:
+        if not isinstance(rule, str):
+            raise TypeError(f"{who}: rule must be a string, got {type(rule).__name__} {rule!r}")
+        entry["rule"] = rule
     for name, value in (("qk_dims", qk_dims), ("v_dims", v_dims)):
         if value is not None:
-            entry[name] = [[int(width) for width in row] for row in (value.tolist() if hasattr(value, "tolist")
-                                                                      else value)]
+            entry[name] = calibration.require_widths(value, name, who).tolist()
     return {"architectures": [ARCHITECTURES[name] for name in architectures], "fdc": entry}

@@ -1,7 +1,9 @@
 """Command line of the vLLM plugin.
 
   python -m fdc_ops.vllm overrides MODEL_DIR ARTIFACT_DIR (--compression C | --removal-rate R)
-      prints the JSON for `vllm serve MODEL_DIR --hf-overrides '...'` (fdc_ops.vllm.hf_overrides)
+  python -m fdc_ops.vllm overrides SAVED_DIR
+      prints the JSON for `vllm serve MODEL_DIR --hf-overrides '...'` (fdc_ops.vllm.hf_overrides); SAVED_DIR: a
+      directory written by fdc_ops.hf.save_compressed, served with its own artifact and widths
 """
 
 import argparse
@@ -16,12 +18,16 @@ def main() -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     overrides = commands.add_parser("overrides", help="vLLM's --hf-overrides JSON for an FDC-compressed model")
     overrides.add_argument("model", help="Hugging Face model directory")
-    overrides.add_argument("artifact", help="FDC artifact directory (FDCArtifact.save, `python -m fdc_ops calibrate`)")
-    budget = overrides.add_mutually_exclusive_group(required=True)
+    overrides.add_argument("artifact", nargs="?", default=None,
+                           help="FDC artifact directory (FDCArtifact.save, `python -m fdc_ops calibrate`); left out "
+                                "for a directory written by fdc_ops.hf.save_compressed")
+    budget = overrides.add_mutually_exclusive_group()
     budget.add_argument("--compression", type=float, help="share of the KV cache to remove (a byte budget)")
     budget.add_argument("--removal-rate", type=float, help="the paper's singular-value removal rate")
     overrides.add_argument("--rule", default=None, help="width rule with --compression (fdc_ops.calibration.RULES)")
     args = parser.parse_args()
+    if args.artifact is not None and args.compression is None and args.removal_rate is None:
+        parser.error("with an artifact directory, give --compression or --removal-rate")
     print(json.dumps(hf_overrides(args.model, args.artifact, compression=args.compression,
                                   removal_rate=args.removal_rate, rule=args.rule)))
 

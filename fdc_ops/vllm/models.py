@@ -217,7 +217,9 @@ class FDCAttention(nn.Module):
         return output
 
 
-_FINGERPRINT_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.weight$")
+# A layer's attention tensors in a Hugging Face checkpoint, which the artifact's identity records (under the name
+# group(1) + group(2): families.attention_tensors' names).
+_IDENTITY_NAME = re.compile(r"^model\.(layers\.\d+\.)self_attn\.([qkvo]_proj\.(?:weight|bias)|[qk]_norm\.weight)$")
 # The per-head tensors of a layer's attention in a Hugging Face checkpoint: their heads are permuted while vLLM loads
 # them when there are several tensor-parallel ranks. group(3): weight or bias; o_proj's bias is not per head.
 _HEAD_TENSOR_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qkvo])_proj\.(weight|bias)$")
@@ -254,19 +256,22 @@ class FDCModelMixin:
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """vLLM's loading of the Hugging Face checkpoint (each layer's KV heads permuted by the balanced order when
-        there are several ranks), then the folds; the artifact is checked against the checkpoint's own tensors (the
-        fingerprint fdc_ops.hf.families computes for the Hugging Face model, of the tensors as stored)."""
+        there are several ranks), then the folds; the artifact is checked against the checkpoint's own attention
+        tensors as they stream in (their digests, as fdc_ops.calibration.FDCArtifact.check_model compares a Hugging
+        Face model's)."""
         config = self.config
-        last = config.num_hidden_layers - 1
-        seen: dict[tuple[int, str], torch.Tensor] = {}
+        artifact = self.fdc_settings.artifact
+        identity = artifact.metadata["identity"]
+        found: dict[str, tuple[str, str, str]] = {}
         partition = self.fdc_settings.partition
         permuted: set[tuple[int, str]] = set()
 
         def recording(stream):
             for name, tensor in stream:
-                match = _FINGERPRINT_NAME.match(name)
-                if match and int(match.group(1)) in (0, last):
-                    seen[(int(match.group(1)), match.group(2))] = tensor.detach().to("cpu", torch.float32).clone()
+                match = _IDENTITY_NAME.match(name)
+                if match:
+                    canonical = match.group(1) + match.group(2)
+                    found[canonical] = families.compared_digest(identity, canonical, tensor)
                 match = _HEAD_TENSOR_NAME.match(name)
                 if partition is not None and match and name != f"model.layers.{match.group(1)}.self_attn.o_proj.bias":
                     layer, part, kind = int(match.group(1)), match.group(2), match.group(3)
@@ -275,18 +280,7 @@ class FDCModelMixin:
                 yield name, tensor
 
         loaded = super().load_weights(recording(weights))
-        artifact = self.fdc_settings.artifact
-        missing = [(layer, part) for layer in (0, last) for part in "qkv" if (layer, part) not in seen]
-        if missing:
-            raise calibration.ArtifactError(f"fdc_ops.vllm: the checkpoint has no separate q/k/v projection weights "
-                                            f"for layers {sorted({m[0] for m in missing})}, which the artifact's "
-                                            "fingerprint is computed from")
-        actual = families.fingerprint(_FingerprintView(config, seen, last))
-        if actual != artifact.metadata["fingerprint"]:
-            raise calibration.ArtifactError(
-                f"fdc_ops.vllm: the artifact was calibrated on model {artifact.metadata['model_id']!r} (fingerprint "
-                f"{artifact.metadata['fingerprint'][:12]}), this checkpoint's fingerprint is {actual[:12]}: "
-                "recalibrate for this model")
+        artifact.check_identity(families.text_config(SimpleNamespace(config=config)), found, "this checkpoint")
         attention = [(index, layer.self_attn) for index, layer in enumerate(self.model.layers)
                      if isinstance(getattr(layer, "self_attn", None), FDCAttention)]
         if partition is not None:
@@ -319,23 +313,3 @@ class FDCQwen2ForCausalLM(FDCModelMixin, Qwen2ForCausalLM):
 
 class FDCQwen3ForCausalLM(FDCModelMixin, Qwen3ForCausalLM):
     """vLLM's Qwen3ForCausalLM (per-head q/k norms before RoPE, kept as they are) with FDC attention."""
-
-
-class _FingerprintView:
-    """What fdc_ops.hf.families.fingerprint reads of a Hugging Face model (its config, and the q/k/v projection
-    weights of the first and last layers), made of the checkpoint tensors seen while vLLM loaded them."""
-
-    def __init__(self, config, weights: dict[tuple[int, str], torch.Tensor], last: int):
-        self.config = config
-
-        def attention(layer: int):
-            projections = {f"{part}_proj": SimpleNamespace(weight=weights[(layer, part)], bias=None)
-                           for part in "qkv"}
-            return SimpleNamespace(**projections, o_proj=SimpleNamespace(weight=None, bias=None))
-
-        unread = SimpleNamespace()  # the middle layers: fingerprint reads only the first and the last
-        self._layers = [SimpleNamespace(self_attn=attention(index) if index in (0, last) else unread)
-                        for index in range(last + 1)]
-
-    def get_decoder(self):
-        return SimpleNamespace(layers=self._layers)

@@ -142,6 +142,26 @@ def test_compressed_fdc_generates_what_the_hf_fdc_model_generates(model_dir, art
     assert abs(capacity / uncompressed_capacity - ratio) <= (CPU_DEFAULT_BLOCK + FDC_BLOCK) / uncompressed_capacity
 
 
+def test_a_saved_compressed_model_is_served_as_it_was_saved(model_dir, artifact_dir, hf_model, tmp_path):
+    """fdc_ops.hf.save_compressed's directory is a checkpoint vLLM loads with hf_overrides(directory) alone: the
+    saved artifact and widths, the tokens of the Hugging Face model it was saved from."""
+    import fdc_ops.vllm
+    from fdc_ops import calibration, hf
+
+    model, tokenizer = hf_model
+    expected = hf_fdc_tokens(hf_model, artifact_dir, PROMPTS, compression=COMPRESSION)
+    hf.compress(model, calibration.FDCArtifact.load(artifact_dir), compression=COMPRESSION)
+    try:
+        saved = hf.save_compressed(model, tmp_path / "saved", tokenizer)
+    finally:
+        hf.restore(model)
+    engine = Engine(saved, fdc_ops.vllm.hf_overrides(saved))
+    try:
+        assert engine.tokens(PROMPTS) == expected
+    finally:
+        engine.close()
+
+
 def test_a_mixed_step_generates_what_the_hf_fdc_model_generates(model_dir, artifact_dir, hf_model, monkeypatch):
     """One engine step holds decodes, a new prompt and a prompt with a cached prefix (the backend sends the decodes
     to decode_attention, the prompts to one prefill_attention); every request still generates the Hugging Face FDC
