@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import platform
@@ -30,7 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # for the scripts' `import fdc_ops` when they run from a checkout
     sys.path.insert(0, ROOT)
 
-from fdc_ops.plans import visible_keys  # noqa: E402  (needs ROOT on sys.path)
+from fdc_ops import files  # noqa: E402  (needs ROOT on sys.path)
+from fdc_ops.plans import visible_keys  # noqa: E402
 
 # Llama-3-8B-like attention: 32 query heads, 8 KV heads of 128.
 NUM_KV_HEADS, GROUP, HEAD_DIM = 8, 4, 128
@@ -398,8 +398,7 @@ def write_json(report: dict, folder: str, name: str, benchmark: str, quick: bool
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:40]
     path = os.path.join(folder, f"{slug}-{benchmark}-{'quick-' if quick else ''}{stamp}.json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
+    files.write_json_atomically(path, report, indent=1)
     print(f"wrote {path}")
     return path
 

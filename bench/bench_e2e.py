@@ -31,7 +31,7 @@ import torch
 
 # bench_common first: it puts the repository root on sys.path for fdc_ops.
 from bench_common import Timer, bench_parser, setup, verdict, write_json
-from fdc_ops import calibration, hf
+from fdc_ops import calibration, files, hf
 from fdc_ops.hf.loading import load_model
 from fdc_ops.apps.provenance import device_name, git_commit
 
@@ -146,7 +146,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
             ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    files.write_atomically(path, lambda temporary: fig.savefig(temporary, dpi=110, format="png"))
     print(f"wrote {path}")
 
 

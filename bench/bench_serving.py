@@ -296,7 +296,9 @@ def main() -> None:
     }
     name = re.sub(r"[^a-z0-9]+", "-", report["device"].lower()).strip("-")
     path = out / f"{name}-serving-{stamp}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    from fdc_ops import files
+
+    files.write_json_atomically(path, report, indent=2)
     print(f"wrote {path}")
 
 

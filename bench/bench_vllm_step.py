@@ -23,7 +23,6 @@ import datetime
 import fcntl
 import gc
 import importlib.metadata
-import json
 import os
 import platform
 import random
@@ -263,7 +262,9 @@ def run(args, timing) -> None:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
     path = out / f"{slug}-vllm-step-{stamp}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    from fdc_ops import files
+
+    files.write_json_atomically(path, report, indent=2)
     print(f"wrote {path}")
 
 

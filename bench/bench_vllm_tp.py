@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
-import json
 import os
 import platform
 import re
@@ -125,7 +124,9 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}-vllm-tp-{stamp}.json"
-    path.write_text(json.dumps(report, indent=1) + "\n")
+    from fdc_ops import files
+
+    files.write_json_atomically(path, report, indent=1)
     print(f"wrote {path}", file=sys.stderr)
 
 

@@ -14,12 +14,15 @@ import hashlib
 import json
 import math
 import numbers
+import re
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
 
+from . import files
 from .hf import families
 from .hf.families import AttentionShape
 from .hf.loading import cache_dir
@@ -560,7 +563,10 @@ FORMAT = "fdc_ops.calibration"
 # (every layer's attention weights, digests in each dtype: families.weight_identity)
 FORMAT_VERSION = 3
 METADATA_FILE = "fdc_artifact.json"
-TENSORS_FILE = "fdc_artifact.safetensors"
+# The tensor file's name is chosen at each save (fdc_artifact-<token>.safetensors) and recorded in the JSON, so a new
+# save never overwrites the file the current JSON names (FDCArtifact.save).
+TENSORS_FILE_NAME = re.compile(r"^fdc_artifact(-[0-9a-f]+)?\.safetensors$")
+FILE_KEYS = ("tensors", "tensors_file", "tensors_sha256", "checksum")  # what save() records of the files it wrote
 ORTHONORMALITY_TOLERANCE = 1e-4  # bases are stored in float32: columns orthonormal to ~1e-6; this flags corruption
 INVERSE_TOLERANCE = 1e-8  # V factor pairs are stored in float64: decoder^T encoder = I to ~1e-13; this flags corruption
 V_METHODS = ("output", "activation", "weight", "attention_output")
@@ -676,8 +682,10 @@ class FDCArtifact:
                 raise TypeError(f"{who}: {name} must be a string, got {type(value).__name__} {value!r}")
         if method not in ("fdc", "palu"):
             raise ValueError(f"fdc_ops.calibration.allocate: method must be 'fdc' or 'palu', got {method!r}")
-        if multiple <= 0:
-            raise ValueError(f"fdc_ops.calibration.allocate: multiple must be positive, got {multiple}")
+        if multiple <= 0 or self.shape.head_dim % multiple:
+            raise ValueError(f"fdc_ops.calibration.allocate: multiple must be a positive divisor of head_dim "
+                             f"{self.shape.head_dim} (every rule gives widths in steps of it, up to head_dim), got "
+                             f"{multiple}")
         if compression is not None:
             rule = rule or weighting or ("fisher" if method == "palu" else
                                          "sensitivity" if self.has_sensitivity else "explained_variance")
@@ -769,61 +777,74 @@ class FDCArtifact:
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     def save(self, path) -> Path:
-        """Writes ``path/fdc_artifact.safetensors`` and ``path/fdc_artifact.json`` (the JSON names the tensors'
-        shapes and the sha256 of the tensor file, so a damaged file is caught on load)."""
+        """Writes the artifact to the directory ``path``: its tensors to ``fdc_artifact-<token>.safetensors`` and
+        ``fdc_artifact.json``, which names that file, its sha256 and its tensors' shapes, and carries a checksum of
+        its own content. Nothing is lost at any byte: the tensors go to a file of a new name first, and the JSON
+        that names them replaces the old one in one rename, so the directory holds the old artifact or the new one,
+        whole; the old tensor file is removed last. Where it cannot be written (read-only, a file in the way),
+        OSError is raised before the old artifact is touched."""
         from safetensors.torch import save_file
 
         directory = Path(path)
+        if directory.exists() and not directory.is_dir():
+            raise NotADirectoryError(f"fdc_ops.calibration: cannot save an artifact to {directory}: it is a file")
         directory.mkdir(parents=True, exist_ok=True)
-        tensors_path = directory / TENSORS_FILE
-        save_file({name: t.contiguous() for name, t in self._tensors().items()}, str(tensors_path))
-        metadata = dict(self.metadata)
-        metadata["tensors"] = {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-                               for name, t in self._tensors().items()}
-        metadata["tensors_sha256"] = _sha256(tensors_path)
-        (directory / METADATA_FILE).write_text(json.dumps(metadata, indent=2, sort_keys=True) + "\n")
+        tensors = {name: t.contiguous() for name, t in self._tensors().items()}
+        tensors_name = f"fdc_artifact-{secrets.token_hex(8)}.safetensors"
+        files.write_atomically(directory / tensors_name, lambda temporary: save_file(tensors, str(temporary)))
+        metadata = {key: value for key, value in self.metadata.items() if key not in FILE_KEYS}
+        metadata.update(tensors={name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+                                 for name, t in tensors.items()},
+                        tensors_file=tensors_name, tensors_sha256=_sha256(directory / tensors_name))
+        metadata["checksum"] = _metadata_checksum(metadata)
+        files.write_json_atomically(directory / METADATA_FILE, metadata, indent=2, sort_keys=True)
+        for stale in directory.glob("fdc_artifact*.safetensors"):  # the replaced artifact's tensors
+            if stale.name != tensors_name:
+                stale.unlink(missing_ok=True)
         return directory
 
     @classmethod
     def load(cls, path, model=None) -> "FDCArtifact":
-        """Reads an artifact written by save() and validates it (format and version, checksum, tensor shapes and
-        dtypes, finite values, orthonormal bases, V factor pairs that invert each other, sorted singular values);
-        with ``model``, also that it was calibrated on that model. Any problem raises ArtifactError naming the file
-        and what is wrong; an artifact of another format version says how to recalibrate."""
+        """Reads an artifact written by save() and validates it (format and version, the checksums of the JSON and
+        of the tensor file, every metadata field's type and range, tensor shapes and dtypes, finite values,
+        orthonormal bases, V factor pairs that invert each other, sorted singular values, non-negative
+        sensitivities); with ``model``, also that it was calibrated on that model. Any problem raises ArtifactError
+        naming the file and what is wrong; an artifact of another format version says how to recalibrate."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         directory = Path(path)
-        metadata_path, tensors_path = directory / METADATA_FILE, directory / TENSORS_FILE
-        for required in (metadata_path, tensors_path):
-            if not required.is_file():
-                raise ArtifactError(f"fdc_ops: {required} does not exist (is {directory} an artifact directory?)")
+        metadata_path = directory / METADATA_FILE
+        if not metadata_path.is_file():
+            raise ArtifactError(f"fdc_ops: {metadata_path} does not exist (is {directory} an artifact directory?)")
         try:
             metadata = json.loads(metadata_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise ArtifactError(f"fdc_ops: {metadata_path} is not valid JSON ({error})") from None
+        except OSError as error:
+            raise ArtifactError(f"fdc_ops: {metadata_path} cannot be read ({error})") from None
         if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
             raise ArtifactError(f"fdc_ops: {metadata_path} is not an fdc_ops calibration artifact")
         version = metadata.get("format_version")
-        if version != FORMAT_VERSION:
-            raise ArtifactError(f"fdc_ops: {metadata_path} has format version {version}; this fdc_ops reads version "
+        if version != FORMAT_VERSION or not isinstance(version, int):
+            raise ArtifactError(f"fdc_ops: {metadata_path} has format version {version!r}; this fdc_ops reads version "
                                 f"{FORMAT_VERSION} (version 3 records every layer's attention weights, so a "
                                 f"fine-tune is told from its base model and one artifact serves every dtype): "
                                 f"{RECALIBRATE}")
-        if _sha256(tensors_path) != metadata.get("tensors_sha256"):
+        if metadata.get("checksum") != _metadata_checksum(metadata):
+            raise ArtifactError(f"fdc_ops: {metadata_path} does not match its own checksum (modified or damaged)")
+        _validate_metadata(metadata, metadata_path)
+        tensors_path = directory / metadata["tensors_file"]
+        if not tensors_path.is_file():
+            raise ArtifactError(f"fdc_ops: {tensors_path}, which {metadata_path} names, does not exist")
+        if _sha256(tensors_path) != metadata["tensors_sha256"]:
             raise ArtifactError(f"fdc_ops: {tensors_path} does not match the checksum in {metadata_path} "
                                 f"(truncated or modified)")
         try:
             tensors = load_file(str(tensors_path))
         except (SafetensorError, OSError, ValueError) as error:
             raise ArtifactError(f"fdc_ops: {tensors_path} cannot be read ({error})") from None
-        try:
-            shape = AttentionShape(**metadata["shape"])
-        except (KeyError, TypeError) as error:
-            raise ArtifactError(f"fdc_ops: {metadata_path} has no valid 'shape' ({error})") from None
-        if not _valid_identity(metadata.get("identity")):
-            raise ArtifactError(f"fdc_ops: {metadata_path} has no valid 'identity' (the model's config fields, dtype "
-                                "and attention weight digests)")
+        shape = AttentionShape(**metadata["shape"])
         D = shape.head_dim
         expected = _tensor_specs(shape)
         present = [name in tensors for name in SENSITIVITY_TENSORS]
@@ -854,10 +875,78 @@ class FDCArtifact:
             values = tensors[name]
             if (values < 0).any() or (values[..., 1:] > values[..., :-1]).any():
                 raise ArtifactError(f"fdc_ops: {tensors_path}: {name} must be non-negative and descending")
-        artifact = cls(**{name: tensors[name] for name in expected if name in tensors}, metadata=metadata)
+        for name in ("qk_damage", "v_damage", "palu_fisher"):
+            if name in tensors and bool((tensors[name] < 0).any()):
+                raise ArtifactError(f"fdc_ops: {tensors_path}: {name} must be non-negative (losses and Fisher "
+                                    "scores)")
+        described = {key: value for key, value in metadata.items() if key not in FILE_KEYS}
+        artifact = cls(**{name: tensors[name] for name in expected if name in tensors}, metadata=described)
         if model is not None:
             artifact.check_model(model)
         return artifact
+
+
+def _metadata_checksum(metadata: dict) -> str:
+    """sha256 of the metadata without its checksum, in one canonical JSON form."""
+    body = {key: value for key, value in metadata.items() if key != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _validate_metadata(metadata: dict, path: Path) -> None:
+    """Every field of an artifact's metadata has the type and range calibrate writes, or ArtifactError names the
+    first that does not (so a damaged cache entry is recalibrated by load_or_calibrate, never a KeyError or
+    TypeError deeper in)."""
+    def whole(low: int):
+        return lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+    def text(value) -> bool:
+        return isinstance(value, str)
+
+    def sha256(value) -> bool:
+        return isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value) is not None
+
+    def balance(value) -> bool:
+        return value is None or (isinstance(value, dict) and isinstance(value.get("v_to_qk"), (int, float))
+                                 and not isinstance(value.get("v_to_qk"), bool) and value["v_to_qk"] > 0)
+
+    shape_fields = {name: (whole(1), "a positive integer") for name in
+                    ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size")}
+    fields = {
+        "model_id": (text, "a string"),
+        "fingerprint": (sha256, "64 hexadecimal digits"),
+        "tensors_file": (lambda v: isinstance(v, str) and TENSORS_FILE_NAME.match(v) is not None,
+                         "a file name fdc_artifact[-<token>].safetensors"),
+        "tensors_sha256": (sha256, "64 hexadecimal digits"),
+        "tensors": (lambda v: isinstance(v, dict), "a table of tensors"),
+        "shape": (lambda v: isinstance(v, dict) and set(v) == set(shape_fields), f"a table of {sorted(shape_fields)}"),
+        "identity": (_valid_identity, "the model's config fields, dtype and attention weight digests"),
+        "calibration": (lambda v: isinstance(v, dict), "a table"),
+        "versions": (lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
+                     "a table of version strings"),
+    }
+    calibration_fields = {
+        "num_tokens": (whole(1), "a positive integer"), "seq_len": (whole(1), "a positive integer"),
+        "sensitivity_tokens": (whole(0), "a non-negative integer"), "v_method": (lambda v: v in V_METHODS,
+                                                                                 f"one of {V_METHODS}"),
+        "qk_mode": (lambda v: v == "kv_head", "'kv_head'"), "source": (text, "a string"),
+        "sampling": (text, "a string"), "seed": (lambda v: v is None or whole(0)(v), "a non-negative integer or null"),
+        "balance": (balance, "null or a table with a positive v_to_qk"),
+    }
+    optional = {"calibration.balance"}  # calibrations without the sensitivity pass have none
+    for prefix, checks in (("", fields), ("shape.", shape_fields), ("calibration.", calibration_fields)):
+        table = metadata if not prefix else metadata[prefix[:-1]]  # a table: the top level was checked first
+        for name, (valid, expected) in checks.items():
+            if name not in table:
+                if prefix + name in optional:
+                    continue
+                raise ArtifactError(f"fdc_ops: {path} has no '{prefix}{name}'")
+            if not valid(table[name]):
+                raise ArtifactError(f"fdc_ops: {path}: '{prefix}{name}' must be {expected}, got "
+                                    f"{repr(table[name])[:80]}")
+    shape = metadata["shape"]
+    if shape["num_heads"] % shape["num_kv_heads"]:
+        raise ArtifactError(f"fdc_ops: {path}: shape.num_heads {shape['num_heads']} is not a multiple of "
+                            f"shape.num_kv_heads {shape['num_kv_heads']}")
 
 
 def _valid_identity(identity) -> bool:
@@ -1057,6 +1146,17 @@ def calibrate(model, tokenizer=None, *, text: str = "wikipedia", num_tokens: int
 # the format version and the model's fingerprint, so a stale one is never used; tests/test_calibration.py checks it is
 # current.
 BUNDLED_ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
+#: The name that stands for the bundled SmolLM2's artifact where a directory is asked for (fdc_ops.hf.compress,
+#: fdc_ops.vllm.hf_overrides and its command line), so nobody has to dig it out of site-packages.
+BUNDLED = "bundled"
+
+
+def bundled_artifact() -> Path:
+    """The directory of the artifact shipped for the bundled SmolLM2 (at load_or_calibrate's defaults)."""
+    found = sorted(path for path in BUNDLED_ARTIFACTS.iterdir() if path.is_dir()) if BUNDLED_ARTIFACTS.is_dir() else []
+    if len(found) != 1:
+        raise ArtifactError(f"fdc_ops: the package should ship one artifact in {BUNDLED_ARTIFACTS}, found {len(found)}")
+    return found[0]
 
 
 def text_sampling(text: str) -> str:
@@ -1096,5 +1196,30 @@ def load_or_calibrate(model, tokenizer=None, *, text: str = "wikipedia", num_tok
                 continue  # another model's, or unusable
     artifact = calibrate(model, tokenizer, text=text, num_tokens=num_tokens, seq_len=seq_len, seed=seed,
                          v_method=v_method, sensitivity_tokens=sensitivity_tokens, progress=progress)
-    artifact.save(path)
+    save_or_keep(artifact, path, "fdc_ops.calibration.load_or_calibrate")
     return artifact
+
+
+def save_or_keep(artifact: FDCArtifact, path, who: str) -> Path | None:
+    """Saves a finished calibration to ``path``; where that fails (read-only, a file in the way), to a fallback
+    directory under the system's temporary directory, with a warning naming both; where that fails too, warns and
+    returns None: the caller still holds the artifact (``artifact.save(directory)`` saves it later). A calibration
+    is never thrown away for want of a place to write it. Returns where it was saved."""
+    import tempfile
+    import warnings
+
+    try:
+        return artifact.save(path)
+    except OSError as error:
+        first = error
+    fallback = Path(tempfile.gettempdir()) / "fdc_ops-artifacts" / Path(path).name
+    try:
+        saved = artifact.save(fallback)
+    except OSError as error:
+        warnings.warn(f"{who}: the artifact could not be saved to {path} ({first}) nor to {fallback} ({error}); it "
+                      "is kept in memory only: save it with artifact.save(directory)", RuntimeWarning, stacklevel=3)
+        return None
+    warnings.warn(f"{who}: the artifact could not be saved to {path} ({first}); it was saved to {saved} instead "
+                  "(make the first writable, or set FDC_CACHE to a writable directory, and move it there)",
+                  RuntimeWarning, stacklevel=3)
+    return saved

@@ -344,9 +344,20 @@ def saved(tmp_path):
     return model, directory
 
 
+def tensors_path(directory):
+    """The tensor file an artifact's JSON names (save() picks a new name each time)."""
+    return directory / json.loads((directory / calibration.METADATA_FILE).read_text())["tensors_file"]
+
+
+def rewrite_metadata(directory, metadata: dict) -> None:
+    """Writes ``metadata`` with a matching checksum, as a damaged-but-consistent file (or a hand edit) would be."""
+    metadata = {**metadata, "checksum": calibration._metadata_checksum(metadata)}
+    (directory / calibration.METADATA_FILE).write_text(json.dumps(metadata))
+
+
 def test_truncated_tensor_file_is_rejected(saved):
     model, directory = saved
-    path = directory / calibration.TENSORS_FILE
+    path = tensors_path(directory)
     path.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(ArtifactError, match="checksum"):
         FDCArtifact.load(directory)
@@ -354,7 +365,7 @@ def test_truncated_tensor_file_is_rejected(saved):
 
 def test_modified_tensor_file_is_rejected(saved):
     model, directory = saved
-    path = directory / calibration.TENSORS_FILE
+    path = tensors_path(directory)
     data = bytearray(path.read_bytes())
     data[-7] ^= 0x40
     path.write_bytes(bytes(data))
@@ -366,22 +377,44 @@ def test_bad_metadata_is_rejected(saved):
     model, directory = saved
     path = directory / calibration.METADATA_FILE
     metadata = json.loads(path.read_text())
-    path.write_text(json.dumps({**metadata, "format_version": 99}))
+    path.write_text(json.dumps({**metadata, "model_id": "edited by hand"}))  # the checksum covers the JSON too
+    with pytest.raises(ArtifactError, match="does not match its own checksum"):
+        FDCArtifact.load(directory)
+    rewrite_metadata(directory, {**metadata, "format_version": 99})
     with pytest.raises(ArtifactError, match="format version 99"):
         FDCArtifact.load(directory)
-    path.write_text(json.dumps({**metadata, "format_version": 2}))
+    rewrite_metadata(directory, {**metadata, "format_version": 2})
     with pytest.raises(ArtifactError, match=r"format version 2; this fdc_ops reads version 3 .*: recalibrate: "
                                             r"fdc_ops.calibration.calibrate\(model, tokenizer\)"):
         FDCArtifact.load(directory)
+    rewrite_metadata(directory, {**metadata, "format_version": "3"})
+    with pytest.raises(ArtifactError, match="format version '3'; this fdc_ops reads version 3"):
+        FDCArtifact.load(directory)
     for identity in (None, {**metadata["identity"], "dtype": "int8"}, {**metadata["identity"], "weights": {}},
                      {**metadata["identity"], "weights": {"layers.0.q_proj.weight": {"float32": "00"}}}):
-        path.write_text(json.dumps({**metadata, "identity": identity}))
-        with pytest.raises(ArtifactError, match="no valid 'identity'"):
+        rewrite_metadata(directory, {**metadata, "identity": identity})
+        with pytest.raises(ArtifactError, match="'identity' must be the model's config fields"):
             FDCArtifact.load(directory)
+    without_fingerprint = {key: value for key, value in metadata.items() if key != "fingerprint"}
+    rewrite_metadata(directory, without_fingerprint)
+    with pytest.raises(ArtifactError, match="has no 'fingerprint'"):
+        FDCArtifact.load(directory)
+    for field, value, message in (("head_dim", "16", "'shape.head_dim' must be a positive integer, got '16'"),
+                                  ("num_kv_heads", 3, "not a multiple of shape.num_kv_heads 3")):
+        rewrite_metadata(directory, {**metadata, "shape": {**metadata["shape"], field: value}})
+        with pytest.raises(ArtifactError, match=message):
+            FDCArtifact.load(directory)
+    for field, value in (("num_tokens", -5), ("v_method", "svd"), ("balance", {"v_to_qk": -1.0})):
+        rewrite_metadata(directory, {**metadata, "calibration": {**metadata["calibration"], field: value}})
+        with pytest.raises(ArtifactError, match=f"'calibration.{field}' must be"):
+            FDCArtifact.load(directory)
+    rewrite_metadata(directory, {**metadata, "tensors_file": "../elsewhere.safetensors"})
+    with pytest.raises(ArtifactError, match="'tensors_file' must be a file name"):
+        FDCArtifact.load(directory)
     path.write_text(json.dumps(metadata)[:50])
     with pytest.raises(ArtifactError, match="not valid JSON"):
         FDCArtifact.load(directory)
-    path.write_text(json.dumps({**metadata, "shape": {**metadata["shape"], "head_dim": 32}}))
+    rewrite_metadata(directory, {**metadata, "shape": {**metadata["shape"], "head_dim": 32}})
     with pytest.raises(ArtifactError, match="qk_rotation must be"):
         FDCArtifact.load(directory)
     path.unlink()
@@ -389,14 +422,31 @@ def test_bad_metadata_is_rejected(saved):
         FDCArtifact.load(directory)
 
 
+def test_negative_sensitivities_are_rejected(tmp_path):
+    artifact = small_artifact()
+    artifact.v_damage = artifact.v_damage.clone()
+    artifact.v_damage[0, 0, 3] = -1e-3
+    artifact.save(tmp_path / "negative")
+    with pytest.raises(ArtifactError, match="v_damage must be non-negative"):
+        FDCArtifact.load(tmp_path / "negative")
+
+
+def test_every_allocation_rule_takes_the_same_width_quantum():
+    artifact = small_artifact()
+    for kwargs in (dict(removal_rate=0.1), dict(compression=0.2), dict(compression=0.2, rule="explained_variance"),
+                   dict(compression=0.2, rule="fisher")):
+        with pytest.raises(ValueError, match="multiple must be a positive divisor of head_dim 16"):
+            artifact.allocate(multiple=12, **kwargs)
+        artifact.allocate(multiple=8, **kwargs)
+
+
 def test_unreadable_tensors_with_matching_checksum_are_rejected(saved):
     model, directory = saved
-    path = directory / calibration.TENSORS_FILE
+    path = tensors_path(directory)
     path.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not json")
-    metadata_path = directory / calibration.METADATA_FILE
-    metadata = json.loads(metadata_path.read_text())
+    metadata = json.loads((directory / calibration.METADATA_FILE).read_text())
     metadata["tensors_sha256"] = calibration._sha256(path)
-    metadata_path.write_text(json.dumps(metadata))
+    rewrite_metadata(directory, metadata)
     with pytest.raises(ArtifactError, match="cannot be read"):
         FDCArtifact.load(directory)
 

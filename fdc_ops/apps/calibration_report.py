@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import time
 from pathlib import Path
 
 import torch
 
-from .. import calibration, datasets, hf
+from .. import calibration, datasets, files, hf
 from ..calibration import CalibrationStatistics, principal_axes
 from ..hf import families, loading
 from . import metrics, provenance
@@ -353,7 +352,7 @@ def run(out: str = "bench/results/calibration", quick: bool = False) -> dict:
                       "seconds": time.time() - started,
                       "utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")}
     path = directory / f"smollm2-calibration{'-quick' if quick else ''}-{results['run']['utc']}.json"
-    path.write_text(json.dumps(results, indent=1, default=float) + "\n")
+    files.write_json_atomically(path, results, indent=1, default=float)
     print(f"\ncalibration of {tokens} random tokens took {calibration_seconds:.1f} s on {torch.get_num_threads()} "
           f"threads; report written to {path} (+ PNG plots) in {time.time() - started:.0f} s")
     return results
@@ -374,7 +373,8 @@ def _plots(directory: Path, results: dict, head_dim: int) -> None:
     axis.set_title("SmolLM2-135M singular-value spectra")
     axis.legend()
     figure.tight_layout()
-    figure.savefig(directory / "spectra.png", dpi=120)
+    files.write_atomically(directory / "spectra.png", lambda temporary: figure.savefig(temporary, dpi=120,
+                                                                                       format="png"))
     plt.close(figure)
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
@@ -389,5 +389,6 @@ def _plots(directory: Path, results: dict, head_dim: int) -> None:
         axis.legend()
     figure.suptitle("R from random tokens vs R from text")
     figure.tight_layout()
-    figure.savefig(directory / "token_sweep.png", dpi=120)
+    files.write_atomically(directory / "token_sweep.png", lambda temporary: figure.savefig(temporary, dpi=120,
+                                                                                           format="png"))
     plt.close(figure)

@@ -10,8 +10,75 @@
 """
 
 import argparse
+import importlib.util
+import math
+import os
+import sys
 
 import torch
+
+from .metrics import PERPLEXITY_WINDOW
+
+# argparse types: each refuses a bad value with an argparse-style message (exit code 2) before any model loads.
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def share(low: float, high: float, high_included: bool):
+    """A number in [low, high) or [low, high]: shares of a cache, rates, accuracy levels."""
+    def parse(text: str) -> float:
+        value = _number(text)
+        if not (low <= value < high or (high_included and value == high)):
+            raise argparse.ArgumentTypeError(f"{text} is not in [{low}, {high}{']' if high_included else ')'}")
+        return value
+    return parse
+
+
+def whole(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is below {low}")
+        return value
+    return parse
+
+
+def model_source(text: str) -> str:
+    """A Hugging Face model directory, or a hub id (which only loading can check: no network is assumed)."""
+    looks_like_path = text.startswith(("/", ".", "~")) or os.path.exists(text) or text.count("/") != 1
+    if looks_like_path:
+        path = os.path.expanduser(text)
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise argparse.ArgumentTypeError(f"{text} is not a Hugging Face model directory (it has no config.json)")
+        return path
+    return text
+
+
+def output_directory(text: str) -> str:
+    """A directory that exists or can be made, and can be written to."""
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a directory")
+    try:
+        os.makedirs(text, exist_ok=True)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"{text} cannot be made ({error.strerror})") from None
+    if not os.access(text, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text} is not writable")
+    return text
+
+
+PLOTTING_COMMANDS = ("demo", "eval", "report")  # they draw PNGs with matplotlib
 
 
 def _calibrate(args) -> None:
@@ -33,7 +100,10 @@ def _calibrate(args) -> None:
     artifact = calibration.calibrate(model, tokenizer, text=args.text, num_tokens=args.num_tokens,
                                      seq_len=args.seq_len, seed=args.seed, v_method=args.v_method,
                                      sensitivity_tokens=args.sensitivity_tokens)
-    directory = artifact.save(args.out)
+    directory = calibration.save_or_keep(artifact, args.out, "python -m fdc_ops calibrate")
+    if directory is None:
+        print("the calibration could not be saved anywhere (see the warning above)", file=sys.stderr)
+        sys.exit(1)
     print(f"artifact: {directory} ({artifact.metadata['calibration']['num_tokens']} tokens of {args.text})")
     print(f"{'removal rate':>12} {'KV compression':>15} {'mean qk dim':>12} {'mean v dim':>11}")
     for rate in (0.02, 0.05, 0.1, 0.2, 0.3):
@@ -54,60 +124,84 @@ def main() -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     main_job = commands.add_parser("demo", help="accuracy-vs-compression curve, long-context speed and a sample, "
                                     "FDC against Palu and the uncompressed SmolLM2")
-    main_job.add_argument("--target", type=float, default=0.99, help="share of the perplexity score to keep")
+    main_job.add_argument("--target", type=share(0.0, 1.0, True), default=0.99,
+                          help="share of the perplexity score to keep")
     main_job.add_argument("--text", choices=["random", "wikipedia", "humaneval"], default="wikipedia",
                           help="calibration tokens (default wikipedia: see bench/results/calibration/README.md)")
-    main_job.add_argument("--context", type=int, default=4096, help="prompt tokens of the speed table")
-    main_job.add_argument("--decode-steps", type=int, default=8, help="decode steps timed after the prompt")
-    main_job.add_argument("--out", default="bench/results/demo", help="directory for demo.json and the curve's PNG")
+    main_job.add_argument("--context", type=whole(1), default=4096, help="prompt tokens of the speed table")
+    main_job.add_argument("--decode-steps", type=whole(1), default=8, help="decode steps timed after the prompt")
+    main_job.add_argument("--out", type=output_directory, default="bench/results/demo",
+                          help="directory for demo.json and the curve's PNG")
     main_job.add_argument("--quiet", action="store_true", help="print the results only, no progress")
 
     evaluate = commands.add_parser("eval", help="accuracy vs KV compression: FDC (paper, defaults), uniform, Palu")
-    evaluate.add_argument("--out", default="bench/results/eval", help="directory for the JSON and PNG")
+    evaluate.add_argument("--out", type=output_directory, default="bench/results/eval",
+                          help="directory for the JSON and PNG")
     evaluate.add_argument("--metric", choices=["perplexity", "edit_similarity"], default="perplexity")
     evaluate.add_argument("--text", choices=["random", "wikipedia", "humaneval"], default="wikipedia",
                           help="calibration text of every method")
     evaluate.add_argument("--methods", nargs="+", default=None,
                           help="methods to measure (default: the four compared; fdc_ops/apps/eval.py lists ablations)")
-    evaluate.add_argument("--refine", type=float, nargs="+", default=[0.99, 0.9],
+    evaluate.add_argument("--refine", type=share(0.0, 1.0, True), nargs="+", default=[0.99, 0.9],
                           help="accuracy levels to refine the grid around by bisection")
-    evaluate.add_argument("--refine-steps", type=int, default=3, help="bisection steps per refined level (0: none)")
-    evaluate.add_argument("--grid", type=float, nargs="+", default=None,
+    evaluate.add_argument("--refine-steps", type=whole(0), default=3,
+                          help="bisection steps per refined level (0: none)")
+    evaluate.add_argument("--grid", type=share(0.0, 1.0, False), nargs="+", default=None,
                           help="budgets measured before refinement (default: fdc_ops/apps/eval.py GRID, 0.025 to "
                                "0.5); a coarser grid for slow metrics")
-    evaluate.add_argument("--eval-tokens", type=int, default=4096, help="held-out Wikipedia tokens (perplexity)")
-    evaluate.add_argument("--problems", type=int, default=16, help="HumanEval problems (the first N)")
-    evaluate.add_argument("--max-new-tokens", type=int, default=64)
-    evaluate.add_argument("--budget-s", type=float, default=None,
+    evaluate.add_argument("--eval-tokens", type=whole(PERPLEXITY_WINDOW), default=4096,
+                          help=f"held-out Wikipedia tokens (perplexity; at least one window of {PERPLEXITY_WINDOW})")
+    evaluate.add_argument("--problems", type=whole(1), default=16, help="HumanEval problems (the first N)")
+    evaluate.add_argument("--max-new-tokens", type=whole(1), default=64)
+    evaluate.add_argument("--budget-s", type=share(0.0, math.inf, False), default=None,
                           help="stop starting evaluations after this many seconds (a later run resumes)")
 
     demo = commands.add_parser("ops-demo", help="run the FDC ops on one SmolLM2-shaped layer and print a table")
-    demo.add_argument("--removal-rate", type=float, default=0.1,
+    demo.add_argument("--removal-rate", type=share(0.0, 1.0, True), default=0.1,
                       help="share of each head's singular-value sum that may be dropped (default 0.1)")
     demo.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16")
     demo.add_argument("--seed", type=int, default=0)
 
     calibrate = commands.add_parser("calibrate", help="calibrate a model and save its artifact")
-    calibrate.add_argument("--model", default=None,
+    calibrate.add_argument("--model", type=model_source, default=None,
                            help="Hugging Face model directory or hub id (default: the bundled SmolLM2-135M)")
-    calibrate.add_argument("--out", required=True, help="directory to write the artifact to")
+    calibrate.add_argument("--out", type=output_directory, required=True, help="directory to write the artifact to")
     calibrate.add_argument("--text", choices=["random", "wikipedia", "humaneval"], default="wikipedia",
                            help="calibration tokens: bundled real text (default wikipedia), or uniformly random")
-    calibrate.add_argument("--num-tokens", type=int, default=8192)
-    calibrate.add_argument("--seq-len", type=int, default=1024,
+    calibrate.add_argument("--num-tokens", type=whole(1), default=8192)
+    calibrate.add_argument("--seq-len", type=whole(2), default=1024,
                            help="length of each calibration sequence (RoPE statistics depend on position)")
     calibrate.add_argument("--seed", type=int, default=0)
     calibrate.add_argument("--v-method", choices=["output", "activation", "weight", "attention_output"],
                            default="attention_output",
                            help="V factors: output-aware from the attention outputs' covariance (default) or from "
                                 "the values', SVD of the captured values, or SVD of W_V")
-    calibrate.add_argument("--sensitivity-tokens", type=int, default=8192,
+    calibrate.add_argument("--sensitivity-tokens", type=whole(0), default=8192,
                            help="calibration tokens that measure each head's sensitivity (0: skip)")
 
     report = commands.add_parser("report", help="reproduce the paper's calibration analyses on SmolLM2")
-    report.add_argument("--out", default="bench/results/calibration", help="directory for the JSON and plots")
+    report.add_argument("--out", type=output_directory, default="bench/results/calibration",
+                        help="directory for the JSON and plots")
     report.add_argument("--quick", action="store_true", help="fewer tokens and rates (a smoke run)")
     args = parser.parse_args()
+    if args.command in PLOTTING_COMMANDS and importlib.util.find_spec("matplotlib") is None:
+        parser.error(f"{args.command} draws its plots with matplotlib, which is not installed: pip install "
+                     "matplotlib (or the model side whole: pip install \"fdc_ops[hf]\")")
+    try:
+        _run(args)
+    except KeyboardInterrupt:
+        print(f"\npython -m fdc_ops {args.command}: interrupted; {RESUMABLE.get(args.command, 'nothing was kept')}",
+              file=sys.stderr)
+        sys.exit(130)
+
+
+#: What a command interrupted by Ctrl-C keeps (its files are written whole or not at all: fdc_ops.files).
+RESUMABLE = {"eval": "the points measured so far are kept, and the next run resumes from them",
+             "calibrate": "no artifact was written", "demo": "the cached model conversion and artifacts are kept",
+             "report": "the cached model conversion and artifacts are kept"}
+
+
+def _run(args) -> None:
     from .. import progress
 
     progress.configure(quiet=getattr(args, "quiet", False))

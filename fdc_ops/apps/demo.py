@@ -20,14 +20,13 @@ lose far more accuracy than those from real text (bench/results/calibration/READ
 from __future__ import annotations
 
 import datetime
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .. import calibration, datasets, hf, progress
+from .. import calibration, datasets, files, hf, progress
 from ..hf import families, loading
 from . import metrics, provenance
 
@@ -93,7 +92,7 @@ def _plot(curves: list[Curve], target: float, path: Path, eval_tokens: int) -> N
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    files.write_atomically(path, lambda temporary: figure.savefig(temporary, dpi=120, format="png"))
     plt.close(figure)
 
 
@@ -173,7 +172,7 @@ def run(target: float = 0.99, text: str = "wikipedia", context: int = 4096, deco
                   "rows": speed_rows},
         "samples": samples, "seconds": time.time() - begin,
     }
-    (directory / "demo.json").write_text(json.dumps(result, indent=1))
+    files.write_json_atomically(directory / "demo.json", result, indent=1)
 
     print(f"\nAccuracy: perplexity score relative to the uncompressed model ({base:.2f} perplexity) on "
           f"{CURVE_TOKENS} held-out Wikipedia tokens")

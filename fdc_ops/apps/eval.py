@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from .. import calibration, datasets, hf
+from .. import calibration, datasets, files, hf
 from ..calibration import RankAllocation
 from ..hf import families, loading
 from . import metrics, provenance
@@ -125,12 +125,12 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
     points_path = directory / f"{model_name}-eval-{metric}-points.json"
     settings_tag = {"metric": metric, "text": text, "eval_tokens": eval_tokens, "problems": problems,
                     "max_new_tokens": max_new_tokens, "fingerprint": families.fingerprint(model)}
-    store = json.loads(points_path.read_text()) if points_path.is_file() else {}
+    store = _read_points(points_path)
     if store.get("settings") != settings_tag:
         store = {"settings": settings_tag, "base": None, "points": {}}
     if store["base"] is None:
         store["base"] = measure()
-        points_path.write_text(json.dumps(store, indent=1) + "\n")
+        files.write_json_atomically(points_path, store, indent=1)
     base = store["base"]
 
     def allocation_for(settings: dict, compression: float) -> RankAllocation:
@@ -165,7 +165,7 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
                                     "mean_qk_dim": float(allocation.qk_dims.double().mean()),
                                     "mean_v_dim": float(allocation.v_dims.double().mean()),
                                     "seconds": time.time() - started}
-            points_path.write_text(json.dumps(store, indent=1) + "\n")
+            files.write_json_atomically(points_path, store, indent=1)
             print(f"{name:<28} budget {compression:.4f}  KV compression {allocation.compression_rate:.4f}  relative "
                   f"{metric} score {score / base:.4f}", flush=True)
         point = store["points"][key]
@@ -211,10 +211,29 @@ def _write(directory: Path, model_name: str, metric: str, store: dict, current: 
                        "threads": torch.get_num_threads(), "commit": commit, "dirty": dirty, "utc": utc,
                        "seconds": time.time() - begin}}
     path = directory / f"{model_name}-eval-{metric}.json"
-    path.write_text(json.dumps(results, indent=1) + "\n")
+    files.write_json_atomically(path, results, indent=1)
     _plot(directory / f"{model_name}-eval-{metric}.png", curves, metric)
     print(f"\nwritten to {path} and its .png")
     return results
+
+
+def _read_points(path: Path) -> dict:
+    """The points file of an earlier run, or {} (none yet). Written whole or not at all (fdc_ops.files), so a file
+    that does not parse was damaged outside this program: it is set aside, named, and the run starts afresh."""
+    if not path.is_file():
+        return {}
+    try:
+        store = json.loads(path.read_text())
+        if isinstance(store, dict) and isinstance(store.get("points"), dict):
+            return store
+        problem = "it is not a points table"
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        problem = f"it is not valid JSON ({error})"
+    kept = path.with_name(path.name + ".unreadable")
+    path.replace(kept)
+    print(f"eval: {path} could not be resumed from ({problem}); it was moved to {kept} and the points are measured "
+          "again")
+    return {}
 
 
 def _plot(path: Path, curves: dict, metric: str) -> None:
@@ -239,5 +258,5 @@ def _plot(path: Path, curves: dict, metric: str) -> None:
     axis.set_title(f"SmolLM2-135M: {metric} vs KV compression")
     axis.legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    files.write_atomically(path, lambda temporary: figure.savefig(temporary, dpi=120, format="png"))
     plt.close(figure)

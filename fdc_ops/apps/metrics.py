@@ -18,8 +18,11 @@ from ..progress import bar as progress_bar
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\n```")
 
 
-def perplexity(model, token_ids: torch.Tensor, seq_len: int = 512, batch_size: int = 4, progress: bool = True,
-               description: str = "perplexity") -> float:
+PERPLEXITY_WINDOW = 512  # tokens per perplexity window: the shortest stream perplexity() takes
+
+
+def perplexity(model, token_ids: torch.Tensor, seq_len: int = PERPLEXITY_WINDOW, batch_size: int = 4,
+               progress: bool = True, description: str = "perplexity") -> float:
     """exp(mean next-token negative log-likelihood) over consecutive ``seq_len`` windows of the 1-D token stream
     (the first token of each window is context only)."""
     windows = token_ids.numel() // seq_len

@@ -81,7 +81,7 @@ def _check_sliding_window(model) -> None:
                                   "supported by the compressed modules")
 
 
-def compress(model, artifact: calibration.FDCArtifact, removal_rate: float | None = None, *,
+def compress(model, artifact: calibration.FDCArtifact | str, removal_rate: float | None = None, *,
              compression: float | None = None, allocation: calibration.RankAllocation | None = None, qk_dims=None,
              v_dims=None, method: str = "fdc", weighting: str | None = None, rule: str | None = None,
              uniform: bool = False) -> calibration.RankAllocation:
@@ -91,8 +91,8 @@ def compress(model, artifact: calibration.FDCArtifact, removal_rate: float | Non
     ``calibration.FDCArtifact.allocate(compression=...)``), one removal
     rate (the paper's rule on the artifact's singular values; ``weighting="explained_variance"`` uses s^2), an
     allocation, or explicit (L, H_kv) ``qk_dims`` and ``v_dims``; ``uniform=True`` gives every head the mean width
-    (the /AC ablation). Returns the allocation used. generate() and forward() work unchanged; fdc_ops.hf.restore
-    undoes it."""
+    (the /AC ablation). ``artifact``: an FDCArtifact, or ``"bundled"`` for the bundled SmolLM2's. Returns the
+    allocation used. generate() and forward() work unchanged; fdc_ops.hf.restore undoes it."""
     if not isinstance(method, str) or method not in METHODS:
         raise ValueError(f"fdc_ops.hf.compress: method must be one of {METHODS}, got {method!r}")
     if not hasattr(model, "get_decoder") or not hasattr(model, "config"):
@@ -100,9 +100,12 @@ def compress(model, artifact: calibration.FDCArtifact, removal_rate: float | Non
                         f"PreTrainedModel), got {type(model).__name__}")
     if getattr(model, "_fdc_compression", None) is not None:
         raise ValueError("fdc_ops.hf.compress: the model is already compressed; call fdc_ops.hf.restore(model) first")
+    if isinstance(artifact, str) and artifact == calibration.BUNDLED:
+        artifact = calibration.FDCArtifact.load(calibration.bundled_artifact())
     if not isinstance(artifact, calibration.FDCArtifact):
         raise TypeError("fdc_ops.hf.compress: artifact must be an fdc_ops.calibration.FDCArtifact "
-                        f"(FDCArtifact.load(directory), calibrate or load_or_calibrate), got {type(artifact).__name__}")
+                        f"(FDCArtifact.load(directory), calibrate or load_or_calibrate) or \"{calibration.BUNDLED}\" "
+                        f"(the bundled SmolLM2's), got {type(artifact).__name__}")
     _check_sliding_window(model)
     artifact.check_model(model)
     allocation = resolve_allocation(artifact, method, removal_rate, compression, allocation, qk_dims, v_dims,

@@ -101,8 +101,14 @@ def smollm2_path() -> Path:
     tokenizer.save_pretrained(partial)
     (partial / CONVERSION_STAMP_FILE).write_text(json.dumps({"made": CONVERSION_STAMP,
                                                              "transformers": transformers.__version__}) + "\n")
-    shutil.rmtree(target, ignore_errors=True)
+    # The old copy (if any) is moved aside before the new one takes its name, and removed after: a crash leaves a
+    # whole copy under the name or none (then the next call converts again), never a half-written one.
+    replaced = target.with_name(target.name + ".replaced")
+    shutil.rmtree(replaced, ignore_errors=True)
+    if target.exists():
+        target.rename(replaced)
     partial.rename(target)
+    shutil.rmtree(replaced, ignore_errors=True)
     return target
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .. import calibration
+from .. import calibration, files
 
 FDC_DIRECTORY = "fdc"  # inside a saved model's directory
 ARTIFACT_DIRECTORY = "artifact"  # inside FDC_DIRECTORY
@@ -64,7 +64,7 @@ def save_compressed(model, directory: str | os.PathLike, tokenizer=None) -> Path
                    "qk_dims": allocation.qk_dims.tolist(), "v_dims": allocation.v_dims.tolist(),
                    "allocation": {"method": allocation.method, "removal_rate": allocation.removal_rate,
                                   "notes": allocation.notes, "compression_rate": allocation.compression_rate}}
-    (fdc / COMPRESSION_FILE).write_text(json.dumps(description, indent=2, sort_keys=True) + "\n")
+    files.write_json_atomically(fdc / COMPRESSION_FILE, description, indent=2, sort_keys=True)
     return directory
 
 

@@ -83,8 +83,9 @@ def hf_overrides(model: str | os.PathLike, artifact: str | os.PathLike | None = 
     architecture replaced by the FDC class, and the ``fdc`` entry that class reads. The widths come from the
     artifact (a directory written by FDCArtifact.save) by exactly one of: ``compression`` (share of the KV cache
     removed, widths by ``rule``), ``removal_rate`` (the paper's rule), or ``qk_dims`` and ``v_dims`` ((L, H_kv)
-    nested lists), as in fdc_ops.hf.compress. For a directory written by fdc_ops.hf.save_compressed, ``artifact``
-    may be left out (the saved one is used) and so may the widths (the saved ones are used)."""
+    nested lists), as in fdc_ops.hf.compress. ``artifact="bundled"`` is the bundled SmolLM2's artifact. For a
+    directory written by fdc_ops.hf.save_compressed, ``artifact`` may be left out (the saved one is used) and so
+    may the widths (the saved ones are used)."""
     from .. import calibration
 
     who = "fdc_ops.vllm.hf_overrides"
@@ -109,6 +110,8 @@ def hf_overrides(model: str | os.PathLike, artifact: str | os.PathLike | None = 
         artifact = Path(model) / saving.FDC_DIRECTORY / saving.ARTIFACT_DIRECTORY
         if compression is None and removal_rate is None and qk_dims is None and v_dims is None:
             qk_dims, v_dims = allocation.qk_dims, allocation.v_dims
+    if isinstance(artifact, str) and artifact == calibration.BUNDLED:
+        artifact = calibration.bundled_artifact()
     entry = {"artifact": str(Path(artifact).resolve())}
     for name, value in (("compression", compression), ("removal_rate", removal_rate)):
         if value is not None:

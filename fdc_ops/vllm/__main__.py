@@ -19,8 +19,9 @@ def main() -> None:
     overrides = commands.add_parser("overrides", help="vLLM's --hf-overrides JSON for an FDC-compressed model")
     overrides.add_argument("model", help="Hugging Face model directory")
     overrides.add_argument("artifact", nargs="?", default=None,
-                           help="FDC artifact directory (FDCArtifact.save, `python -m fdc_ops calibrate`); left out "
-                                "for a directory written by fdc_ops.hf.save_compressed")
+                           help="FDC artifact directory (FDCArtifact.save, `python -m fdc_ops calibrate`), or "
+                                "'bundled' for the bundled SmolLM2's; left out for a directory written by "
+                                "fdc_ops.hf.save_compressed")
     budget = overrides.add_mutually_exclusive_group()
     budget.add_argument("--compression", type=float, help="share of the KV cache to remove (a byte budget)")
     budget.add_argument("--removal-rate", type=float, help="the paper's singular-value removal rate")

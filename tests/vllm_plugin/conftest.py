@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,17 @@ def vllm_installed() -> bool:
     sys.path, has none)."""
     spec = importlib.util.find_spec("vllm")
     return spec is not None and spec.origin is not None
+
+
+def _exit_on_signal(signum, frame):
+    raise SystemExit(128 + signum)  # finally blocks and atexit run: servers the tests started are stopped
+
+
+def pytest_configure(config):
+    """SIGTERM (a CI timeout, `kill`) and SIGHUP end the run like an error would, so nothing it started outlives it
+    (vllm_engines.start_server)."""
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _exit_on_signal)
 
 
 def pytest_collection_modifyitems(config, items):

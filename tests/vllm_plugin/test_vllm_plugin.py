@@ -10,7 +10,6 @@ import json
 import os
 import re
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -249,7 +248,7 @@ def test_vllm_serve_answers_a_completion_request(model_dir, artifact_dir, hf_mod
                "float32", "--max-model-len", str(MAX_MODEL_LEN), "--seed", "0", "--served-model-name", "smollm2-fdc",
                "--hf-overrides", json.dumps(overrides)]
     with open(log_path, "w") as log:
-        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        server = vllm_engines.start_server(command, log, env)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=60, max_retries=0)
         deadline = time.monotonic() + 540  # start-up: three processes, weights, torch.compile warm-up
@@ -266,12 +265,7 @@ def test_vllm_serve_answers_a_completion_request(model_dir, artifact_dir, hf_mod
         completion = client.completions.create(model="smollm2-fdc", prompt=PROMPTS[0], max_tokens=NEW_TOKENS,
                                                temperature=0.0)
     finally:
-        os.killpg(server.pid, 15)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, 9)
-            server.wait()
+        vllm_engines.stop_server(server)
     _, tokenizer = hf_model
     assert completion.choices[0].text == tokenizer.decode(expected)
     assert completion.usage.completion_tokens == NEW_TOKENS

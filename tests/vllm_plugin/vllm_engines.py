@@ -3,7 +3,11 @@ FDC model to compare it with. Imported only in .venv-vllm (the tests elsewhere s
 
 from __future__ import annotations
 
+import atexit
 import gc
+import os
+import signal
+import subprocess
 from pathlib import Path
 
 import torch
@@ -11,6 +15,39 @@ import torch
 KV_CACHE_GIB = 1  # vLLM's CPU KV cache space, in GiB (its VLLM_CPU_KVCACHE_SPACE takes whole GiB)
 MAX_MODEL_LEN = 512
 NEW_TOKENS = 32
+
+
+_SERVERS: set[subprocess.Popen] = set()  # started by start_server and not yet stopped
+
+
+def start_server(command: list[str], log, env: dict) -> subprocess.Popen:
+    """A server process (and the engine processes it starts) in a session of its own, stopped by stop_server, or at
+    the latest when the test run exits in any way: atexit here, and the conftest turns SIGTERM and SIGHUP into a
+    normal exit (by default they would end pytest without running finally blocks or atexit)."""
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    _SERVERS.add(server)
+    return server
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    """SIGTERM to the server's whole process group, SIGKILL after 60 s."""
+    _SERVERS.discard(server)
+    if server.poll() is not None:
+        return
+    try:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    except ProcessLookupError:
+        pass
+
+
+@atexit.register
+def _stop_servers() -> None:
+    for server in list(_SERVERS):
+        stop_server(server)
 
 
 class Engine:
