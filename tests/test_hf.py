@@ -302,3 +302,24 @@ def test_one_artifact_serves_smollm2_in_every_dtype_and_refuses_a_fine_tune():
         model.get_decoder().layers[3].self_attn.k_proj.weight.mul_(1.01)
     with pytest.raises(calibration.ArtifactError, match=r"first layers\.3\.k_proj\.weight"):
         hf.compress(model, artifact, compression=0.1)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_deep_copy_of_a_compressed_model_computes_what_the_model_computes(method):
+    """copy.deepcopy of a compressed model (how a user keeps a second copy, or moves one to another device) must feed
+    its own modules each call's padding mask; a left-padded batch shows it."""
+    import copy
+
+    generator, rng, replay = case_generator(f"deepcopy_{method}", 0)
+    model, artifact = calibrated("llama", rng.randrange(1000))
+    hf.compress(model, artifact, removal_rate=0.5, method=method)
+    ids = torch.randint(1, model.config.vocab_size, (2, 12), generator=generator)
+    mask = torch.ones_like(ids)
+    ids[1, :5], mask[1, :5] = 0, 0
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    twin = copy.deepcopy(model)
+    expected = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits.detach()
+    logits_of(model, ids[:1])  # the original's calls must not steer the copy
+    actual = twin(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits.detach()
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0, msg=replay)
+    assert torch.equal(generate(twin, ids, mask), generate(model, ids, mask)), replay

@@ -146,14 +146,23 @@ def compress(model, artifact: calibration.FDCArtifact | str, removal_rate: float
                                    key_basis=basis, latent_offsets=qk_offsets, rotary=decoder.rotary_emb)
         decoder.layers[layer].self_attn = module.to(device)
 
-    def record_mask(_module, args, kwargs):
-        padding.mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-
-    hook = decoder.register_forward_pre_hook(record_mask, with_kwargs=True)
+    hook = decoder.register_forward_pre_hook(_MaskRecorder(padding), with_kwargs=True)
     model._fdc_compression = {"method": method, "allocation": allocation, "originals": originals, "hook": hook,
                               "artifact": artifact}
     model.save_pretrained = _refuse_save_pretrained  # this instance only; restore() removes it
     return allocation
+
+
+class _MaskRecorder:
+    """The decoder's forward pre-hook: hands each call's attention mask to the compressed modules. An object rather
+    than a closure, so that copy.deepcopy(model) gives the copy a hook feeding the copy's modules (a function is
+    shared by a deep copy, and would keep feeding the original's)."""
+
+    def __init__(self, padding: PaddingState):
+        self.padding = padding
+
+    def __call__(self, _module, args, kwargs):
+        self.padding.mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
 
 
 def _refuse_save_pretrained(*args, **kwargs):
