@@ -1,5 +1,6 @@
 """Summarises a scripts/gpu_check.sh run as one JSON file (issue 11's evidence): the device, torch version and commit,
-each step's exit code, the pytest counts of the test steps and the error count each compute-sanitizer tool reported.
+each step's exit code and seconds, the pytest counts of the test steps and the error count each compute-sanitizer
+tool reported.
 
     python scripts/gpu_summary.py OUT_DIR      reads OUT_DIR/*.log and OUT_DIR/exit-codes, writes OUT_DIR/summary.json
 """
@@ -42,13 +43,13 @@ def summarise(out: Path) -> dict:
     codes_file = out / "exit-codes"
     if codes_file.is_file():
         for line in codes_file.read_text().splitlines():
-            name, _, code = line.partition(" ")
-            exit_codes[name] = int(code)
+            name, code, *seconds = line.split()  # "NAME EXIT_CODE [SECONDS]"
+            exit_codes[name] = (int(code), int(seconds[0]) if seconds else None)
     steps = {}
-    for name, code in exit_codes.items():
+    for name, (code, seconds) in exit_codes.items():
         log_path = out / f"{name}.log"
         log = log_path.read_text(errors="replace") if log_path.is_file() else ""
-        step = {"exit_code": code}
+        step = {"exit_code": code} if seconds is None else {"exit_code": code, "seconds": seconds}
         if counts := pytest_counts(log):
             step["pytest"] = counts
         if name in SANITIZER_TOOLS:

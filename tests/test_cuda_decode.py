@@ -2,8 +2,9 @@
 CPU ops, over fresh random configurations each run: float32/float16/bfloat16, contiguous and paged caches with NaN in
 every slot and page that must not be read, non-contiguous queries, sequences of 32K keys and more, one very long
 request among many short ones, G from 1 to 8 and 16, explicit plans for 1, 3 and 132 workers, a decode step captured
-in a CUDA graph and replayed over changed lengths and cache contents, a negative length (NaN output, status in the
-plan) (opcheck on CUDA inputs: tests/test_opcheck.py).
+in a CUDA graph and replayed over changed lengths and cache contents (one layer, and a whole SmolLM2-shaped model:
+append_kv, decode_plan and decode_attention in 30 layers), a negative length (NaN output, status in the plan)
+(opcheck on CUDA inputs: tests/test_opcheck.py).
 
 CUDA conventions of the ops: qk_offsets/v_offsets stay int32 CPU tensors; cache_seqlens, block_table, cu_seqlens and
 plans live on the GPU; the default worker count is the number of SMs; plan entry [7] is the planner's status (0: ok).
@@ -341,3 +342,71 @@ def test_strided_cache_seqlens():
     wide[::2] = inputs.seqlens_dev
     inputs.seqlens_dev = wide[::2]
     inputs.check(inputs.run_cuda(), f"cuda decode strided cache_seqlens {replay}")
+
+
+@needs_append_kv
+@pytest.mark.parametrize("paged", [False, True])
+def test_smollm2_shaped_decode_step_in_a_graph(paged):
+    """A whole decode step of a SmolLM2-shaped model (30 layers, 3 KV heads of 64 dims, 3 query heads each, every
+    layer with its own widths, bfloat16), as a serving engine captures it: per layer append_kv of the new token, then
+    decode_plan and decode_attention over the grown lengths. Captured once; replayed after the lengths and cache
+    contents change, each replay is bit-identical to the same step run eagerly on copies of the caches (same kernels,
+    no atomics), and the first layer's output matches the float64 reference."""
+    gen, rng, replay = case_generator(f"cuda smollm2-shaped step paged={paged}", 0)
+    num_layers, num_kv_heads, head_dim, group, dtype = 30, 3, 64, 3, torch.bfloat16
+    batch, capacity, page_size, scale = 4, 1024, 16, head_dim ** -0.5
+    layouts = [Layout([8 * rng.randint(1, head_dim // 8) for _ in range(num_kv_heads)],
+                      [8 * rng.randint(1, head_dim // 8) for _ in range(num_kv_heads)], group)
+               for _ in range(num_layers)]
+    block_table, num_pages = random_block_table([capacity] * batch, capacity, page_size, rng) if paged else (None, 0)
+    table_dev = None if block_table is None else block_table.to(DEVICE)
+
+    def cache_for(lengths, width):
+        """NaN past each request's length (as pages when paged)."""
+        cache = torch.full((batch, capacity, width), float("nan"), dtype=dtype)
+        for b, length in enumerate(lengths):
+            cache[b, :length] = randn((length, width), dtype, gen)
+        return to_pages(cache, [capacity] * batch, block_table, num_pages, page_size) if paged else cache
+
+    lengths = [0, 1, 300, capacity - 1]
+    k_caches = [cache_for(lengths, lo.qk_width).to(DEVICE) for lo in layouts]
+    v_caches = [cache_for(lengths, lo.v_width).to(DEVICE) for lo in layouts]
+    queries = [torch.empty(batch, group * lo.qk_width, dtype=dtype, device=DEVICE) for lo in layouts]
+    new_k = [torch.empty(batch, lo.qk_width, dtype=dtype, device=DEVICE) for lo in layouts]
+    new_v = [torch.empty(batch, lo.v_width, dtype=dtype, device=DEVICE) for lo in layouts]
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=DEVICE)  # one new token per request
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+
+    def step(k_caches, v_caches):
+        grown = seqlens + 1
+        outs = []
+        for lo, k_cache, v_cache, q, k, v in zip(layouts, k_caches, v_caches, queries, new_k, new_v):
+            ops.append_kv(k_cache, v_cache, k, v, cu, seqlens, lo.qk_offsets, lo.v_offsets, table_dev)
+            plan = ops.decode_plan(grown, lo.qk_offsets, lo.v_offsets, group)
+            outs.append(ops.decode_attention(q, k_cache, v_cache, grown, lo.qk_offsets, lo.v_offsets, group, scale,
+                                             plan, table_dev))
+        return outs
+
+    graph, graph_outs = capture_graph(lambda: step(k_caches, v_caches))
+    for replay_index, lengths in enumerate([[5, 0, 1000, 64], [capacity - 1, 17, 0, 512], lengths]):
+        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        for i, lo in enumerate(layouts):
+            k_caches[i].copy_(cache_for(lengths, lo.qk_width))
+            v_caches[i].copy_(cache_for(lengths, lo.v_width))
+            for tensor in (queries[i], new_k[i], new_v[i]):
+                tensor.copy_(randn(tuple(tensor.shape), dtype, gen))
+        eager_k, eager_v = [c.clone() for c in k_caches], [c.clone() for c in v_caches]
+        graph.replay()
+        eager_outs = step(eager_k, eager_v)
+        torch.cuda.synchronize()
+        what = f"replay {replay_index} lengths={lengths} paged={paged} {replay}"
+        for i in range(num_layers):
+            assert torch.equal(graph_outs[i], eager_outs[i]), f"layer {i} output: graph != eager, {what}"
+            assert torch.equal(k_caches[i].nan_to_num(7.0), eager_k[i].nan_to_num(7.0)), f"layer {i} keys, {what}"
+            assert torch.equal(v_caches[i].nan_to_num(7.0), eager_v[i].nan_to_num(7.0)), f"layer {i} values, {what}"
+        lo, grown = layouts[0], torch.tensor(lengths, dtype=torch.int32) + 1
+        args = (queries[0].cpu(), k_caches[0].cpu(), v_caches[0].cpu(), grown, lo.qk_offsets, lo.v_offsets, group,
+                scale)
+        expected = reference.decode_attention_ref(*args, block_table=block_table)
+        torch_lowp = reference.decode_attention_ref(*args, block_table=block_table, compute_dtype=dtype)
+        assert_close_to_reference(graph_outs[0].cpu(), expected, torch_lowp, f"layer 0 vs the reference, {what}")

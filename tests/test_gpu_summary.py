@@ -27,11 +27,11 @@ def test_sanitizer_errors_add_up_over_processes():
 
 def test_summary_of_a_run(tmp_path, monkeypatch):
     monkeypatch.setenv("FDC_COMMIT", "abc123")
-    (tmp_path / "exit-codes").write_text("tests 1\nmemcheck 0\n")
+    (tmp_path / "exit-codes").write_text("tests 1 42\nmemcheck 0\n")  # seconds since scripts/gpu_check.sh kept them
     (tmp_path / "tests.log").write_text("F.\n1 failed, 1 passed in 0.1s\n")
     (tmp_path / "memcheck.log").write_text("========= ERROR SUMMARY: 0 errors\n2 passed in 9.0s\n")
     assert gpu_summary.main([str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["commit"] == "abc123" and summary["all_passed"] is False
-    assert summary["steps"]["tests"] == {"exit_code": 1, "pytest": {"failed": 1, "passed": 1}}
+    assert summary["steps"]["tests"] == {"exit_code": 1, "seconds": 42, "pytest": {"failed": 1, "passed": 1}}
     assert summary["steps"]["memcheck"] == {"exit_code": 0, "pytest": {"passed": 2}, "sanitizer_errors": 0}

@@ -1,0 +1,66 @@
+"""Compressed Hugging Face models on a GPU: a tiny random model of every supported family, compressed with FDC and
+with Palu on the CPU, then moved to the GPU, gives the CPU's logits (float32) and the CPU's greedy tokens, through
+prefill (prompts of different lengths, left padding) and cached decode steps, so the model side drives
+rope_rotate_compress, append_kv, prefill_attention and decode_attention on CUDA as it does on the CPU."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import case_generator, skip_without_cuda_kernels
+from tiny_models import FAMILIES, tiny_model
+
+skip_without_cuda_kernels("rope_rotate_compress", "append_kv", "prefill_attention", "decode_attention")
+pytest.importorskip("transformers", reason="the model side needs transformers")
+from fdc_ops import calibration, hf  # noqa: E402  (imports transformers)
+
+NEW_TOKENS = 16
+
+
+def greedy(model, ids, mask):
+    """(tokens (B, prompt + NEW_TOKENS), scores: one (B, vocab) float32 tensor per new token, on the CPU)."""
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                             pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    return out.sequences.cpu(), [s.float().cpu() for s in out.scores]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("method", ["fdc", "palu"])
+def test_hf_model_on_the_gpu_gives_the_cpu_tokens(family, method):
+    generator, rng, replay = case_generator(f"cuda hf {method}", FAMILIES.index(family))
+    seed = rng.randrange(1000)
+    model = tiny_model(family, seed=seed)
+    artifact = calibration.calibrate(model, text="random", num_tokens=128, seq_len=32, seed=seed,
+                                     sensitivity_tokens=64, progress=False)
+    hf.compress(model, artifact, removal_rate=0.5, method=method)
+    gpu_model = copy.deepcopy(model).to("cuda")
+    batch, length = 3, rng.randrange(5, 40)
+    ids = torch.randint(1, model.config.vocab_size, (batch, length), generator=generator)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    for b in range(1, batch):  # left padding of different lengths
+        pad = rng.randrange(1, length - 1)
+        ids[b, :pad], mask[b, :pad] = 0, 0
+    what = f"{family} {method} prompt length {length} {replay}"
+
+    positions = (mask.cumsum(1) - 1).clamp(min=0)  # each request's real tokens from 0, as generate() counts them
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+        actual = gpu_model(input_ids=ids.cuda(), attention_mask=mask.cuda(), position_ids=positions.cuda(),
+                           use_cache=False).logits.cpu()
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item(), msg=what)
+
+    cpu_tokens, cpu_scores = greedy(model, ids, mask)
+    gpu_tokens, gpu_scores = greedy(gpu_model, ids.cuda(), mask.cuda())
+    scale = max(s.abs().max().item() for s in cpu_scores)
+    for step, (cpu_step, gpu_step) in enumerate(zip(cpu_scores, gpu_scores)):
+        torch.testing.assert_close(gpu_step, cpu_step, rtol=1e-4, atol=1e-4 * scale, msg=f"step {step}: {what}")
+        cpu_next, gpu_next = cpu_tokens[:, length + step], gpu_tokens[:, length + step]
+        if not torch.equal(cpu_next, gpu_next):  # only a near tie may go either way; later steps then differ
+            rows = torch.nonzero(cpu_next != gpu_next).flatten()
+            gaps = (cpu_step[rows, cpu_next[rows]] - cpu_step[rows, gpu_next[rows]]).abs()
+            assert bool((gaps <= 1e-4 * scale).all()), f"step {step}: tokens {cpu_next} != {gpu_next}, {what}"
+            return
