@@ -92,13 +92,20 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 cuda_tests=(tests/test_cuda_*.py)
 shared_memory_tests=(tests/test_cuda_decode.py tests/test_cuda_prefill.py tests/test_cuda_plan.py)
 quick=(-q -p no:cacheprovider -k "not long and not among_many and not graph and not hf")
-# The tests step spreads over 4 processes where pytest-xdist is installed (the GPU machines' image has it): the float64
-# references run on the host, and the 32K-key cases are host-bound.
+# The tests step spreads over 8 processes where pytest-xdist is installed (the GPU machines' image has it): the float64
+# references run on the host, and the 32K-key cases are host-bound. Each process gets its share of the cores for
+# torch's CPU threads: 8 processes of 16 OpenMP threads each on 16 cores made the references' many small CPU ops
+# crawl (seen on the H100 machine on 2026-11-27: single tests past 20 s, the step past its limit).
 parallel=()
-"$python" -c "import xdist" 2> /dev/null && parallel=(-n 4)
+threads=$(nproc)
+if "$python" -c "import xdist" 2> /dev/null; then
+  parallel=(-n 8)
+  threads=$(( threads / 8 > 0 ? threads / 8 : 1 ))
+fi
 # shellcheck disable=SC2086
-wants tests && step tests 150 "$python" -m pytest "${cuda_tests[@]}" tests/test_bad_input.py tests/test_opcheck.py \
-  -q -rs -p no:cacheprovider --durations=10 "${parallel[@]}" ${PYTEST_ARGS:-}
+wants tests && step tests 150 env OMP_NUM_THREADS=$threads "$python" -m pytest "${cuda_tests[@]}" \
+  tests/test_bad_input.py tests/test_opcheck.py -q -rs -p no:cacheprovider --durations=10 "${parallel[@]}" \
+  ${PYTEST_ARGS:-}
 wants memcheck && under memcheck 4 && step memcheck 150 "${run_under[@]}" "$python" -m pytest "${cuda_tests[@]}" \
   "${quick[@]}"
 wants racecheck && under racecheck 2 && step racecheck 100 "${run_under[@]}" "$python" -m pytest \
