@@ -285,6 +285,9 @@ __device__ void run_pass(const DecodeArgs<T>& a, int64_t b, int j, int64_t kv_st
         }
 #pragma unroll
         for (int m = 16; m > 0; m /= 2) tile_sum += __shfl_xor_sync(0xffffffffu, tile_sum, m);
+        // Every lane read state->max[i] above; lane 0 replaces it below. A shuffle is no memory barrier, so only this
+        // orders the two (racecheck reported the read and the write as a race on an H100 without it).
+        __syncwarp();
         if (lane == 0) {
           const float factor = old_max == -INFINITY ? 0.f : __expf(old_max - new_max);
           state->factor[i] = factor;
