@@ -3,8 +3,13 @@
 # (machine start and idle included), 10 minutes per command, a bare machine at each start that keeps ignored build
 # outputs only while warm (30 s after a call). Two commands on one warm machine:
 #
-#   first  = prebuilt-or-build, tests, memcheck            limits 200 + 150 + 150 s; expected ~4 min (5 with a build)
-#   second = racecheck, synccheck, initcheck, bench        limits 100 + 60 + 100 + 120 s; expected ~4 min
+#   first  = prebuilt-or-build, tests, memcheck            limits 180 + 100 + 300 s
+#   second = racecheck, synccheck, initcheck, bench        limits 240 + 60 + 150 + 120 s
+#
+# Measured on an H100 on 2026-11-27 (bench/results/gpu-check/README.md): the prebuilt extension's check 7 s, the tests
+# 39 s (714 tests), synccheck 22 s; memcheck reached 119 tests in 150 s, initcheck 96 in 70 s, racecheck 5 in 80 s.
+# So the sanitizers are what take the time, racecheck most: it runs one random case per test and skips the G sweep
+# and the widest heads. STEPS picks any subset, to spend a session's minutes where checks are still owed.
 #
 # "tests" is every CUDA test file plus the bad-input and opcheck files (opcheck runs on CUDA inputs where a GPU is
 # visible); the sanitizers run the CUDA tests with fewer random cases (FDC_CUDA_CASES) and without the 32K-key
@@ -85,13 +90,14 @@ build() {  # the prebuilt extension if it loads with CUDA kernels, else a build 
 if wants build; then
   export python
   export -f build has_cuda_kernels
-  step build 200 bash -c build || { [ "${DRY_RUN:-0}" = 1 ] || exit 1; }
+  step build 180 bash -c build || { [ "${DRY_RUN:-0}" = 1 ] || exit 1; }
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 cuda_tests=(tests/test_cuda_*.py)
 shared_memory_tests=(tests/test_cuda_decode.py tests/test_cuda_prefill.py tests/test_cuda_plan.py)
 quick=(-q -p no:cacheprovider -k "not long and not among_many and not graph and not hf")
+fewest=(-q -p no:cacheprovider -k "not long and not among_many and not graph and not hf and not group_sizes and not widest")
 # The tests step spreads over 8 processes where pytest-xdist is installed (the GPU machines' image has it): the float64
 # references run on the host, and the 32K-key cases are host-bound. Each process gets its share of the cores for
 # torch's CPU threads: 8 processes of 16 OpenMP threads each on 16 cores made the references' many small CPU ops
@@ -103,16 +109,16 @@ if "$python" -c "import xdist" 2> /dev/null; then
   threads=$(( threads / 8 > 0 ? threads / 8 : 1 ))
 fi
 # shellcheck disable=SC2086
-wants tests && step tests 150 env OMP_NUM_THREADS=$threads "$python" -m pytest "${cuda_tests[@]}" \
+wants tests && step tests 100 env OMP_NUM_THREADS=$threads "$python" -m pytest "${cuda_tests[@]}" \
   tests/test_bad_input.py tests/test_opcheck.py -q -rs -p no:cacheprovider --durations=10 "${parallel[@]}" \
   ${PYTEST_ARGS:-}
-wants memcheck && under memcheck 4 && step memcheck 150 "${run_under[@]}" "$python" -m pytest "${cuda_tests[@]}" \
+wants memcheck && under memcheck 4 && step memcheck 300 "${run_under[@]}" "$python" -m pytest "${cuda_tests[@]}" \
   "${quick[@]}"
-wants racecheck && under racecheck 2 && step racecheck 100 "${run_under[@]}" "$python" -m pytest \
-  "${shared_memory_tests[@]}" "${quick[@]}"
+wants racecheck && under racecheck 1 && step racecheck 240 "${run_under[@]}" "$python" -m pytest \
+  "${shared_memory_tests[@]}" "${fewest[@]}"
 wants synccheck && under synccheck 2 && step synccheck 60 "${run_under[@]}" "$python" -m pytest \
   "${shared_memory_tests[@]}" "${quick[@]}"
-wants initcheck && under initcheck 2 && step initcheck 100 "${run_under[@]}" "$python" -m pytest "${cuda_tests[@]}" \
+wants initcheck && under initcheck 2 && step initcheck 150 "${run_under[@]}" "$python" -m pytest "${cuda_tests[@]}" \
   "${quick[@]}"
 wants bench && rm -f "$work"/*-quick-*.json && step bench 120 sh -c "'$python' bench/bench_decode.py --quick --out '$work' &&
   '$python' bench/bench_prefill.py --quick --out '$work'"
