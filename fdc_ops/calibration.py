@@ -22,7 +22,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from . import files
+from . import files, ops
 from .hf import families
 from .hf.families import AttentionShape
 from .hf.loading import cache_dir
@@ -464,10 +464,7 @@ class RankAllocation:
 
     def offsets(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(qk_offsets, v_offsets) of one layer: (H_kv + 1,) int32 CPU prefix sums, as the ops take them."""
-        def prefix(dims: torch.Tensor) -> torch.Tensor:
-            return torch.cat([dims.new_zeros(1), dims.cumsum(0)]).to(torch.int32)
-
-        return prefix(self.qk_dims[layer]), prefix(self.v_dims[layer])
+        return ops.prefix_sums(self.qk_dims[layer]), ops.prefix_sums(self.v_dims[layer])
 
     def kv_bytes_per_token(self, element_size: int) -> int:
         return int(self.qk_dims.sum() + self.v_dims.sum()) * element_size

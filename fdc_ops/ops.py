@@ -2,9 +2,9 @@
 
 Packed head layout (docs/design.md section 3). A layer has ``H_kv`` KV heads; KV head ``j`` has a query/key width
 ``qk_dim[j]`` and a value width ``v_dim[j]`` (positive multiples of 8, at most 256), given as int32 prefix sums
-``qk_offsets`` and ``v_offsets`` of length ``H_kv + 1`` that live on the CPU (they are static metadata of the layer).
-``group`` (G) query heads share each KV head; query head ``h`` uses KV head ``h // G``. Tensors put heads side by
-side along their last dimension:
+``qk_offsets`` and ``v_offsets`` of length ``H_kv + 1`` that live on the CPU (they are static metadata of the layer;
+:func:`prefix_sums` makes them from the widths). ``group`` (G) query heads share each KV head; query head ``h`` uses
+KV head ``h // G``. Tensors put heads side by side along their last dimension:
 
 - keys ``(T, qk_offsets[-1])`` and values ``(T, v_offsets[-1])``: KV head ``j`` at ``[offsets[j], offsets[j+1])``;
 - queries ``(T, G * qk_offsets[-1])`` and outputs ``(T, G * v_offsets[-1])``: query head ``h = j*G + i`` at
@@ -34,6 +34,7 @@ from . import _extension  # noqa: F401  (loads torch.ops.fdc, or raises an Impor
 from .plans import DEFAULT_ROW_BLOCK, PREFILL_HEADER, decode_plan_size
 
 __all__ = [
+    "prefix_sums",
     "rotate_compress",
     "rope_rotate_compress",
     "prefill_plan",
@@ -44,6 +45,25 @@ __all__ = [
     "DEFAULT_ROW_BLOCK",
     "decode_plan_size",
 ]
+
+def prefix_sums(sizes) -> torch.Tensor:
+    """``[0, s0, s0 + s1, ...]`` as int32: the ``qk_offsets`` / ``v_offsets`` the ops take, from per-KV-head widths
+    (a list of ints: a CPU tensor), and the ``cu_seqlens`` they take, from per-request counts (a 1-D integer tensor:
+    the result stays on its device).
+
+    >>> import fdc_ops
+    >>> fdc_ops.ops.prefix_sums([32, 16, 64])
+    tensor([  0,  32,  48, 112], dtype=torch.int32)
+    """
+    given = sizes
+    sizes = torch.as_tensor(sizes)
+    if not isinstance(given, torch.Tensor) and sizes.numel() == 0:
+        sizes = sizes.long()  # an empty list (no heads, no requests) comes as float32 from torch
+    if sizes.dim() != 1 or sizes.is_floating_point() or sizes.is_complex() or sizes.dtype == torch.bool:
+        raise ValueError(f"fdc_ops.ops.prefix_sums: sizes must be a 1-D sequence of integers, got {sizes.dim()}-D "
+                         f"{sizes.dtype}")
+    return torch.cat([sizes.new_zeros(1), sizes.cumsum(0)]).to(torch.int32)
+
 
 def rotate_compress(x: torch.Tensor, rot: torch.Tensor, qk_offsets: torch.Tensor, group: int) -> torch.Tensor:
     """Rotates post-RoPE queries or keys per head and keeps each head's leading ``qk_dim`` columns, packed.

@@ -67,11 +67,10 @@ class Layout:
 
 
 def offsets(sizes: list[int]) -> torch.Tensor:
-    """int32 prefix sums [0, s0, s0 + s1, ...]."""
-    out = [0]
-    for s in sizes:
-        out.append(out[-1] + s)
-    return torch.tensor(out, dtype=torch.int32)
+    """int32 prefix sums [0, s0, s0 + s1, ...] (the library's, fdc_ops.ops.prefix_sums)."""
+    from fdc_ops import ops
+
+    return ops.prefix_sums(sizes)
 
 
 def random_layout(rng: random.Random, max_kv_heads: int = 8, max_group: int = 8, max_dim: int = 256) -> Layout:

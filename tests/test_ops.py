@@ -397,3 +397,15 @@ def test_ops_compile_into_one_graph():
     torch.testing.assert_close(actual, expected)
     torch.testing.assert_close(k_cache, eager_k)
     torch.testing.assert_close(v_cache, eager_v)
+
+
+def test_prefix_sums_build_offsets_and_cu_seqlens():
+    """fdc_ops.ops.prefix_sums: widths (a list) -> CPU int32 offsets; counts (a tensor) -> int32 on their device."""
+    assert ops.prefix_sums([32, 16, 64]).tolist() == [0, 32, 48, 112]
+    assert ops.prefix_sums([32, 16, 64]).dtype == torch.int32
+    assert ops.prefix_sums([]).tolist() == [0]
+    counts = torch.tensor([3, 0, 5], dtype=torch.int64)
+    assert ops.prefix_sums(counts).tolist() == [0, 3, 3, 8] and ops.prefix_sums(counts).dtype == torch.int32
+    for bad in ([1.5, 2.0], [[1, 2]], torch.ones(2, dtype=torch.bool)):
+        with pytest.raises(ValueError, match=r"^fdc_ops\.ops\.prefix_sums: sizes must be a 1-D sequence of integers"):
+            ops.prefix_sums(bad)

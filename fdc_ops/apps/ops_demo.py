@@ -57,10 +57,6 @@ def _ranks(singular_values: torch.Tensor, removal_rate: float) -> list[int]:
     return dims
 
 
-def _offsets(dims: list[int]) -> torch.Tensor:
-    return torch.tensor([0] + torch.tensor(dims).cumsum(0).tolist(), dtype=torch.int32)
-
-
 def _timed(fn):
     start = time.perf_counter()
     out = fn()
@@ -89,9 +85,9 @@ def run(removal_rate: float = 0.1, prompt_lengths: tuple[int, ...] = (301, 77, 1
     rotation = vh.transpose(1, 2).to(dtype)  # (H_kv, D, D), columns sorted by singular value
     qk_dims = _ranks(singular_values, removal_rate)
     v_dims = list(qk_dims)  # the V path (Palu-style factors) belongs to calibration; the demo mirrors the QK ranks
-    qk_offsets, v_offsets = _offsets(qk_dims), _offsets(v_dims)
+    qk_offsets, v_offsets = ops.prefix_sums(qk_dims), ops.prefix_sums(v_dims)
     scale = HEAD_DIM ** -0.5
-    cu = _offsets(list(prompt_lengths))
+    cu = ops.prefix_sums(list(prompt_lengths))
     rows: list[Row] = []
 
     q_c, ms = _timed(lambda: ops.rotate_compress(q_full.to(dtype), rotation, qk_offsets, GROUP))

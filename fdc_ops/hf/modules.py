@@ -30,11 +30,6 @@ except ImportError:  # pragma: no cover - transformers is a dependency of the mo
 INITIAL_CAPACITY = 64  # tokens per request allocated on first use; capacity doubles from there (amortised O(1) appends)
 
 
-def _prefix(counts: torch.Tensor) -> torch.Tensor:
-    """(n,) counts -> (n + 1,) int32 prefix sums, on the counts' device."""
-    return torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
-
-
 class CallRows:
     """Where one decoder call's real tokens are, shared by all its layers. ``valid``: (B, S) bool, or None when every
     token is real (no padding: rows are then plain reshapes, no boolean gathers); ``counts``: (B,) int32 real tokens
@@ -42,7 +37,7 @@ class CallRows:
 
     def __init__(self, valid: torch.Tensor | None, counts: torch.Tensor, host_counts: list[int]):
         self.valid, self.counts, self.host_counts = valid, counts, host_counts
-        self.cu = _prefix(counts)
+        self.cu = ops.prefix_sums(counts)
         self._rope: tuple | None = None  # (cos, sin, dtype, (cos rows, sin rows)) of the call seen last
 
     def rope_rows(self, position_embeddings, batch: int, length: int, dtype: torch.dtype):
@@ -310,7 +305,7 @@ def _attend(module, q_rows, k_rows, v_rows, rows: CallRows, new_positions, cache
         k_cache, v_cache = layer.k_cache, layer.v_cache
     if new_positions == 1 and all(count == 1 for count in rows.host_counts):
         return ops.decode_attention(q_rows, k_cache, v_cache, layer.lengths, k_offsets, module.v_offsets, G, scale)
-    cu_k = _prefix(layer.lengths)
+    cu_k = ops.prefix_sums(layer.lengths)
     if keys_from_cache is None and was_empty:  # a prompt into an empty cache: its keys are the call's own rows
         k_rows_all, v_rows_all = k_rows, v_rows
     elif len(layer.host_lengths) == 1:  # one request: its cached rows are a view, no copy

@@ -187,7 +187,7 @@ class FDCAttentionMetadataBuilder(AttentionMetadataBuilder[FDCAttentionMetadata]
         int32: the prefill requests' rows of the step's metadata."""
         num_reqs = seq_lens.shape[0]
         has_context = bool((context_lens > 0).any())
-        cu_seqlens_k = torch.cat([seq_lens.new_zeros(1), seq_lens.cumsum(0)]).to(torch.int32)
+        cu_seqlens_k = ops.prefix_sums(seq_lens)
         gather_pages = gather_slots = None
         if has_context:
             # Token t of request b lives at page block_table[b, t // block_size], position t % block_size.

@@ -39,7 +39,7 @@ from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionType
 
-from .. import calibration, hf, parallel
+from .. import calibration, hf, ops, parallel
 from ..calibration import FDCArtifact, RankAllocation
 from ..hf import families
 from .layer import FDCPagedAttention
@@ -151,8 +151,7 @@ class FDCAttention(nn.Module):
                              f"the FDC partition {self.kv_heads.numel()}")
         self.v_dims = fdc.allocation.v_dims[layer, self.kv_heads]  # (H_kv local,)
         qk_dims = fdc.allocation.qk_dims[layer, self.kv_heads]  # (H_kv local,)
-        qk_offsets, v_offsets = (torch.cat([dims.new_zeros(1), dims.cumsum(0)]).to(torch.int32)
-                                 for dims in (qk_dims, self.v_dims))
+        qk_offsets, v_offsets = ops.prefix_sums(qk_dims), ops.prefix_sums(self.v_dims)
         # (H_kv local, D, max qk dim)
         rotation = fdc.artifact.qk_rotation[layer, self.kv_heads, :, :int(qk_dims.max())]
         rotation = rotation.to(torch.get_default_dtype())

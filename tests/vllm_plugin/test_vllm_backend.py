@@ -3,7 +3,6 @@ prefills (prefill_attention), and one layer's step over such a batch against the
 
 from __future__ import annotations
 
-import itertools
 from types import SimpleNamespace
 
 import pytest
@@ -29,7 +28,9 @@ BATCHES = {
 
 
 def offsets(dims: tuple[int, ...]) -> torch.Tensor:
-    return torch.tensor([0, *itertools.accumulate(dims)], dtype=torch.int32)
+    from fdc_ops import ops
+
+    return ops.prefix_sums(list(dims))
 
 
 def common_metadata(query_lens: list[int], seq_lens: list[int], block_table: torch.Tensor):
