@@ -184,10 +184,6 @@ def head_buckets(qk_dims: list[int], v_dims: list[int]) -> list[tuple[int, int, 
     return [(n, dq, dv) for (dq, dv), n in buckets.items()]
 
 
-def prefix(dims: list[int]) -> torch.Tensor:
-    """int32 CPU prefix sums [0, d0, d0 + d1, ...]."""
-    return torch.tensor(np.concatenate([[0], np.cumsum(dims)]).tolist(), dtype=torch.int32)
-
 
 def num_workers_for(device: torch.device) -> int:
     """The backend's default worker count: SMs on a GPU, intra-op threads on the CPU."""
@@ -406,11 +402,12 @@ def write_json(report: dict, folder: str, name: str, benchmark: str, quick: bool
 # ---------------------------------------------------------------------------------------------------- command line
 
 
-def bench_parser(description: str, repeats_help: str, budget: bool = False) -> argparse.ArgumentParser:
-    """The options of an attention benchmark; with `budget`, --budget for a Timer whose timed calls adapt."""
+def bench_parser(description: str, repeats_help: str, topic: str, budget: bool = False) -> argparse.ArgumentParser:
+    """The options of an attention benchmark, whose JSON goes to bench/results/<topic>/ by default; with `budget`,
+    --budget for a Timer whose timed calls adapt."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, seconds; runs on the CPU too")
-    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="folder for the JSON")
+    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", topic), help="folder for the JSON")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=None, help=repeats_help)
     if budget:

@@ -39,8 +39,8 @@ Scheduler cost: decode_plan alone against the eager decode step (plan + attentio
 
 Timing: warm-up, then the median of per-call timings (CUDA events on a GPU, with a 256 MiB buffer written between
 calls so no call finds the previous one's K/V in L2; perf_counter on the CPU). Prints tables and writes JSON to
-bench/results/ (or --out) with the device, torch version, commit and every row. --quick runs tiny shapes and works on
-the CPU. Needs only torch, numpy and the standard library besides fdc_ops.
+bench/results/gpu/ (or --out) with the device, torch version, commit and every row. --quick runs tiny shapes and works
+on the CPU. Needs only torch, numpy and the standard library besides fdc_ops.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from bench_common import (GROUP, HEAD_DIM, NUM_KV_HEADS, SCALE, SdpaSweep, Timer, ablation_dims, adaptive_dims,
                           bench_parser, cell, copy_bandwidth, detail, device_line, dtype_name, faster_than, finite,
                           first_line, has_enable_gqa, head_buckets, layout_line, layout_record, median,
-                          num_workers_for, p99, phase_targets, prefix, print_header, provenance, randn, release,
+                          num_workers_for, p99, phase_targets, print_header, provenance, randn, release,
                           sdpa_backends, setup, target, verdict, write_json)
 from fdc_ops import ops
 from fdc_ops.apps.provenance import device_name, git_commit
@@ -152,7 +152,7 @@ def sdpa_dense(groups, dims: list[tuple[int, int, int]], dtype, device):
 def palu_inputs(groups, qk_dims: list[int], v_dims: list[int], dtype, device):
     """Palu-style decode: per length group, the pre-RoPE key latent (b, S, sum r), per-head up-projections
     B_j (r_j, D), values at the largest v width, RoPE tables, and a (H_kv, b, S, D) buffer for rebuilt keys."""
-    offsets = prefix(qk_dims).tolist()
+    offsets = ops.prefix_sums(qk_dims).tolist()
     bases = [randn((r, HEAD_DIM), dtype, device) / math.sqrt(r) for r in qk_dims]
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, HEAD_DIM, 2, device=device, dtype=torch.float32) / HEAD_DIM))
     groups_data = []
@@ -187,7 +187,7 @@ class FdcInputs:
     """q, caches (contiguous or paged, shuffled pages), cache_seqlens of one case on the device."""
 
     def __init__(self, lengths: list[int], qk_dims, v_dims, dtype, device, cache: str, seed: int = 0):
-        self.qk_offsets, self.v_offsets = prefix(qk_dims), prefix(v_dims)
+        self.qk_offsets, self.v_offsets = ops.prefix_sums(qk_dims), ops.prefix_sums(v_dims)
         wq, wv, batch = sum(qk_dims), sum(v_dims), len(lengths)
         self.seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
         self.q = randn((batch, GROUP * wq), dtype, device)
@@ -446,7 +446,7 @@ def print_tables(rows: list[Row], targets: list[dict], ablation: list[dict], sch
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = bench_parser(__doc__, repeats_help="timed calls per measurement (median)").parse_args(argv)
+    args = bench_parser(__doc__, repeats_help="timed calls per measurement (median)", topic="gpu").parse_args(argv)
     device, repeats = setup(args)
     timer = Timer(device, repeats, warmup=1 if args.quick else 5)
     copy_gbps = copy_bandwidth(device, 64 if args.quick else 1024, timer)

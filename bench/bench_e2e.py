@@ -18,7 +18,7 @@ prompt (8K by default), TBT <= 0.75 x uncompressed.
 JSON. Timing: every model is loaded at once; for each prompt they prefill in turn (TTFT above; the last round's
 caches are decoded from), then their decode steps interleave, after one untimed warm-up generation of a short prompt
 each.
-Prints a table; writes JSON and a plot (PNG, same name) to bench/results/ (or --out) with device, torch version and
+Prints a table; writes JSON and a plot (PNG, same name) to bench/results/e2e/ (or --out) with device, torch version and
 commit. Run long grids in parts (--prompts), each under the machine's time limits.
 """
 
@@ -151,7 +151,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 
 def main() -> None:
-    parser = bench_parser(__doc__, "unused: every configuration is timed once, its decode steps one by one")
+    parser = bench_parser(__doc__, "unused: every configuration is timed once, its decode steps one by one",
+                          topic="e2e")
     parser.add_argument("--prompts", type=ints, default=[512, 2048, 8192], help="prompt lengths, comma-separated")
     parser.add_argument("--batches", type=ints, default=[1, 4], help="batch sizes, comma-separated")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per request")

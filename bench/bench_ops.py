@@ -24,7 +24,7 @@ row says PASS or MISS for each.
 Timing: bench_common.Timer: warm-up, then the median of repeated calls (perf_counter on the CPU; CUDA events with L2
 flushed between calls on a GPU); a prefill shape's four methods are called in turn, round by round
 (Timer.interleaved), so that a slow spell of the machine weighs on all of them alike. Prints a table and writes JSON
-to bench/results/ (or --out) with the device, torch version, threads and git commit. --quick runs a small smoke
+to bench/results/ops/ (or --out) with the device, torch version, threads and git commit. --quick runs a small smoke
 configuration (seconds).
 """
 
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 # bench_common first: it puts the repository root on sys.path for fdc_ops.
 from bench_common import (GROUP, HEAD_DIM, NUM_KV_HEADS, SCALE, Timer, adaptive_dims, bench_parser, copy_bandwidth,
-                          device_line, dtype_name, layout_line, layout_record, median, phase_targets, prefix,
+                          device_line, dtype_name, layout_line, layout_record, median, phase_targets,
                           provenance, setup, useful_flops, verdict, width_ratio, write_json)
 from fdc_ops import ops
 from fdc_ops.apps.provenance import device_name, git_commit
@@ -70,7 +70,7 @@ class Row:
 
 def bench_decode(batch: int, context: int, qk_dims: list[int], v_dims: list[int], dtype: torch.dtype,
                  device: torch.device, copy_mb: int, timer: Timer) -> list[Row]:
-    qk_offsets, v_offsets = prefix(qk_dims), prefix(v_dims)
+    qk_offsets, v_offsets = ops.prefix_sums(qk_dims), ops.prefix_sums(v_dims)
     width, full_width = sum(qk_dims) + sum(v_dims), 2 * NUM_KV_HEADS * HEAD_DIM
     heads = NUM_KV_HEADS * GROUP
     share = width_ratio(qk_dims, v_dims)
@@ -159,7 +159,7 @@ def bench_decode(batch: int, context: int, qk_dims: list[int], v_dims: list[int]
 
 def bench_prefill(lengths: list[int], causal: bool, qk_dims: list[int], v_dims: list[int], dtype: torch.dtype,
                   device: torch.device, timer: Timer) -> list[Row]:
-    qk_offsets, v_offsets = prefix(qk_dims), prefix(v_dims)
+    qk_offsets, v_offsets = ops.prefix_sums(qk_dims), ops.prefix_sums(v_dims)
     config = f"seqs={lengths} causal={causal}"
     useful_full = useful_flops(lengths, causal, [HEAD_DIM] * NUM_KV_HEADS, [HEAD_DIM] * NUM_KV_HEADS)
     useful = useful_flops(lengths, causal, qk_dims, v_dims)
@@ -177,7 +177,7 @@ def bench_prefill(lengths: list[int], causal: bool, qk_dims: list[int], v_dims: 
     buckets = width_buckets(qk_dims, v_dims)
     bucket_calls = [sdpa_per_sequence(w, n) for n, w in buckets]
     total = sum(lengths)
-    cu = prefix(lengths).to(device)
+    cu = ops.prefix_sums(lengths).to(device)
     q = torch.randn(total, GROUP * sum(qk_dims), dtype=dtype, device=device)
     k = torch.randn(total, sum(qk_dims), dtype=dtype, device=device)
     v = torch.randn(total, sum(v_dims), dtype=dtype, device=device)
@@ -217,7 +217,7 @@ def print_table(rows: list[Row]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = bench_parser(__doc__, repeats_help="timed calls per measurement (median)")
+    parser = bench_parser(__doc__, repeats_help="timed calls per measurement (median)", topic="ops")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32", "all"], default="all")
     parser.add_argument("--phase", choices=["decode", "prefill", "all"], default="all",
                         help="time only decode or only prefill (a full CPU run takes minutes)")

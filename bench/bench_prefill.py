@@ -45,8 +45,8 @@ time with that plan.
 Timing: warm-up, then the median of per-call timings (CUDA events on a GPU, with a 256 MiB buffer written before each
 call so no call finds the previous one's data in L2; perf_counter on the CPU); the number of timed calls adapts to
 the call's length (about --budget seconds per measurement, between 3 and --repeats). Prints tables and writes JSON to
-bench/results/ (or --out) with the device, torch version, commit and every row. --quick runs tiny shapes and works on
-the CPU. Needs only torch, numpy and the standard library besides fdc_ops.
+bench/results/gpu/ (or --out) with the device, torch version, commit and every row. --quick runs tiny shapes and works
+on the CPU. Needs only torch, numpy and the standard library besides fdc_ops.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ import torch.nn.functional as F
 from bench_common import (GROUP, HEAD_DIM, NUM_KV_HEADS, SCALE, SDPA_REFUSALS, SdpaSweep, Timer, ablation_dims,
                           adaptive_dims, bench_parser, cell, detail, device_line, dtype_name, faster_than, finite,
                           first_line, has_enable_gqa, head_buckets, layout_line, layout_record, median, num_workers_for,
-                          phase_targets, prefix, print_header, provenance, randn, release, sdpa_backends, setup,
+                          phase_targets, print_header, provenance, randn, release, sdpa_backends, setup,
                           target, useful_flops, write_json)
 from fdc_ops import ops
 from fdc_ops.apps.provenance import device_name, git_commit
@@ -209,10 +209,10 @@ class FdcInputs:
     """Packed q, k, v and int32 cu_seqlens of one case on the device."""
 
     def __init__(self, lengths: list[int], causal: bool, qk_dims, v_dims, dtype, device):
-        self.qk_offsets, self.v_offsets = prefix(qk_dims), prefix(v_dims)
+        self.qk_offsets, self.v_offsets = ops.prefix_sums(qk_dims), ops.prefix_sums(v_dims)
         self.qk_dims, self.v_dims, self.causal, self.lengths = qk_dims, v_dims, causal, lengths
         tokens = sum(lengths)
-        self.cu = prefix(lengths).to(device)
+        self.cu = ops.prefix_sums(lengths).to(device)
         self.q = randn((tokens, GROUP * sum(qk_dims)), dtype, device)
         self.k = randn((tokens, sum(qk_dims)), dtype, device)
         self.v = randn((tokens, sum(v_dims)), dtype, device)
@@ -488,7 +488,8 @@ def print_tables(rows: list[Row], targets: list[dict], ablation: list[dict], pla
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = bench_parser(__doc__, repeats_help="most timed calls per measurement (median)", budget=True).parse_args(argv)
+    args = bench_parser(__doc__, repeats_help="most timed calls per measurement (median)", topic="gpu",
+                        budget=True).parse_args(argv)
     device, repeats = setup(args)
     budget = args.budget if args.budget is not None else (0.05 if args.quick else 0.5)
     timer = Timer(device, repeats, warmup=1 if args.quick else 3, budget=budget)

@@ -72,7 +72,7 @@ def parse_args():
     parser.add_argument("--lock", default=None,
                         help="a file to hold an exclusive flock on while each server runs (on a shared machine: "
                              "other jobs that take the lock wait, and no hold spans more than one server)")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "serving"))
     args = parser.parse_args()
     if args.quick:
         args.rates, args.requests, args.output_tokens, args.eager = [0.5, 2.0], 8, 32, True

@@ -12,7 +12,7 @@ keep arriving.
 
 Runs in .venv-vllm: ``PYTHONSAFEPATH=1 .venv-vllm/bin/python bench/bench_vllm_step.py``. The engine core runs in this
 process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and eager (no torch.compile warm-up, and Python's share of a step shows).
-The JSON report goes to bench/results (``--out``).
+The JSON report goes to bench/results/vllm (``--out``).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def parse_args():
     parser.add_argument("--lock", default=None,
                         help="a file to hold a shared flock on while the engines start and an exclusive one while "
                              "they are timed (on a shared machine: other jobs that take the lock wait)")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results"), help="folder of the JSON report")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "vllm"), help="folder of the JSON report")
     return parser.parse_args()
 
 

@@ -38,7 +38,7 @@ def parse_args():
     parser.add_argument("--max-model-len", type=int, default=512,
                         help="a multiple of the block size, so that vLLM's logged capacity is its pool")
     parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "vllm"))
     return parser.parse_args()
 
 

@@ -1,5 +1,6 @@
 """bench/bench_serving.py's helpers that need no vLLM: the servers' max_model_len in whole blocks, and the per-server
-exclusive lock. (The benchmark itself runs vLLM servers for minutes; its figures are in README, Serving with vLLM.)"""
+exclusive lock. (The benchmark itself runs vLLM servers for minutes; its figures are in
+bench/results/serving/README.md.)"""
 
 import fcntl
 import importlib.util
