@@ -46,6 +46,7 @@ __all__ = [
     "decode_plan_size",
 ]
 
+
 def prefix_sums(sizes) -> torch.Tensor:
     """``[0, s0, s0 + s1, ...]`` as int32: the ``qk_offsets`` / ``v_offsets`` the ops take, from per-KV-head widths
     (a list of ints: a CPU tensor), and the ``cu_seqlens`` they take, from per-request counts (a 1-D integer tensor:

@@ -96,8 +96,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 cuda_tests=(tests/test_cuda_*.py)
 shared_memory_tests=(tests/test_cuda_decode.py tests/test_cuda_prefill.py tests/test_cuda_plan.py)
-quick=(-q -p no:cacheprovider -k "not long and not among_many and not graph and not hf")
-fewest=(-q -p no:cacheprovider -k "not long and not among_many and not graph and not hf and not group_sizes and not widest")
+selection="not long and not among_many and not graph and not hf"
+quick=(-q -p no:cacheprovider -k "$selection")
+fewest=(-q -p no:cacheprovider -k "$selection and not group_sizes and not widest")
 # The tests step spreads over 8 processes where pytest-xdist is installed (the GPU machines' image has it): the float64
 # references run on the host, and the 32K-key cases are host-bound. Each process gets its share of the cores for
 # torch's CPU threads: 8 processes of 16 OpenMP threads each on 16 cores made the references' many small CPU ops
@@ -120,8 +121,8 @@ wants synccheck && under synccheck 2 && step synccheck 60 "${run_under[@]}" "$py
   "${shared_memory_tests[@]}" "${quick[@]}"
 wants initcheck && under initcheck 2 && step initcheck 150 "${run_under[@]}" "$python" -m pytest "${cuda_tests[@]}" \
   "${quick[@]}"
-wants bench && rm -f "$work"/*-quick-*.json && step bench 120 sh -c "'$python' bench/bench_decode.py --quick --out '$work' &&
-  '$python' bench/bench_prefill.py --quick --out '$work'"
+wants bench && rm -f "$work"/*-quick-*.json && step bench 120 sh -c \
+  "'$python' bench/bench_decode.py --quick --out '$work' && '$python' bench/bench_prefill.py --quick --out '$work'"
 
 "$python" scripts/gpu_summary.py "$work" > /dev/null || status=1
 if [ -n "${COPY_TO:-}" ]; then  # at most 5 files: the device tool brings back 8

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -56,8 +55,7 @@ def save_compressed(model, directory: str | os.PathLike, tokenizer=None) -> Path
             layer.self_attn = module
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
-    fdc = directory / FDC_DIRECTORY
-    shutil.rmtree(fdc, ignore_errors=True)
+    fdc = directory / FDC_DIRECTORY  # an earlier save's is replaced file by file, each whole (FDCArtifact.save)
     state["artifact"].save(fdc / ARTIFACT_DIRECTORY)
     allocation = state["allocation"]
     description = {"format": FORMAT, "format_version": FORMAT_VERSION, "method": state["method"],

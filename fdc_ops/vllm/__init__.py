@@ -103,7 +103,7 @@ def hf_overrides(model: str | os.PathLike, artifact: str | os.PathLike | None = 
     if artifact is None:
         from ..hf import saving
 
-        saved, method, allocation = saving.saved_compression(model)  # ArtifactError unless save_compressed wrote it
+        _, method, allocation = saving.saved_compression(model)  # ArtifactError unless save_compressed wrote it
         if method != "fdc":
             raise ValueError(f"{who}: {model} holds a model compressed with method {method!r}; the plugin serves "
                              "'fdc'")
