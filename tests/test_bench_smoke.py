@@ -106,6 +106,18 @@ def test_bench_e2e_quick(tmp_path):
     assert len(list(tmp_path.glob("*.png"))) == 1
 
 
+def test_bench_compile_quick(tmp_path):
+    """bench/bench_compile.py --quick times the bundled SmolLM2's decode step eager and compiled (inductor), and each
+    compiled model's steps run on one graph."""
+    stdout, report = run_quick("bench_compile.py", tmp_path)
+    assert {"device", "torch", "commit", "threads", "dtype", "rows", "targets"} <= report.keys()
+    assert [(row["model"][:3], row["mode"]) for row in report["rows"]] == [
+        (model, mode) for model in ("unc", "fdc") for mode in ("eager, dynamic cache", "eager, static cache",
+                                                                "compiled, static cache")]
+    assert all(row["tbt_ms"] > 0 and row["steps"] == 4 for row in report["rows"])
+    assert [t["verdict"] for t in report["targets"]] == ["PASS", "PASS"], stdout
+
+
 def test_bench_fingerprint_quick(tmp_path):
     stdout, report = run_quick("bench_fingerprint.py", tmp_path)
     assert "check (in bfloat16)" in stdout and "target:" in stdout

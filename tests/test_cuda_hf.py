@@ -64,3 +64,28 @@ def test_hf_model_on_the_gpu_gives_the_cpu_tokens(family, method):
             gaps = (cpu_step[rows, cpu_next[rows]] - cpu_step[rows, gpu_next[rows]]).abs()
             assert bool((gaps <= 1e-4 * scale).all()), f"step {step}: tokens {cpu_next} != {gpu_next}, {what}"
             return
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_static_cache_on_the_gpu_gives_the_cpu_tokens(compiled):
+    """generate(cache_implementation="static") on the GPU, eager and compiled by generate() itself (its default
+    mode, CUDA graphs over the static buffers), gives the CPU's tokens for a left-padded batch."""
+    import transformers
+
+    generator, rng, replay = case_generator("cuda hf static", int(compiled))
+    seed = rng.randrange(1000)
+    model = tiny_model("llama", seed=seed)
+    artifact = calibration.calibrate(model, text="random", num_tokens=128, seq_len=32, seed=seed,
+                                     sensitivity_tokens=64, progress=False)
+    hf.compress(model, artifact, removal_rate=0.5)
+    gpu_model = copy.deepcopy(model).to("cuda")
+    ids = torch.randint(1, model.config.vocab_size, (3, 17), generator=generator)
+    mask = torch.ones_like(ids)
+    ids[1, :6], mask[1, :6] = 0, 0
+    settings = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, cache_implementation="static")
+    compile_config = {"compile_config": transformers.CompileConfig(fullgraph=True)} if compiled else {}
+    with torch.no_grad():
+        expected = model.generate(input_ids=ids, attention_mask=mask, **settings)
+        actual = gpu_model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), **settings,
+                                    **compile_config).cpu()
+    assert torch.equal(actual, expected), replay

@@ -323,3 +323,100 @@ def test_a_deep_copy_of_a_compressed_model_computes_what_the_model_computes(meth
     actual = twin(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits.detach()
     torch.testing.assert_close(actual, expected, rtol=0, atol=0, msg=replay)
     assert torch.equal(generate(twin, ids, mask), generate(model, ids, mask)), replay
+
+
+def left_padded(generator, vocab: int, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, max length) ids and 0/1 mask of random prompts of the given lengths, left-padded with 0."""
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, width - length:] = torch.randint(1, vocab, (length,), generator=generator)
+        mask[row, width - length:] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_static_cache_generates_the_dynamic_caches_tokens(family):
+    """generate(cache_implementation="static"): the compressed layers take over the StaticCache's layers, and a
+    left-padded batch (the 4-D masks generate() builds for a static cache, bool for sdpa and additive for eager),
+    beam search and a chunked prompt give what the dynamic cache gives."""
+    generator, rng, replay = case_generator("static_cache", FAMILIES.index(family))
+    model, artifact = calibrated(family, rng.randrange(1000))
+    hf.compress(model, artifact, compression=rng.choice([0.2, 0.4]))
+    ids, mask = left_padded(generator, model.config.vocab_size, [rng.randrange(2, 14) for _ in range(3)])
+    for implementation in ("sdpa", "eager"):
+        model.config._attn_implementation = implementation
+        expected = generate(model, ids, mask)
+        assert torch.equal(generate(model, ids, mask, cache_implementation="static"), expected), replay
+    beams = generate(model, ids[:1], num_beams=3, max_new_tokens=5)
+    assert torch.equal(generate(model, ids[:1], num_beams=3, max_new_tokens=5, cache_implementation="static"),
+                       beams), replay
+    keyword = hf.cache_keyword(model)
+    static = transformers.StaticCache(config=model.config, max_cache_len=ids.shape[1] + 4)
+    dynamic = transformers.DynamicCache()
+    split = rng.randrange(1, ids.shape[1])
+    with torch.no_grad():
+        for chunk in (slice(0, split), slice(split, None)):
+            expected = model(input_ids=ids[:, chunk], attention_mask=mask[:, : chunk.stop], **{keyword: dynamic})
+            actual = model(input_ids=ids[:, chunk], attention_mask=mask[:, : chunk.stop], **{keyword: static})
+            torch.testing.assert_close(actual.logits, expected.logits, rtol=1e-5, atol=1e-5, msg=replay)
+    assert static.layers[0].nbytes() == dynamic.layers[0].nbytes(), replay
+
+
+def test_a_compiled_decode_step_is_one_graph_reused_by_every_step_and_every_sequence():
+    """torch.compile(fullgraph=True) of the compressed model's forward over a static cache: no graph break (fullgraph
+    raises on one), one graph for the decode step, reused by every later step and by a new cache of the same shape
+    (no recompile), with the eager model's logits; and the same through generate()'s own compilation (which passes
+    4-D masks of the cache's fixed length)."""
+    from torch._dynamo.testing import CompileCounter
+
+    generator, rng, replay = case_generator("compiled_step", 0)
+    model, artifact = calibrated("llama", rng.randrange(1000))
+    hf.compress(model, artifact, compression=0.4)
+    keyword = hf.cache_keyword(model)
+    counter = CompileCounter()
+    step = torch.compile(model.forward, backend=counter, fullgraph=True)
+    ids, mask = left_padded(generator, model.config.vocab_size, [9, 5])
+    torch._dynamo.reset()
+    with torch.no_grad():
+        for _ in range(2):  # a second sequence in a new cache reuses the graph
+            static = transformers.StaticCache(config=model.config, max_cache_len=24)
+            dynamic = transformers.DynamicCache()
+            logits = model(input_ids=ids, attention_mask=mask, **{keyword: static}).logits[:, -1]  # eager prompt
+            model(input_ids=ids, attention_mask=mask, **{keyword: dynamic})
+            step_mask = mask
+            for _ in range(8):
+                token = logits.argmax(-1, keepdim=True)
+                step_mask = torch.cat([step_mask, torch.ones_like(token)], 1)
+                torch._dynamo.mark_dynamic(step_mask, 1)  # the 2-D mask grows by a column a step: say so
+                logits = step(input_ids=token, attention_mask=step_mask, **{keyword: static}).logits[:, -1]
+                expected = model(input_ids=token, attention_mask=step_mask, **{keyword: dynamic}).logits[:, -1]
+                torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5, msg=replay)
+    assert counter.frame_count == 1, f"{counter.frame_count} graphs compiled for one step shape"
+    expected = generate(model, ids, mask)
+    config = transformers.CompileConfig(fullgraph=True, backend="eager")
+    config._compile_all_devices = True  # generate() compiles on accelerators only unless told
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert torch.equal(generate(model, ids, mask, cache_implementation="static", compile_config=config), expected)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before + 1, "generate() compiled no graph"
+
+
+def test_a_static_cache_refuses_what_it_cannot_hold():
+    generator, rng, replay = case_generator("static_refusals", 0)
+    model, artifact = calibrated("mistral", rng.randrange(1000))
+    ids = torch.randint(1, model.config.vocab_size, (2, 6), generator=generator)
+    hf.compress(model, artifact, compression=0.3)
+    keyword = hf.cache_keyword(model)
+    static = transformers.StaticCache(config=model.config, max_cache_len=7)
+    with torch.no_grad():
+        model(input_ids=ids, **{keyword: static})
+        model(input_ids=ids[:, :1], **{keyword: static})
+        lengths = static.layers[0].lengths.clone()
+        with pytest.raises(RuntimeError, match=r"fdc::append_kv: .* past the cache capacity 7; nothing was written"):
+            model(input_ids=ids[:, :1], **{keyword: static})
+    assert torch.equal(static.layers[0].lengths, lengths), "a refused step must leave the cache as it was"
+    hf.restore(model)
+    hf.compress(model, artifact, compression=0.3, method="palu")
+    with pytest.raises(NotImplementedError, match="Palu baseline runs with a dynamic cache only"):
+        generate(model, ids, cache_implementation="static")

@@ -23,9 +23,9 @@ from .. import ops
 from .compat import cache_argument
 
 try:  # the layer class of transformers' DynamicCache; subclassing it keeps every Cache method generate() calls working
-    from transformers.cache_utils import DynamicLayer
+    from transformers.cache_utils import DynamicLayer, StaticLayer
 except ImportError:  # pragma: no cover - transformers is a dependency of the model side
-    DynamicLayer = object
+    DynamicLayer = StaticLayer = object
 
 INITIAL_CAPACITY = 64  # tokens per request allocated on first use; capacity doubles from there (amortised O(1) appends)
 
@@ -79,6 +79,27 @@ class PaddingState:
             raise NotImplementedError("fdc_ops.hf.modules: compressed attention takes a 2-D attention_mask "
                                       f"(batch, length) of 0/1, got shape {tuple(self.mask.shape)}")
         return self.mask[:, -new_tokens:].to(device=device, dtype=torch.bool)
+
+    def static_valid(self, batch: int, new_tokens: int, past: torch.Tensor) -> torch.Tensor | None:
+        """(B, new_tokens) bool, which of the call's new tokens are real, or None when all are; for a static cache,
+        read without any host synchronisation. past: () int64, positions before the call. Besides the 2-D mask,
+        takes the 4-D one that generate() builds for a static cache ((B, 1 or heads, new_tokens, max_cache_len),
+        bool or additive float; per layer type in a dict for some families): a token is real where it may attend
+        to itself."""
+        mask = self.mask
+        if isinstance(mask, dict):  # one mask per layer type (Qwen2 and others): these layers are full attention
+            mask = mask.get("full_attention")
+        if mask is None:
+            return None
+        if not isinstance(mask, torch.Tensor) or mask.dim() not in (2, 4):
+            raise NotImplementedError("fdc_ops.hf.modules: with a static cache, compressed attention takes a 2-D "
+                                      "(batch, length) or 4-D (batch, heads, new tokens, cache length) attention "
+                                      f"mask, got {type(mask).__name__} {tuple(getattr(mask, 'shape', ()))}")
+        if mask.dim() == 2:
+            return mask[:, -new_tokens:].to(device=past.device, dtype=torch.bool)
+        queries = torch.arange(new_tokens, device=mask.device)
+        own = mask[:, 0, queries, past.to(mask.device) + queries]  # (B, new_tokens): each query's own key
+        return (own if own.dtype == torch.bool else own == 0).to(past.device)
 
     def rows(self, batch: int, new_tokens: int, device: torch.device) -> CallRows:
         """The call's CallRows, computed by its first layer (one host read of the mask per call, not per layer) and
@@ -160,7 +181,11 @@ class CompressedKVLayer(DynamicLayer):
         if allocated:
             return self.k_cache.nbytes + self.v_cache.nbytes
         width = int(self.k_offsets[-1] + self.v_offsets[-1])
-        return sum(self.host_lengths) * width * self.k_cache.element_size()
+        return self.cached_tokens() * width * self.k_cache.element_size()
+
+    def cached_tokens(self) -> int:
+        """Real tokens cached, over all requests."""
+        return sum(self.host_lengths)
 
     def get_seq_length(self, *args) -> int:
         return self.positions
@@ -198,9 +223,93 @@ class CompressedKVLayer(DynamicLayer):
                                   "supported")
 
 
+class StaticCompressedKVLayer(CompressedKVLayer):
+    """A compressed layer of fixed capacity, standing in for an empty ``StaticLayer`` of transformers' ``StaticCache``
+    (``generate(..., cache_implementation="static")``, or a StaticCache passed in). Its buffers are allocated once,
+    ``max_cache_len`` rows per request, and only written in place; the real-token counts (``lengths``) and the
+    positions seen (``cumulative_length``, padding included) are device tensors updated in place. So a decode step
+    reads nothing back to the host and changes no Python state, and ``torch.compile`` captures the whole step as one
+    graph that every later step reuses (docs/design.md section 5, "Compiling")."""
+
+    is_compileable = True
+
+    def __init__(self, k_offsets: torch.Tensor, v_offsets: torch.Tensor, max_cache_len: int):
+        super().__init__(k_offsets, v_offsets)
+        self.max_cache_len = max_cache_len
+        self.cumulative_length: torch.Tensor | None = None  # () int64: positions seen, padding included
+        # Whether a call has written rows since allocation or reset: a host flag that changes at the first call
+        # only, so the prompt's graph and the decode step's graph are each compiled once.
+        self.filled = False
+
+    def allocate(self, batch: int, dtype: torch.dtype, device: torch.device) -> None:
+        self._allocate(batch, self.max_cache_len, dtype, device)
+        self.lengths = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.cumulative_length = torch.zeros((), dtype=torch.int64, device=device)
+        if not torch.compiler.is_compiling():  # fixed addresses: compiled graphs (and CUDA graphs) may keep them
+            for buffer in (self.k_cache, self.v_cache, self.lengths, self.cumulative_length):
+                torch._dynamo.mark_static_address(buffer)
+
+    def append_rows(self, k_rows: torch.Tensor, v_rows: torch.Tensor, cu_seqlens: torch.Tensor,
+                    counts: torch.Tensor, new_positions: int) -> None:
+        """Writes each request's new rows after its cached ones. k_rows: (T, k_width), v_rows: (T, v_width), with
+        request b's real rows at ``cu_seqlens[b]:cu_seqlens[b+1]`` ((B + 1,) int32) and any rows after the last
+        ignored; counts: (B,) int32 real rows per request; new_positions: the call's sequence length."""
+        batch = counts.shape[0]
+        if self.k_cache is None:
+            self.allocate(batch, k_rows.dtype, k_rows.device)
+        elif batch != self.k_cache.shape[0]:
+            raise ValueError(f"fdc_ops.hf.modules: the static cache holds {self.k_cache.shape[0]} requests, the call "
+                             f"has {batch}")
+        if k_rows.device.type != "cpu":  # the CPU op checks the capacity itself (and writes nothing past it)
+            torch._assert_async((self.lengths + counts <= self.max_cache_len).all(),
+                                f"fdc_ops.hf.modules: a request outgrows the static cache's {self.max_cache_len} rows")
+        ops.append_kv(self.k_cache, self.v_cache, k_rows, v_rows, cu_seqlens, self.lengths, self.k_offsets,
+                      self.v_offsets)
+        self.lengths.add_(counts)
+        self.cumulative_length.add_(new_positions)
+        self.filled = True
+
+    def append(self, *args, **kwargs) -> None:
+        raise RuntimeError("fdc_ops.hf.modules: a static compressed cache layer is written by append_rows")
+
+    def cached_tokens(self) -> int:
+        return int(self.lengths.sum()) if self.lengths is not None else 0
+
+    def get_seq_length(self, *args):
+        return self.cumulative_length if self.k_cache is not None else 0
+
+    def get_mask_sizes(self, *args) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def get_max_cache_shape(self) -> int:
+        return self.max_cache_len
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        if self.k_cache is not None:  # in place: compiled graphs keep the buffers' addresses
+            self.lengths.zero_()
+            self.cumulative_length.zero_()
+        self.filled = False
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.k_cache is not None:
+            if indices.shape[0] != self.k_cache.shape[0]:
+                raise NotImplementedError("fdc_ops.hf.modules: a static compressed cache keeps its batch size")
+            indices = indices.to(self.k_cache.device)
+            for buffer in (self.k_cache, self.v_cache, self.lengths):
+                buffer.copy_(buffer[indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.k_cache is not None and repeats != 1:
+            raise NotImplementedError("fdc_ops.hf.modules: a static compressed cache keeps its batch size")
+
+
 def _cache_layer(cache, layer: int, k_offsets: torch.Tensor, v_offsets: torch.Tensor) -> CompressedKVLayer:
-    """The compressed layer ``layer`` of a transformers cache, installed in place of an empty DynamicLayer the first
-    time (generate() creates a DynamicCache; the compressed modules take over its layers)."""
+    """The compressed layer ``layer`` of a transformers cache, installed in place of an empty layer the first time
+    (generate() creates a DynamicCache, or a StaticCache for ``cache_implementation="static"``; the compressed modules
+    take over its layers: a StaticLayer becomes a StaticCompressedKVLayer of the same capacity)."""
     layers = getattr(cache, "layers", None)
     if layers is None:
         raise TypeError(f"fdc_ops.hf.modules: the cache must be a transformers Cache with layers, got {type(cache)}")
@@ -211,7 +320,13 @@ def _cache_layer(cache, layer: int, k_offsets: torch.Tensor, v_offsets: torch.Te
         return current
     if current.get_seq_length() != 0:
         raise ValueError(f"fdc_ops.hf.modules: layer {layer} of the cache already holds uncompressed keys and values")
-    layers[layer] = CompressedKVLayer(k_offsets, v_offsets)
+    if isinstance(current, StaticLayer):
+        if current.is_sliding:
+            raise NotImplementedError(f"fdc_ops.hf.modules: layer {layer} of the cache is a sliding-window layer, "
+                                      f"which compressed attention does not support")
+        layers[layer] = StaticCompressedKVLayer(k_offsets, v_offsets, current.max_cache_len)
+    else:
+        layers[layer] = CompressedKVLayer(k_offsets, v_offsets)
     return layers[layer]
 
 
@@ -272,6 +387,10 @@ class FDCAttention(_CompressedAttentionBase):
         """hidden_states: (B, S, hidden); the cache comes in ``kwargs`` under the name the transformers release
         uses (fdc_ops.hf.compat.cache_argument). Returns ((B, S, hidden), None)."""
         cache = cache_argument(kwargs, "fdc_ops.hf.modules.FDCAttention")
+        if cache is not None:
+            layer = _cache_layer(cache, self.layer_idx, *self.cache_offsets())
+            if isinstance(layer, StaticCompressedKVLayer):
+                return self._static_forward(hidden_states, position_embeddings, layer), None
         B, S, _ = hidden_states.shape
         H, Hkv, G = self.num_heads, self.num_kv_heads, self.group
         rows = self._padding.rows(B, S, hidden_states.device)
@@ -285,6 +404,60 @@ class FDCAttention(_CompressedAttentionBase):
         v_rows = self.v_proj(rows.take(hidden_states))  # (T, v_width)
         out = _attend(self, q_rows, k_rows, v_rows, rows, S, cache)
         return self.o_proj(rows.scatter(out, B, S)), None
+
+    def _static_forward(self, hidden_states: torch.Tensor, position_embeddings,
+                        layer: StaticCompressedKVLayer) -> torch.Tensor:
+        """forward() over a static cache layer: only tensor operations of fixed shapes, no host reads, no Python
+        state but the layer's ``filled`` flag, so torch.compile captures it whole. Every row of the call is
+        projected, rotated and attended (padded ones included, their outputs then zeroed) instead of gathering the
+        real ones, whose count is data; what needs the real rows back to back (append_kv, prefill_attention) gets
+        them first by a fixed-size stable reordering, with the padded rows after the last ``cu_seqlens`` entry,
+        where the ops ignore them. hidden_states: (B, S, hidden). Returns (B, S, hidden)."""
+        B, S, _ = hidden_states.shape
+        H, Hkv, G = self.num_heads, self.num_kv_heads, self.group
+        if layer.k_cache is None:
+            layer.allocate(B, hidden_states.dtype, hidden_states.device)
+        past = layer.cumulative_length
+        valid = self._padding.static_valid(B, S, past)  # (B, S) bool, or None: every token real
+        q = self._heads(self.q_proj, self.q_norm, hidden_states, H).reshape(B * S, H, self.head_dim)
+        k = self._heads(self.k_proj, self.k_norm, hidden_states, Hkv).reshape(B * S, Hkv, self.head_dim)
+        cos, sin = (t.expand(B, S, -1).reshape(B * S, -1).to(q.dtype) for t in position_embeddings)
+        rotation = self.rotation if self.rotation.dtype == q.dtype else self.rotation.to(q.dtype)
+        q_rows = ops.rope_rotate_compress(q, cos, sin, rotation, self.qk_offsets, G)  # (B * S, G * k_width)
+        k_rows = ops.rope_rotate_compress(k, cos, sin, rotation, self.qk_offsets, 1)  # (B * S, k_width)
+        # The packed widths are the offsets' values, which compiled graphs do not see: state them.
+        torch._check(k_rows.shape[1] == layer.k_cache.shape[2])
+        torch._check(q_rows.shape[1] == G * layer.k_cache.shape[2])
+        v_rows = self.v_proj(hidden_states.reshape(B * S, -1))  # (B * S, v_width)
+        if valid is None:
+            order, counts = None, torch.full((B,), S, dtype=torch.int32, device=q.device)
+        else:  # the real rows first, request after request, in order; then the padded ones
+            order = torch.argsort((~valid).reshape(-1).to(torch.int8), stable=True)
+            counts = valid.sum(1, dtype=torch.int32)
+        cu = ops.prefix_sums(counts)
+        first_call = not layer.filled
+        k_new, v_new = (k_rows, v_rows) if order is None else (k_rows[order], v_rows[order])
+        layer.append_rows(k_new, v_new, cu, counts, S)
+        if S == 1:  # decode: one query per request, in request order
+            out = ops.decode_attention(q_rows, layer.k_cache, layer.v_cache, layer.lengths, self.qk_offsets,
+                                       self.v_offsets, G, self.scaling)  # (B, G * v_width)
+            if valid is not None:
+                out = torch.where(valid.reshape(B, 1), out, out.new_zeros(()))
+        else:
+            q_real = q_rows if order is None else q_rows[order]
+            if first_call:  # a prompt into an empty cache: its keys are the call's own rows
+                k_all, v_all, cu_k = k_new, v_new, cu
+            else:  # every request's cached rows back to back (fixed size: B * max_cache_len rows)
+                cached = torch.arange(layer.max_cache_len, device=q.device)[None, :] < layer.lengths[:, None]
+                gather = torch.argsort((~cached).reshape(-1).to(torch.int8), stable=True)
+                k_all = layer.k_cache.reshape(-1, layer.k_cache.shape[2])[gather]
+                v_all = layer.v_cache.reshape(-1, layer.v_cache.shape[2])[gather]
+                cu_k = ops.prefix_sums(layer.lengths)
+            out = ops.prefill_attention(q_real, k_all, v_all, cu, cu_k, self.qk_offsets, self.v_offsets, G,
+                                        self.scaling, True)  # (B * S, G * v_width): zeros past cu[-1]
+            if order is not None:
+                out = out[torch.argsort(order)]
+        return self.o_proj(out.view(B, S, -1))
 
 
 def _attend(module, q_rows, k_rows, v_rows, rows: CallRows, new_positions, cache, k_offsets=None,
@@ -370,6 +543,10 @@ class PaluAttention(_CompressedAttentionBase):
         rows = self._padding.rows(B, S, hidden_states.device)
         valid = rows.valid if rows.valid is not None else torch.ones(B, S, dtype=torch.bool, device=q.device)
         layer = None if cache is None else _cache_layer(cache, self.layer_idx, *self.cache_offsets())
+        if isinstance(layer, StaticCompressedKVLayer):
+            raise NotImplementedError("fdc_ops.hf.modules.PaluAttention: the Palu baseline runs with a dynamic cache "
+                                      "only (it rebuilds keys from a latent whose used length it reads on the host); "
+                                      "FDC takes a static cache")
         past = layer.lengths if layer is not None and layer.lengths is not None else torch.zeros_like(rows.counts)
         compact = past[:, None] + valid.cumsum(1) - 1  # (B, S): each real token's position among its request's
         position_ids = kwargs.get("position_ids")
