@@ -377,15 +377,45 @@ def append_kv(
     torch.ops.fdc.append_kv(k_cache, v_cache, k, v, cu_seqlens, cache_seqlens, qk_offsets, v_offsets, block_table)
 
 
+# The fakes check what the kernels' checks (csrc/checks.h) check without reading values: the shapes that must agree,
+# so a compiled graph is refused where it is traced, with the op's own message, instead of when it first runs.
+
+
+def _check(condition, op: str, message: str) -> None:
+    torch._check(condition, lambda: f"fdc::{op}: {message}")
+
+
+def _check_dims(op: str, **tensors) -> None:
+    for name, (tensor, ndim) in tensors.items():
+        _check(tensor.dim() == ndim, op, f"{name} must have {ndim} dimensions but got shape {tuple(tensor.shape)}")
+
+
+def _check_rotation_inputs(op: str, x, rot, qk_offsets, group: int) -> None:
+    _check_dims(op, x=(x, 3), rot=(rot, 3))
+    heads = qk_offsets.shape[0] - 1
+    _check(x.shape[1] == group * heads, op, f"x must have group * H_kv = {group} * {heads} heads but got shape "
+                                            f"{tuple(x.shape)}")
+    _check(rot.shape[0] == heads and rot.shape[1] == x.shape[2], op,
+           f"rot must have shape (H_kv={heads}, D={x.shape[2]}, >= max qk dim) but got {tuple(rot.shape)}")
+
+
 @torch.library.register_fake("fdc::rotate_compress")
 def _rotate_compress_fake(x, rot, qk_offsets, group):
-    # The packed width is the data qk_offsets[-1], which fake tensors do not carry: it is a dynamic size.
+    _check_rotation_inputs("rotate_compress", x, rot, qk_offsets, group)
+    # The packed width is the data qk_offsets[-1], which fake tensors do not carry: it is a dynamic size (a caller
+    # that knows the width states it with torch._check, as fdc_ops.hf.modules does).
     width = torch.library.get_ctx().new_dynamic_size()
     return x.new_empty((x.shape[0], width))
 
 
 @torch.library.register_fake("fdc::rope_rotate_compress")
 def _rope_rotate_compress_fake(x, cos, sin, rot, qk_offsets, group):
+    _check_rotation_inputs("rope_rotate_compress", x, rot, qk_offsets, group)
+    _check_dims("rope_rotate_compress", cos=(cos, 2), sin=(sin, 2))
+    _check(cos.shape[0] == x.shape[0], "rope_rotate_compress",
+           f"cos must have the T={x.shape[0]} rows of x but got shape {tuple(cos.shape)}")
+    _check(sin.shape == cos.shape, "rope_rotate_compress",
+           f"sin must have the shape of cos {tuple(cos.shape)} but got {tuple(sin.shape)}")
     width = torch.library.get_ctx().new_dynamic_size()
     return x.new_empty((x.shape[0], width))
 
@@ -402,6 +432,11 @@ def _prefill_plan_fake(cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group,
 @torch.library.register_fake("fdc::prefill_attention")
 def _prefill_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group, scale, causal,
                             plan=None):
+    op = "prefill_attention"
+    _check_dims(op, q=(q, 2), k=(k, 2), v=(v, 2), cu_seqlens_q=(cu_seqlens_q, 1), cu_seqlens_k=(cu_seqlens_k, 1))
+    _check(v.shape[0] == k.shape[0], op, f"v must have the {k.shape[0]} rows of k but got shape {tuple(v.shape)}")
+    _check(cu_seqlens_k.shape[0] == cu_seqlens_q.shape[0], op,
+           f"cu_seqlens_k must have length {cu_seqlens_q.shape[0]} but got {cu_seqlens_k.shape[0]}")
     return q.new_empty((q.shape[0], group * v.shape[-1]))
 
 
@@ -422,10 +457,30 @@ def _decode_plan_fake(cache_seqlens, qk_offsets, v_offsets, group, num_workers=N
 @torch.library.register_fake("fdc::decode_attention")
 def _decode_attention_fake(q, k_cache, v_cache, cache_seqlens, qk_offsets, v_offsets, group, scale, plan=None,
                            block_table=None):
+    _check_cache("decode_attention", q.shape[0], k_cache, v_cache, cache_seqlens, block_table)
+    _check_dims("decode_attention", q=(q, 2))
     v_width = v_cache.shape[1] if block_table is not None else v_cache.shape[2]
     return q.new_empty((q.shape[0], group * v_width))
 
 
 @torch.library.register_fake("fdc::append_kv")
 def _append_kv_fake(k_cache, v_cache, k, v, cu_seqlens, cache_seqlens, qk_offsets, v_offsets, block_table=None):
+    op = "append_kv"
+    _check_dims(op, k=(k, 2), v=(v, 2), cu_seqlens=(cu_seqlens, 1))
+    _check(v.shape[0] == k.shape[0], op, f"v must have the {k.shape[0]} rows of k but got shape {tuple(v.shape)}")
+    _check_cache(op, cu_seqlens.shape[0] - 1, k_cache, v_cache, cache_seqlens, block_table)
     return None
+
+
+def _check_cache(op: str, batch, k_cache, v_cache, cache_seqlens, block_table) -> None:
+    """A contiguous (B, S_max, width) or paged (num_pages, width, page_size) cache of ``batch`` requests."""
+    _check_dims(op, k_cache=(k_cache, 3), v_cache=(v_cache, 3), cache_seqlens=(cache_seqlens, 1))
+    _check(cache_seqlens.shape[0] == batch, op, f"cache_seqlens must have length {batch} but got "
+                                                f"{cache_seqlens.shape[0]}")
+    if block_table is None:
+        _check(k_cache.shape[0] == batch and v_cache.shape[0] == batch and v_cache.shape[1] == k_cache.shape[1], op,
+               f"k_cache and v_cache must have shapes (B={batch}, S_max, width) but got {tuple(k_cache.shape)} and "
+               f"{tuple(v_cache.shape)}")
+    else:
+        _check(block_table.dim() == 2 and block_table.shape[0] == batch, op,
+               f"block_table must have shape (B={batch}, max_pages) but got {tuple(block_table.shape)}")

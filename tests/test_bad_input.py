@@ -254,3 +254,32 @@ def test_append_kv_bad_input(name, value, argument):
     args[name] = value
     with raises("append_kv", argument):
         ops.append_kv(**args)
+
+
+def test_fakes_refuse_what_the_kernels_refuse_when_traced():
+    """Under fake tensors (what torch.compile traces with) shapes that cannot agree are refused at trace time, with
+    the message the kernels' own checks give."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def fake_raises(op: str, argument: str):
+        return pytest.raises(RuntimeError, match=rf"fdc::{op}: (.|\n)*{argument}")
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with fake_raises("prefill_attention", "v must have the 5 rows of k"):
+            torch.ops.fdc.prefill_attention(*prefill_args(v=torch.randn(4, 24)).values())
+        with fake_raises("prefill_attention", "cu_seqlens_k must have length 3"):
+            torch.ops.fdc.prefill_attention(
+                *prefill_args(cu_seqlens_k=torch.tensor([0, 5], dtype=torch.int32)).values())
+        with fake_raises("decode_attention", "cache_seqlens must have length 2"):
+            torch.ops.fdc.decode_attention(*decode_args(cache_seqlens=torch.tensor([3], dtype=torch.int32)).values())
+        with fake_raises("decode_attention", "k_cache and v_cache must have shapes"):
+            torch.ops.fdc.decode_attention(*decode_args(v_cache=torch.randn(2, 5, 24)).values())
+        with fake_raises("rotate_compress", "x must have group \\* H_kv = 2 \\* 2"):
+            torch.ops.fdc.rotate_compress(torch.randn(3, 3, 32), torch.randn(2, 32, 16), QK, G)
+        with fake_raises("rope_rotate_compress", "cos must have the T=3 rows"):
+            torch.ops.fdc.rope_rotate_compress(torch.randn(3, 4, 32), torch.randn(2, 32), torch.randn(2, 32),
+                                               torch.randn(2, 32, 16), QK, G)
+        with fake_raises("append_kv", "cache_seqlens must have length 3"):
+            torch.ops.fdc.append_kv(torch.randn(3, 6, 24), torch.randn(3, 6, 24), torch.randn(4, 24),
+                                    torch.randn(4, 24), torch.tensor([0, 1, 2, 4], dtype=torch.int32),
+                                    torch.zeros(2, dtype=torch.int32), QK, V)
