@@ -1,4 +1,4 @@
-"""What checking a model's identity costs: the digests of every layer's attention weights (fdc_ops.hf.families), on a
+"""What checking a model's identity costs: the digests of every layer's attention weights (fdc_ops.identity), on a
 layer stack of a 7B model's size (Llama-2-7B: 32 layers of 4096 x 4096 q, k, v and o projections, 2.1 billion
 attention parameters) in random weights, on the CPU.
 
@@ -21,16 +21,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import ROOT, print_header, provenance, write_json  # noqa: E402
-
+from fdc_ops import identity  # noqa: E402
 from fdc_ops.apps.provenance import device_name, git_commit  # noqa: E402
-from fdc_ops.hf import families  # noqa: E402
 
 MODEL_PARAMETERS = 6.74e9  # Llama-2-7B, all parameters: the "per billion parameters" of the target
 TARGET_SECONDS_PER_BILLION = 1.0
 
 
 def layer_stack(layers: int, hidden: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """families.attention_tensors-style tensors of ``layers`` layers of ``hidden``-wide projections."""
+    """fdc_ops.hf.families.attention_tensors-style tensors of ``layers`` layers of ``hidden``-wide projections."""
     generator = torch.Generator().manual_seed(0)
     tensors = {}
     for layer in range(layers):
@@ -60,16 +59,16 @@ def main() -> None:
     scale = parameters / 4 / 4096**2 / 32 * MODEL_PARAMETERS if args.quick else MODEL_PARAMETERS
     name, (commit, dirty) = device_name(torch.device("cpu")), git_commit()
 
-    record_seconds, record = timed(lambda: families.tensor_digests(
-        tensors, [str(d).removeprefix("torch.") for d in families.DIGEST_DTYPES]))
-    identity = {"dtype": args.dtype, "weights": record}
-    check_seconds, found = timed(lambda: families.compared_digests(identity, tensors))
+    record_seconds, record = timed(lambda: identity.tensor_digests(
+        tensors, [str(d).removeprefix("torch.") for d in identity.DIGEST_DTYPES]))
+    recorded = {"dtype": args.dtype, "weights": record}
+    check_seconds, found = timed(lambda: identity.compared_digests(recorded, tensors))
     assert all(found[n][2] == record[n][found[n][1]] for n in tensors), "the check must find the recorded digests"
-    key_seconds, _ = timed(lambda: families.tensor_digests(tensors, ["bfloat16"]))
+    key_seconds, _ = timed(lambda: identity.tensor_digests(tensors, ["bfloat16"]))
     rows = [("record (calibration: 3 dtypes)", record_seconds), (f"check (in {args.dtype})", check_seconds),
             ("cache key (bfloat16)", key_seconds)]
     print(f"device: {name}; torch {torch.__version__}; commit {commit[:12]}{' (dirty)' if dirty else ''}; "
-          f"{families.DIGEST_WORKERS} hashing threads")
+          f"{identity.DIGEST_WORKERS} hashing threads")
     print(f"stack: {layers} layers x 4 projections of {hidden} x {hidden} in {args.dtype}: {parameters / 1e9:.2f} "
           f"billion attention parameters ({scale / 1e9:.2f} billion in the whole model)")
     header = f"{'what':<34} {'seconds':>8} {'s / billion attention':>22} {'s / billion model':>18}"
@@ -80,7 +79,7 @@ def main() -> None:
     print(f"target: the check under {TARGET_SECONDS_PER_BILLION:.1f} s per billion model parameters: "
           f"{'PASS' if passed else 'MISS'}")
     report = {**provenance("fingerprint", name, commit, dirty, torch.device("cpu"), args.quick),
-              "hashing_threads": families.DIGEST_WORKERS, "layers": layers, "hidden": hidden, "dtype": args.dtype,
+              "hashing_threads": identity.DIGEST_WORKERS, "layers": layers, "hidden": hidden, "dtype": args.dtype,
               "attention_parameters": parameters, "model_parameters": scale,
               "seconds": {label: seconds for label, seconds in rows},
               "target": {"what": "check seconds per billion model parameters",

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from conftest import case_generator
+from fdc_ops import artifact as artifacts
 from fdc_ops import calibration, datasets, ops
-from fdc_ops.hf import families, loading
 from fdc_ops.calibration import ArtifactError, FDCArtifact
+from fdc_ops.hf import families, loading
 from tiny_models import FAMILIES, HEAD_DIM, hand_key_projection, hand_qkv, layer_inputs, tiny_model
 
 pytest.importorskip("transformers", reason="calibration needs transformers (scripts/setup.sh installs it)")
@@ -322,7 +323,7 @@ def test_artifact_round_trip(tmp_path):
     artifact = small_artifact(model=model)
     artifact.save(tmp_path / "artifact")
     loaded = FDCArtifact.load(tmp_path / "artifact", model=model)
-    for name in calibration._tensor_specs(artifact.shape):
+    for name in artifacts._tensor_specs(artifact.shape):
         assert torch.equal(getattr(loaded, name), getattr(artifact, name)), name
     assert loaded.metadata["calibration"] == artifact.metadata["calibration"]
     assert loaded.metadata["fingerprint"] == families.fingerprint(model)
@@ -346,13 +347,13 @@ def saved(tmp_path):
 
 def tensors_path(directory):
     """The tensor file an artifact's JSON names (save() picks a new name each time)."""
-    return directory / json.loads((directory / calibration.METADATA_FILE).read_text())["tensors_file"]
+    return directory / json.loads((directory / artifacts.METADATA_FILE).read_text())["tensors_file"]
 
 
 def rewrite_metadata(directory, metadata: dict) -> None:
     """Writes ``metadata`` with a matching checksum, as a damaged-but-consistent file (or a hand edit) would be."""
-    metadata = {**metadata, "checksum": calibration._metadata_checksum(metadata)}
-    (directory / calibration.METADATA_FILE).write_text(json.dumps(metadata))
+    metadata = {**metadata, "checksum": artifacts._metadata_checksum(metadata)}
+    (directory / artifacts.METADATA_FILE).write_text(json.dumps(metadata))
 
 
 def test_truncated_tensor_file_is_rejected(saved):
@@ -375,7 +376,7 @@ def test_modified_tensor_file_is_rejected(saved):
 
 def test_bad_metadata_is_rejected(saved):
     model, directory = saved
-    path = directory / calibration.METADATA_FILE
+    path = directory / artifacts.METADATA_FILE
     metadata = json.loads(path.read_text())
     path.write_text(json.dumps({**metadata, "model_id": "edited by hand"}))  # the checksum covers the JSON too
     with pytest.raises(ArtifactError, match="does not match its own checksum"):
@@ -444,8 +445,8 @@ def test_unreadable_tensors_with_matching_checksum_are_rejected(saved):
     model, directory = saved
     path = tensors_path(directory)
     path.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00not json")
-    metadata = json.loads((directory / calibration.METADATA_FILE).read_text())
-    metadata["tensors_sha256"] = calibration._sha256(path)
+    metadata = json.loads((directory / artifacts.METADATA_FILE).read_text())
+    metadata["tensors_sha256"] = artifacts._sha256(path)
     rewrite_metadata(directory, metadata)
     with pytest.raises(ArtifactError, match="cannot be read"):
         FDCArtifact.load(directory)

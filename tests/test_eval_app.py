@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fdc_ops.apps import eval as eval_app
-from fdc_ops.hf.families import AttentionShape
+from fdc_ops.identity import AttentionShape
 
 
 def test_best_compression_stops_at_the_first_failure_of_a_non_monotone_score():

@@ -14,6 +14,7 @@ import textwrap
 import pytest
 import torch
 
+from fdc_ops import artifact as artifacts
 from fdc_ops import calibration, files
 from fdc_ops.apps import cli
 from fdc_ops.calibration import FDCArtifact
@@ -137,11 +138,11 @@ def test_a_damaged_cache_entry_is_recalibrated(tmp_path, damage, capsys):
                     progress=False)
     first = calibration.load_or_calibrate(model, **settings)
     (entry,) = tmp_path.iterdir()
-    path = entry / calibration.METADATA_FILE
+    path = entry / artifacts.METADATA_FILE
     metadata = json.loads(path.read_text())
     if damage == "invalid field":
         metadata["shape"]["head_dim"] = "16"
-        metadata["checksum"] = calibration._metadata_checksum(metadata)
+        metadata["checksum"] = artifacts._metadata_checksum(metadata)
         path.write_text(json.dumps(metadata))
     elif damage == "hand edit":
         path.write_text(json.dumps({**metadata, "fingerprint": "0" * 64}))

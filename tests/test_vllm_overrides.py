@@ -3,6 +3,7 @@ vLLM's config, and the CPU binding of tensor-parallel workers."""
 
 import json
 import os
+import types
 
 import pytest
 import torch
@@ -32,8 +33,27 @@ def test_overrides_refuse_what_the_plugin_cannot_serve(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json does not exist"):
         fdc_ops.vllm.hf_overrides(tmp_path, tmp_path, compression=0.1)
     with pytest.raises(ValueError, match=r"architectures \['Phi3ForCausalLM'\]; the FDC plugin supports "
-                                         "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+                                         r"LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM "
+                                         r"\(Phi3ForCausalLM: vLLM's Phi-3 is a Llama with a fused"):
         fdc_ops.vllm.hf_overrides(model_dir(tmp_path / "phi3", ["Phi3ForCausalLM"]), tmp_path, compression=0.1)
+
+
+def test_one_family_table_serves_both_sides():
+    """fdc_ops.model_families is what fdc_ops.hf accepts and what the plugin registers and serves."""
+    import transformers
+
+    from fdc_ops import model_families
+    from fdc_ops.hf import families
+
+    served = {f.architecture: f.vllm_class for f in model_families.FAMILIES if f.vllm_class}
+    assert model_families.SERVED_ARCHITECTURES == served and "Phi3ForCausalLM" not in served
+    assert all(f.vllm_refusal for f in model_families.FAMILIES if f.vllm_class is None)
+    for family in model_families.FAMILIES:
+        assert hasattr(transformers, family.architecture)
+        families.check_supported(types.SimpleNamespace(config=types.SimpleNamespace(model_type=family.model_type)))
+    with pytest.raises(ValueError, match=r"model_type 'gemma2' is not supported \(sliding-window layers and "
+                                         r"attention logit soft-capping\); supported: llama, mistral, qwen2, qwen3"):
+        families.check_supported(types.SimpleNamespace(config=types.SimpleNamespace(model_type="gemma2")))
 
 
 def test_overrides_name_the_argument_and_the_type_they_expect(tmp_path):

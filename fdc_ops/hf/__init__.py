@@ -22,54 +22,14 @@ from . import compat
 
 compat.check_transformers()
 
-from .. import calibration  # noqa: E402  (after the release check: calibration reads transformers too)
+from .. import artifact as artifacts  # noqa: E402
+from ..artifact import resolve_allocation  # noqa: E402,F401  (also the vLLM plugin's, through fdc_ops.artifact)
 from . import families  # noqa: E402
 from .compat import cache_keyword, returned_cache  # noqa: E402,F401  (re-exported for step-by-step callers)
 from .modules import CompressedKVLayer, FDCAttention, PaddingState, PaluAttention  # noqa: E402
 from .saving import load_compressed, save_compressed  # noqa: E402,F401
 
 METHODS = ("fdc", "palu")
-
-
-def resolve_allocation(artifact: calibration.FDCArtifact, method: str, removal_rate, compression, allocation, qk_dims,
-                       v_dims, weighting: str | None, rule: str | None, uniform: bool) -> calibration.RankAllocation:
-    """The widths :func:`compress` would use for these arguments (exactly one of ``removal_rate``, ``compression``,
-    ``allocation``, or ``qk_dims`` with ``v_dims``), validated: also the vLLM plugin's, so both integrations give
-    the same widths for the same settings."""
-    who = "fdc_ops.hf.compress"
-    shape = artifact.shape
-    given = [removal_rate is not None, compression is not None, allocation is not None,
-             qk_dims is not None or v_dims is not None]
-    if sum(given) != 1:
-        raise ValueError("fdc_ops.hf.compress: give exactly one of removal_rate, compression, allocation, or qk_dims "
-                         "and v_dims")
-    for name, value in (("removal_rate", removal_rate), ("compression", compression)):
-        if value is not None:
-            calibration.require_number(value, name, who)
-    if allocation is not None and not isinstance(allocation, calibration.RankAllocation):
-        raise TypeError(f"{who}: allocation must be an fdc_ops.calibration.RankAllocation, got "
-                        f"{type(allocation).__name__}")
-    if not isinstance(uniform, bool):
-        raise TypeError(f"{who}: uniform must be True or False, got {uniform!r}")
-    if removal_rate is not None or compression is not None:
-        allocation = artifact.allocate(removal_rate, weighting=weighting, method=method, compression=compression,
-                                       rule=rule)
-        return allocation.uniform() if uniform else allocation
-    if allocation is None:
-        if qk_dims is None or v_dims is None:
-            raise ValueError("fdc_ops.hf.compress: qk_dims and v_dims go together")
-        allocation = calibration.RankAllocation(calibration.require_widths(qk_dims, "qk_dims", who),
-                                                calibration.require_widths(v_dims, "v_dims", who), shape.head_dim,
-                                                "given")
-    expected = (shape.num_layers, shape.num_kv_heads)
-    for name in ("qk_dims", "v_dims"):
-        dims = getattr(allocation, name)
-        if tuple(dims.shape) != expected:
-            raise ValueError(f"fdc_ops.hf.compress: {name} must have shape {expected}, got {tuple(dims.shape)}")
-        if bool(((dims <= 0) | (dims % 8 != 0) | (dims > shape.head_dim)).any()):
-            raise ValueError(f"fdc_ops.hf.compress: every entry of {name} must be a positive multiple of 8 of at "
-                             f"most head_dim {shape.head_dim}, got {dims.tolist()}")
-    return allocation.uniform() if uniform else allocation
 
 
 def _check_sliding_window(model) -> None:
@@ -81,10 +41,10 @@ def _check_sliding_window(model) -> None:
                                   "supported by the compressed modules")
 
 
-def compress(model, artifact: calibration.FDCArtifact | str, removal_rate: float | None = None, *,
-             compression: float | None = None, allocation: calibration.RankAllocation | None = None, qk_dims=None,
+def compress(model, artifact: artifacts.FDCArtifact | str, removal_rate: float | None = None, *,
+             compression: float | None = None, allocation: artifacts.RankAllocation | None = None, qk_dims=None,
              v_dims=None, method: str = "fdc", weighting: str | None = None, rule: str | None = None,
-             uniform: bool = False) -> calibration.RankAllocation:
+             uniform: bool = False) -> artifacts.RankAllocation:
     """Replaces every attention module of ``model`` in place by FDCAttention (``method="fdc"``) or the Palu baseline
     (``method="palu"``; ``qk_dims`` are then the widths of the cached key latent). Widths: a KV byte budget
     (``compression=0.1`` removes at least 10% of the cache, widths by ``rule``, default the measured sensitivities:
@@ -100,11 +60,11 @@ def compress(model, artifact: calibration.FDCArtifact | str, removal_rate: float
                         f"PreTrainedModel), got {type(model).__name__}")
     if getattr(model, "_fdc_compression", None) is not None:
         raise ValueError("fdc_ops.hf.compress: the model is already compressed; call fdc_ops.hf.restore(model) first")
-    if isinstance(artifact, str) and artifact == calibration.BUNDLED:
-        artifact = calibration.FDCArtifact.load(calibration.bundled_artifact())
-    if not isinstance(artifact, calibration.FDCArtifact):
+    if isinstance(artifact, str) and artifact == artifacts.BUNDLED:
+        artifact = artifacts.FDCArtifact.load(artifacts.bundled_artifact())
+    if not isinstance(artifact, artifacts.FDCArtifact):
         raise TypeError("fdc_ops.hf.compress: artifact must be an fdc_ops.calibration.FDCArtifact "
-                        f"(FDCArtifact.load(directory), calibrate or load_or_calibrate) or \"{calibration.BUNDLED}\" "
+                        f"(FDCArtifact.load(directory), calibrate or load_or_calibrate) or \"{artifacts.BUNDLED}\" "
                         f"(the bundled SmolLM2's), got {type(artifact).__name__}")
     _check_sliding_window(model)
     artifact.check_model(model)
@@ -121,7 +81,7 @@ def compress(model, artifact: calibration.FDCArtifact | str, removal_rate: float
         dtype, device = weights.q_weight.dtype, weights.q_weight.device
         qk_dims_l, v_dims_l = allocation.qk_dims[layer], allocation.v_dims[layer]
         qk_offsets, v_offsets = allocation.offsets(layer)
-        folded = calibration.fold_value_and_output(weights.v_weight.detach(), weights.o_weight.detach(),
+        folded = artifacts.fold_value_and_output(weights.v_weight.detach(), weights.o_weight.detach(),
                                                    v_encoder[layer].to(device), v_decoder[layer].to(device),
                                                    v_dims_l.tolist(), G, _detach(weights.v_bias),
                                                    _detach(weights.o_bias))

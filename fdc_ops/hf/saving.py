@@ -14,19 +14,10 @@ model's logits are bit-identical to the saved model's.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
-import torch
-
-from .. import calibration, files
-
-FDC_DIRECTORY = "fdc"  # inside a saved model's directory
-ARTIFACT_DIRECTORY = "artifact"  # inside FDC_DIRECTORY
-COMPRESSION_FILE = "compression.json"  # inside FDC_DIRECTORY
-FORMAT = "fdc_ops.compressed_model"
-FORMAT_VERSION = 1
+from ..artifact import save_compression, saved_compression
 
 
 def save_compressed(model, directory: str | os.PathLike, tokenizer=None) -> Path:
@@ -55,48 +46,8 @@ def save_compressed(model, directory: str | os.PathLike, tokenizer=None) -> Path
             layer.self_attn = module
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
-    fdc = directory / FDC_DIRECTORY  # an earlier save's is replaced file by file, each whole (FDCArtifact.save)
-    state["artifact"].save(fdc / ARTIFACT_DIRECTORY)
-    allocation = state["allocation"]
-    description = {"format": FORMAT, "format_version": FORMAT_VERSION, "method": state["method"],
-                   "qk_dims": allocation.qk_dims.tolist(), "v_dims": allocation.v_dims.tolist(),
-                   "allocation": {"method": allocation.method, "removal_rate": allocation.removal_rate,
-                                  "notes": allocation.notes, "compression_rate": allocation.compression_rate}}
-    files.write_json_atomically(fdc / COMPRESSION_FILE, description, indent=2, sort_keys=True)
+    save_compression(directory, state["artifact"], state["method"], state["allocation"])
     return directory
-
-
-def saved_compression(directory: str | os.PathLike) -> tuple[calibration.FDCArtifact, str, calibration.RankAllocation]:
-    """(artifact, method, allocation) of a directory written by save_compressed, validated; ArtifactError (a
-    ValueError) naming the file otherwise."""
-    fdc = Path(directory) / FDC_DIRECTORY
-    path = fdc / COMPRESSION_FILE
-    if not path.is_file():
-        raise calibration.ArtifactError(f"fdc_ops.hf.load_compressed: {path} does not exist ({directory} was not "
-                                        "written by fdc_ops.hf.save_compressed)")
-    try:
-        description = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise calibration.ArtifactError(f"fdc_ops.hf.load_compressed: {path} is not valid JSON ({error})") from None
-    if not isinstance(description, dict) or description.get("format") != FORMAT or \
-            description.get("format_version") != FORMAT_VERSION:
-        raise calibration.ArtifactError(f"fdc_ops.hf.load_compressed: {path} is not a compressed model description of "
-                                        f"format version {FORMAT_VERSION}")
-    artifact = calibration.FDCArtifact.load(fdc / ARTIFACT_DIRECTORY)
-    shape = artifact.shape
-    try:
-        qk_dims = torch.tensor(description["qk_dims"], dtype=torch.int64)
-        v_dims = torch.tensor(description["v_dims"], dtype=torch.int64)
-        recorded = description["allocation"]
-        allocation = calibration.RankAllocation(qk_dims, v_dims, shape.head_dim, str(recorded["method"]),
-                                                recorded["removal_rate"], dict(recorded["notes"]))
-        method = description["method"]
-    except (KeyError, TypeError, ValueError) as error:
-        raise calibration.ArtifactError(f"fdc_ops.hf.load_compressed: {path} is incomplete ({error!r})") from None
-    if tuple(qk_dims.shape) != (shape.num_layers, shape.num_kv_heads) or qk_dims.shape != v_dims.shape:
-        raise calibration.ArtifactError(f"fdc_ops.hf.load_compressed: {path}: the widths must be (layers, KV heads) = "
-                                        f"{(shape.num_layers, shape.num_kv_heads)}, as the artifact's")
-    return artifact, method, allocation
 
 
 def load_compressed(directory: str | os.PathLike, **from_pretrained):

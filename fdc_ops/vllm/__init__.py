@@ -26,11 +26,7 @@ import json
 import os
 from pathlib import Path
 
-#: Hugging Face architecture -> the FDC class vLLM runs for it (fdc_ops.vllm.models): vLLM's own class for the
-#: architecture with FDC attention. Phi-3, which fdc_ops.hf supports, is not here yet (vLLM's Phi-3 is a Llama with a
-#: fused checkpoint projection, which the identity check would have to split).
-ARCHITECTURES = {"LlamaForCausalLM": "FDCLlamaForCausalLM", "MistralForCausalLM": "FDCMistralForCausalLM",
-                 "Qwen2ForCausalLM": "FDCQwen2ForCausalLM", "Qwen3ForCausalLM": "FDCQwen3ForCausalLM"}
+from ..model_families import BY_ARCHITECTURE, SERVED_ARCHITECTURES
 
 
 def check_vllm() -> None:
@@ -57,7 +53,7 @@ def register() -> None:
 
     register_attention_backend()
     known = set(ModelRegistry.get_supported_archs())
-    for name in ARCHITECTURES.values():
+    for name in SERVED_ARCHITECTURES.values():
         if name not in known:
             ModelRegistry.register_model(name, f"fdc_ops.vllm.models:{name}")
 
@@ -86,7 +82,7 @@ def hf_overrides(model: str | os.PathLike, artifact: str | os.PathLike | None = 
     nested lists), as in fdc_ops.hf.compress. ``artifact="bundled"`` is the bundled SmolLM2's artifact. For a
     directory written by fdc_ops.hf.save_compressed, ``artifact`` may be left out (the saved one is used) and so
     may the widths (the saved ones are used)."""
-    from .. import calibration
+    from .. import artifact as artifacts
 
     who = "fdc_ops.vllm.hf_overrides"
     for name, value in (("model", model), ("artifact", artifact)):
@@ -96,31 +92,30 @@ def hf_overrides(model: str | os.PathLike, artifact: str | os.PathLike | None = 
     if not config_path.is_file():
         raise FileNotFoundError(f"{who}: {config_path} does not exist (model must be a Hugging Face model directory)")
     architectures = json.loads(config_path.read_text()).get("architectures") or []
-    unsupported = [name for name in architectures if name not in ARCHITECTURES]
+    unsupported = [name for name in architectures if name not in SERVED_ARCHITECTURES]
     if not architectures or unsupported:
+        known = [f"{name}: {BY_ARCHITECTURE[name].vllm_refusal}" for name in unsupported if name in BY_ARCHITECTURE]
         raise ValueError(f"{who}: {config_path} names architectures {architectures}; the FDC plugin supports "
-                         f"{', '.join(ARCHITECTURES)}")
+                         f"{', '.join(SERVED_ARCHITECTURES)}" + "".join(f" ({reason})" for reason in known))
     if artifact is None:
-        from ..hf import saving
-
-        _, method, allocation = saving.saved_compression(model)  # ArtifactError unless save_compressed wrote it
+        _, method, allocation = artifacts.saved_compression(model)  # ArtifactError unless save_compressed wrote it
         if method != "fdc":
             raise ValueError(f"{who}: {model} holds a model compressed with method {method!r}; the plugin serves "
                              "'fdc'")
-        artifact = Path(model) / saving.FDC_DIRECTORY / saving.ARTIFACT_DIRECTORY
+        artifact = Path(model) / artifacts.FDC_DIRECTORY / artifacts.ARTIFACT_DIRECTORY
         if compression is None and removal_rate is None and qk_dims is None and v_dims is None:
             qk_dims, v_dims = allocation.qk_dims, allocation.v_dims
-    if isinstance(artifact, str) and artifact == calibration.BUNDLED:
-        artifact = calibration.bundled_artifact()
+    if isinstance(artifact, str) and artifact == artifacts.BUNDLED:
+        artifact = artifacts.bundled_artifact()
     entry = {"artifact": str(Path(artifact).resolve())}
     for name, value in (("compression", compression), ("removal_rate", removal_rate)):
         if value is not None:
-            entry[name] = calibration.require_number(value, name, who)
+            entry[name] = artifacts.require_number(value, name, who)
     if rule is not None:
         if not isinstance(rule, str):
             raise TypeError(f"{who}: rule must be a string, got {type(rule).__name__} {rule!r}")
         entry["rule"] = rule
     for name, value in (("qk_dims", qk_dims), ("v_dims", v_dims)):
         if value is not None:
-            entry[name] = calibration.require_widths(value, name, who).tolist()
-    return {"architectures": [ARCHITECTURES[name] for name in architectures], "fdc": entry}
+            entry[name] = artifacts.require_widths(value, name, who).tolist()
+    return {"architectures": [SERVED_ARCHITECTURES[name] for name in architectures], "fdc": entry}

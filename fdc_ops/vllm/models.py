@@ -1,6 +1,6 @@
 """FDC model classes for vLLM, by composition with vLLM's own: each class is vLLM's own model class for the family
 (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM), built by vLLM's own constructor, with
-every decoder layer's self-attention module then replaced by :class:`FDCAttention`, which is made of that module's
+every decoder layer's self-attention module then replaced by :class:`VllmFDCAttention`, which is made of that module's
 own parts (its fused QKV projection, output projection, RoPE and, for Qwen3, per-head q/k RMS norms) plus the FDC
 attention layer. vLLM's embeddings, decoder layers, MLPs, weight loading and sampling run unchanged. After the
 checkpoint is loaded, the V third of the fused QKV projection becomes A_V (the compressed values come out of the
@@ -25,11 +25,9 @@ import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 from torch import nn
-
 from vllm.config import get_current_vllm_config
 from vllm.distributed import get_tensor_model_parallel_rank, tensor_model_parallel_all_reduce
 from vllm.model_executor.models.llama import LlamaForCausalLM
@@ -39,16 +37,13 @@ from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionType
 
-from .. import calibration, hf, ops, parallel
-from ..calibration import FDCArtifact, RankAllocation
-from ..hf import families
+from .. import identity, ops, parallel
+from ..artifact import ArtifactError, FDCArtifact, RankAllocation, fold_value_and_output, resolve_allocation
+from ..model_families import BY_MODEL_TYPE, unsupported_model_type
 from .layer import FDCPagedAttention
 
 CONFIG_KEY = "fdc"
 SETTINGS_KEYS = ("artifact", "compression", "removal_rate", "rule", "qk_dims", "v_dims")
-#: model_type -> whether vLLM's attention module of that family applies per-head q/k RMS norms before RoPE (as the
-#: Hugging Face modules of fdc_ops.hf do for exactly these families).
-QK_NORM_FAMILIES = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True}
 
 
 @dataclass(frozen=True)
@@ -80,7 +75,7 @@ def settings(hf_config, ranks: int = 1) -> FDCSettings:
 def _settings(entry_json: str, ranks: int) -> FDCSettings:
     entry = json.loads(entry_json)
     artifact = FDCArtifact.load(entry["artifact"])
-    allocation = hf.resolve_allocation(artifact, "fdc", entry.get("removal_rate"), entry.get("compression"), None,
+    allocation = resolve_allocation(artifact, "fdc", entry.get("removal_rate"), entry.get("compression"), None,
                                        entry.get("qk_dims"), entry.get("v_dims"), None, entry.get("rule"), False)
     partition = None
     if ranks > 1:
@@ -90,23 +85,27 @@ def _settings(entry_json: str, ranks: int) -> FDCSettings:
 
 def _check_shape(hf_config, artifact: FDCArtifact) -> None:
     """The artifact's attention shape against the checkpoint's config (the weights are checked after loading)."""
-    shape = families.attention_shape(SimpleNamespace(config=hf_config))
+    shape = identity.attention_shape(hf_config)
     if shape != artifact.shape:
-        raise calibration.ArtifactError(f"fdc_ops.vllm: the artifact is for attention shape {artifact.shape}, the "
+        raise ArtifactError(f"fdc_ops.vllm: the artifact is for attention shape {artifact.shape}, the "
                                         f"model has {shape}")
 
 
 def unsupported(original: nn.Module, model_type: str | None) -> str | None:
-    """Why vLLM's attention module ``original`` (of a model of ``model_type``) cannot become an FDCAttention, or None
+    """Why vLLM's attention module ``original`` (of a model of ``model_type``) cannot become a VllmFDCAttention, or None
     when it can: FDC computes exactly what the family's Hugging Face module computes, and only that."""
-    if model_type not in QK_NORM_FAMILIES:
-        return f"model_type {model_type!r} is not supported; supported: {', '.join(QK_NORM_FAMILIES)}"
+    why = unsupported_model_type(model_type)
+    if why is not None:
+        return why
+    family = BY_MODEL_TYPE[model_type]
+    if family.vllm_class is None:
+        return f"model_type {model_type!r} is not served by the plugin: {family.vllm_refusal}"
     attn_type = getattr(original.attn, "attn_type", AttentionType.DECODER)
     if attn_type != AttentionType.DECODER:
         return f"attention type {getattr(attn_type, 'value', attn_type)!r} is not causal decoder attention"
     if original.attn.sliding_window is not None:
         return f"sliding-window attention ({original.attn.sliding_window} tokens) is not supported by the FDC backend"
-    if hasattr(original, "q_norm") != QK_NORM_FAMILIES[model_type]:
+    if hasattr(original, "q_norm") != family.qk_norm:
         return (f"a {model_type} attention module {'with' if hasattr(original, 'q_norm') else 'without'} per-head "
                 "q/k norms is not what the family's Hugging Face module (and so the artifact's calibration) computes")
     if getattr(original, "do_llama_4_scaling", False):
@@ -116,7 +115,7 @@ def unsupported(original: nn.Module, model_type: str | None) -> str | None:
     return None
 
 
-class FDCAttention(nn.Module):
+class VllmFDCAttention(nn.Module):
     """One decoder layer's self-attention over FDC-compressed heads, made of the parts of vLLM's own attention module
     for the layer (``qkv_proj``, ``o_proj``, ``rotary_emb``, and ``q_norm``/``k_norm`` where the family has them:
     same names, so vLLM's weight loading finds them) and an FDC attention layer in place of its ``attn``.
@@ -167,7 +166,7 @@ class FDCAttention(nn.Module):
 
     def fold(self) -> None:
         """Replaces the loaded W_V by A_V and W_O by W_O', and a V bias by the output bias it amounts to
-        (fdc_ops.calibration.fold_value_and_output, float64: what fdc_ops.hf.compress does).
+        (fdc_ops.artifact.fold_value_and_output, float64: what fdc_ops.hf.compress does).
 
         With several ranks, each folds its own heads' shards. The folded V bias is then a sum over all heads, so each
         rank's share must enter the output projection's all-reduce, whereas vLLM's row-parallel output projection
@@ -182,7 +181,7 @@ class FDCAttention(nn.Module):
             [self.q_size, self.kv_size, self.kv_size])
         sharded = self.fdc.partition is not None
         o_bias = None if self.o_proj.bias is None or sharded else self.o_proj.bias.data
-        folded = calibration.fold_value_and_output(v_weight, self.o_proj.weight.data, v_encoder[layer][heads],
+        folded = fold_value_and_output(v_weight, self.o_proj.weight.data, v_encoder[layer][heads],
                                                    v_decoder[layer][heads], self.v_dims.tolist(),
                                                    self.num_heads // self.num_kv_heads, v_bias, o_bias)
         self.qkv_proj.weight = nn.Parameter(torch.cat([q_weight, k_weight, folded.value_weight]), requires_grad=False)
@@ -217,7 +216,7 @@ class FDCAttention(nn.Module):
 
 
 # A layer's attention tensors in a Hugging Face checkpoint, which the artifact's identity records (under the name
-# group(1) + group(2): families.attention_tensors' names).
+# group(1) + group(2): fdc_ops.hf.families.attention_tensors' names).
 _IDENTITY_NAME = re.compile(r"^model\.(layers\.\d+\.)self_attn\.([qkvo]_proj\.(?:weight|bias)|[qk]_norm\.weight)$")
 # The per-head tensors of a layer's attention in a Hugging Face checkpoint: their heads are permuted while vLLM loads
 # them when there are several tensor-parallel ranks. group(3): weight or bias; o_proj's bias is not per head.
@@ -226,7 +225,7 @@ _HEAD_TENSOR_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qkvo])_proj
 
 class FDCModelMixin:
     """What turns one of vLLM's causal LM classes into its FDC class (put first among the bases): after vLLM's own
-    constructor, every decoder layer's attention becomes an FDCAttention; after vLLM's own weight loading, the
+    constructor, every decoder layer's attention becomes a VllmFDCAttention; after vLLM's own weight loading, the
     artifact is checked against the checkpoint's tensors and the projections are folded.
 
     Tensor parallelism: vLLM gives rank ``r`` the contiguous KV heads ``[r * n, (r + 1) * n)`` of every layer (with
@@ -239,7 +238,7 @@ class FDCModelMixin:
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         ranks = vllm_config.parallel_config.tensor_parallel_size
-        shape = families.attention_shape(SimpleNamespace(config=vllm_config.model_config.hf_config))
+        shape = identity.attention_shape(vllm_config.model_config.hf_config)
         # Before vLLM's constructor, which would replicate KV heads over ranks when there are more ranks than heads.
         parallel.check_ranks(shape.num_heads, shape.num_kv_heads, ranks)
         super().__init__(vllm_config=vllm_config, prefix=prefix)
@@ -250,17 +249,17 @@ class FDCModelMixin:
         rank = get_tensor_model_parallel_rank() if ranks > 1 else 0
         for layer in self.model.layers:
             if hasattr(layer, "self_attn"):  # pipeline stages hold placeholders for other stages' layers
-                layer.self_attn = FDCAttention(layer.self_attn, self.config, vllm_config.cache_config, fdc, rank)
+                layer.self_attn = VllmFDCAttention(layer.self_attn, self.config, vllm_config.cache_config, fdc, rank)
         self.fdc_settings = fdc
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """vLLM's loading of the Hugging Face checkpoint (each layer's KV heads permuted by the balanced order when
         there are several ranks), then the folds; the artifact is checked against the checkpoint's own attention
-        tensors as they stream in (their digests, as fdc_ops.calibration.FDCArtifact.check_model compares a Hugging
+        tensors as they stream in (their digests, as fdc_ops.artifact.FDCArtifact.check_model compares a Hugging
         Face model's)."""
         config = self.config
         artifact = self.fdc_settings.artifact
-        identity = artifact.metadata["identity"]
+        recorded = artifact.metadata["identity"]
         found: dict[str, tuple[str, str, str]] = {}
         partition = self.fdc_settings.partition
         permuted: set[tuple[int, str]] = set()
@@ -270,7 +269,7 @@ class FDCModelMixin:
                 match = _IDENTITY_NAME.match(name)
                 if match:
                     canonical = match.group(1) + match.group(2)
-                    found[canonical] = families.compared_digest(identity, canonical, tensor)
+                    found[canonical] = identity.compared_digest(recorded, canonical, tensor)
                 match = _HEAD_TENSOR_NAME.match(name)
                 if partition is not None and match and name != f"model.layers.{match.group(1)}.self_attn.o_proj.bias":
                     layer, part, kind = int(match.group(1)), match.group(2), match.group(3)
@@ -279,9 +278,9 @@ class FDCModelMixin:
                 yield name, tensor
 
         loaded = super().load_weights(recording(weights))
-        artifact.check_identity(families.text_config(SimpleNamespace(config=config)), found, "this checkpoint")
+        artifact.check_identity(identity.text_config(config), found, "this checkpoint")
         attention = [(index, layer.self_attn) for index, layer in enumerate(self.model.layers)
-                     if isinstance(getattr(layer, "self_attn", None), FDCAttention)]
+                     if isinstance(getattr(layer, "self_attn", None), VllmFDCAttention)]
         if partition is not None:
             # Every tensor a shard is cut from must have been permuted, or a rank would hold other heads than its own.
             unpermuted = [(index, name) for index, module in attention
@@ -289,7 +288,7 @@ class FDCModelMixin:
                           + (("q_proj.bias", "k_proj.bias", "v_proj.bias") if module.qkv_proj.bias is not None else ())
                           if (index, name) not in permuted]
             if unpermuted:
-                raise calibration.ArtifactError(
+                raise ArtifactError(
                     f"fdc_ops.vllm: with tensor_parallel_size={partition.ranks}, each layer's KV heads are permuted "
                     f"as the checkpoint loads, but these tensors were not found under their Hugging Face names "
                     f"(model.layers.N.self_attn.q_proj.weight, ...): {unpermuted[:6]}")
