@@ -53,11 +53,42 @@ import torch
 import torch.nn.functional as F
 
 # bench_common first: it puts the repository root on sys.path for fdc_ops.
-from bench_common import (GROUP, HEAD_DIM, NUM_KV_HEADS, SCALE, SdpaSweep, Timer, ablation_dims, adaptive_dims,
-                          bench_parser, cell, copy_bandwidth, detail, device_line, dtype_name, faster_than, finite,
-                          first_line, has_enable_gqa, head_buckets, layout_line, layout_record, median,
-                          num_workers_for, p99, phase_targets, print_header, provenance, randn, release,
-                          sdpa_backends, setup, target, verdict, write_json)
+from bench_common import (
+    GROUP,
+    HEAD_DIM,
+    NUM_KV_HEADS,
+    SCALE,
+    SdpaSweep,
+    Timer,
+    ablation_dims,
+    adaptive_dims,
+    bench_parser,
+    cell,
+    copy_bandwidth,
+    detail,
+    device_line,
+    dtype_name,
+    faster_than,
+    finite,
+    first_line,
+    has_enable_gqa,
+    head_buckets,
+    layout_line,
+    layout_record,
+    median,
+    num_workers_for,
+    p99,
+    phase_targets,
+    print_header,
+    provenance,
+    randn,
+    release,
+    sdpa_backends,
+    setup,
+    target,
+    verdict,
+    write_json,
+)
 from fdc_ops import ops
 from fdc_ops.apps.provenance import device_name, git_commit
 from fdc_ops.plans import DecodePlan, concat_workers
@@ -321,8 +352,8 @@ def bench_case(case: Case, qk_dims, v_dims, device, timer: Timer, copy_gbps: flo
     for cache in case.caches:
         inputs = FdcInputs(case.lengths, qk_dims, v_dims, dtype, device, cache)
         plan = inputs.plan()
-        add(cache, "fdc_attention", "fdc decode_attention (plan given)", timer(lambda: inputs.attention(plan)),
-            compressed)
+        add(cache, "fdc_attention", "fdc decode_attention (plan given)",
+            timer(lambda inputs=inputs, plan=plan: inputs.attention(plan)), compressed)
         add(cache, "fdc_step", "fdc decode_plan + decode_attention", timer(inputs.step), compressed)
         if device.type == "cuda":
             try:
@@ -384,7 +415,7 @@ def balance_ablation(lengths_list, dtype, device, timer: Timer) -> list[dict]:
         for policy, plan in plans.items():
             span, over_ideal = makespan(plan, qk_dims, v_dims)
             try:
-                seconds = median(timer(lambda: inputs.attention(plan)))
+                seconds = median(timer(lambda inputs=inputs, plan=plan: inputs.attention(plan)))
             except RuntimeError as error:
                 seconds, span_error = float("nan"), first_line(error)
                 results[policy] = dict(micros=seconds, makespan=span, makespan_over_ideal=over_ideal,

@@ -32,8 +32,8 @@ import torch
 # bench_common first: it puts the repository root on sys.path for fdc_ops.
 from bench_common import Timer, bench_parser, setup, verdict, write_json
 from fdc_ops import calibration, files, hf
-from fdc_ops.hf.loading import load_model
 from fdc_ops.apps.provenance import device_name, git_commit
+from fdc_ops.hf.loading import load_model
 
 
 def ints(text: str) -> list[int]:

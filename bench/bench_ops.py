@@ -37,9 +37,28 @@ import torch
 import torch.nn.functional as F
 
 # bench_common first: it puts the repository root on sys.path for fdc_ops.
-from bench_common import (GROUP, HEAD_DIM, NUM_KV_HEADS, SCALE, Timer, adaptive_dims, bench_parser, copy_bandwidth,
-                          device_line, dtype_name, layout_line, layout_record, median, phase_targets,
-                          provenance, setup, useful_flops, verdict, width_ratio, write_json)
+from bench_common import (
+    GROUP,
+    HEAD_DIM,
+    NUM_KV_HEADS,
+    SCALE,
+    Timer,
+    adaptive_dims,
+    bench_parser,
+    copy_bandwidth,
+    device_line,
+    dtype_name,
+    layout_line,
+    layout_record,
+    median,
+    phase_targets,
+    provenance,
+    setup,
+    useful_flops,
+    verdict,
+    width_ratio,
+    write_json,
+)
 from fdc_ops import ops
 from fdc_ops.apps.provenance import device_name, git_commit
 

@@ -63,11 +63,41 @@ import torch
 import torch.nn.functional as F
 
 # bench_common first: it puts the repository root on sys.path for fdc_ops.
-from bench_common import (GROUP, HEAD_DIM, NUM_KV_HEADS, SCALE, SDPA_REFUSALS, SdpaSweep, Timer, ablation_dims,
-                          adaptive_dims, bench_parser, cell, detail, device_line, dtype_name, faster_than, finite,
-                          first_line, has_enable_gqa, head_buckets, layout_line, layout_record, median, num_workers_for,
-                          phase_targets, print_header, provenance, randn, release, sdpa_backends, setup,
-                          target, useful_flops, write_json)
+from bench_common import (
+    GROUP,
+    HEAD_DIM,
+    NUM_KV_HEADS,
+    SCALE,
+    SDPA_REFUSALS,
+    SdpaSweep,
+    Timer,
+    ablation_dims,
+    adaptive_dims,
+    bench_parser,
+    cell,
+    detail,
+    device_line,
+    dtype_name,
+    faster_than,
+    finite,
+    first_line,
+    has_enable_gqa,
+    head_buckets,
+    layout_line,
+    layout_record,
+    median,
+    num_workers_for,
+    phase_targets,
+    print_header,
+    provenance,
+    randn,
+    release,
+    sdpa_backends,
+    setup,
+    target,
+    useful_flops,
+    write_json,
+)
 from fdc_ops import ops
 from fdc_ops.apps.provenance import device_name, git_commit
 from fdc_ops.plans import ROW_STEP, PrefillPlan, concat_workers, visible_keys
@@ -326,7 +356,7 @@ def balance_ablation(shapes: list[tuple[str, list[int], bool]], dtype, device, t
                 if reference is None:
                     reference = out_t.float()
                 result["max_abs_diff_vs_lpt"] = float((out_t.float() - reference).abs().max())
-                result["micros"] = median(timer(lambda: inputs.attention(plan_t))) * 1e6
+                result["micros"] = median(timer(lambda inputs=inputs, plan_t=plan_t: inputs.attention(plan_t))) * 1e6
             except (RuntimeError, NotImplementedError) as error:
                 result["micros"] = float("nan")
                 result["error"] = first_line(error)
@@ -357,8 +387,8 @@ def plan_cost(shapes: list[tuple[str, list[int], bool]], qk_dims, v_dims, dtype,
             cached = timer(inputs.plan, repeats=max(timer.repeats, 20), flush=False)
             entry.update(records=PrefillPlan.from_tensor(plan).num_records, cached_us=median(cached) * 1e6,
                          cached_max_us=max(cached) * 1e6)
-            entry["attention_us"] = median(timer(lambda: inputs.attention(plan))) * 1e6
-            entry["step_us"] = median(timer(lambda: inputs.attention(None))) * 1e6
+            entry["attention_us"] = median(timer(lambda inputs=inputs, plan=plan: inputs.attention(plan))) * 1e6
+            entry["step_us"] = median(timer(lambda inputs=inputs: inputs.attention(None))) * 1e6
             entry["first_share"] = entry["first_us"] / entry["attention_us"]
             entry["cached_share"] = entry["cached_us"] / entry["attention_us"]
         except (RuntimeError, NotImplementedError) as error:
@@ -419,7 +449,7 @@ def bench_case(case: Case, qk_dims, v_dims, device, timer: Timer, peak: float, g
                                 ("fdc_step", "fdc prefill_plan + prefill_attention", lambda: None)):
         try:
             plan = make()
-            times = timer(lambda: inputs.attention(plan))
+            times = timer(lambda plan=plan: inputs.attention(plan))
             add(method, label, times, fdc_flops)
         except (RuntimeError, NotImplementedError) as error:  # e.g. a build without the CUDA prefill kernels
             rows.append(Row(case.name, case.causal, dtype_name(dtype), method, label, float("nan"),

@@ -45,9 +45,10 @@ def parse_args():
 def run_engine(model: str, overrides: dict | None, ranks: int, args) -> dict:
     import gc
 
-    import fdc_ops.vllm
     from vllm import LLM, SamplingParams
     from vllm.distributed import cleanup_dist_env_and_memory
+
+    import fdc_ops.vllm
 
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = fdc_ops.vllm.cpu_thread_binding(ranks)
     start = time.perf_counter()

@@ -35,9 +35,9 @@ def sanitizer_errors(log: str) -> int | None:
 
 
 def summarise(out: Path) -> dict:
-    from fdc_ops.apps.provenance import git_commit
-
     import torch
+
+    from fdc_ops.apps.provenance import git_commit
 
     exit_codes = {}
     codes_file = out / "exit-codes"

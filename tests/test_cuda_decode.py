@@ -17,8 +17,22 @@ import os
 import pytest
 import torch
 
-from conftest import DTYPES, Layout, assert_close_to_cpu, assert_close_to_reference, capture_graph, case_generator, \
-    offsets, randn, random_block_table, random_layout, random_lengths, skip_without_cuda_kernels, strided_rows, to_pages
+from conftest import (
+    DTYPES,
+    Layout,
+    assert_close_to_cpu,
+    assert_close_to_reference,
+    capture_graph,
+    case_generator,
+    offsets,
+    randn,
+    random_block_table,
+    random_layout,
+    random_lengths,
+    skip_without_cuda_kernels,
+    strided_rows,
+    to_pages,
+)
 from fdc_ops import ops, reference
 
 skip_without_cuda_kernels("decode_plan", "decode_attention")
@@ -388,23 +402,23 @@ def test_smollm2_shaped_decode_step_in_a_graph(paged):
         return outs
 
     graph, graph_outs = capture_graph(lambda: step(k_caches, v_caches))
-    for replay_index, lengths in enumerate([[5, 0, 1000, 64], [capacity - 1, 17, 0, 512], lengths]):
-        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+    for replay_index, replayed in enumerate([[5, 0, 1000, 64], [capacity - 1, 17, 0, 512], lengths]):
+        seqlens.copy_(torch.tensor(replayed, dtype=torch.int32))
         for i, lo in enumerate(layouts):
-            k_caches[i].copy_(cache_for(lengths, lo.qk_width))
-            v_caches[i].copy_(cache_for(lengths, lo.v_width))
+            k_caches[i].copy_(cache_for(replayed, lo.qk_width))
+            v_caches[i].copy_(cache_for(replayed, lo.v_width))
             for tensor in (queries[i], new_k[i], new_v[i]):
                 tensor.copy_(randn(tuple(tensor.shape), dtype, gen))
         eager_k, eager_v = [c.clone() for c in k_caches], [c.clone() for c in v_caches]
         graph.replay()
         eager_outs = step(eager_k, eager_v)
         torch.cuda.synchronize()
-        what = f"replay {replay_index} lengths={lengths} paged={paged} {replay}"
+        what = f"replay {replay_index} lengths={replayed} paged={paged} {replay}"
         for i in range(num_layers):
             assert torch.equal(graph_outs[i], eager_outs[i]), f"layer {i} output: graph != eager, {what}"
             assert torch.equal(k_caches[i].nan_to_num(7.0), eager_k[i].nan_to_num(7.0)), f"layer {i} keys, {what}"
             assert torch.equal(v_caches[i].nan_to_num(7.0), eager_v[i].nan_to_num(7.0)), f"layer {i} values, {what}"
-        lo, grown = layouts[0], torch.tensor(lengths, dtype=torch.int32) + 1
+        lo, grown = layouts[0], torch.tensor(replayed, dtype=torch.int32) + 1
         args = (queries[0].cpu(), k_caches[0].cpu(), v_caches[0].cpu(), grown, lo.qk_offsets, lo.v_offsets, group,
                 scale)
         expected = reference.decode_attention_ref(*args, block_table=block_table)

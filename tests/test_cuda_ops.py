@@ -12,10 +12,22 @@ import os
 import pytest
 import torch
 
-from conftest import DTYPES, assert_close_to_reference, capture_graph, case_generator, offsets, random_block_table, \
-    randn, random_layout, random_lengths, random_rope_inputs, rope_tables, skip_without_cuda_kernels, to_pages
+from conftest import (
+    DTYPES,
+    assert_close_to_reference,
+    capture_graph,
+    case_generator,
+    offsets,
+    randn,
+    random_block_table,
+    random_layout,
+    random_lengths,
+    random_rope_inputs,
+    rope_tables,
+    skip_without_cuda_kernels,
+    to_pages,
+)
 from fdc_ops import ops, reference
-
 
 skip_without_cuda_kernels("rotate_compress", "rope_rotate_compress", "append_kv")
 

@@ -22,8 +22,19 @@ import os
 import pytest
 import torch
 
-from conftest import DTYPES, Layout, assert_close_to_cpu, assert_close_to_reference, case_generator, offsets, \
-    randn, random_layout, random_lengths, skip_without_cuda_kernels, strided_rows
+from conftest import (
+    DTYPES,
+    Layout,
+    assert_close_to_cpu,
+    assert_close_to_reference,
+    case_generator,
+    offsets,
+    randn,
+    random_layout,
+    random_lengths,
+    skip_without_cuda_kernels,
+    strided_rows,
+)
 from fdc_ops import ops, reference
 from fdc_ops.plans import PrefillPlan, concat_workers, visible_keys
 

@@ -15,7 +15,7 @@ def test_curve_counts_a_compression_only_when_every_smaller_one_keeps_the_target
         dip = rng.choice(demo.CURVE_GRID)  # a score that falls below the target there and recovers after it
         edge = rng.uniform(0.0, 0.6)  # where the score falls for good
 
-        def score(compression: float) -> float:
+        def score(compression: float, dip=dip, edge=edge) -> float:
             if abs(compression - dip) < 1e-9 or compression > edge:
                 return 0.9
             return 1.0

@@ -7,7 +7,6 @@ import torch
 
 import fdc_ops.ops
 
-
 OPS = [name for name in fdc_ops.ops.__all__ if hasattr(torch.ops.fdc, name)]  # the wrappers of torch.ops.fdc
 
 

@@ -10,7 +10,6 @@ import torch
 import fdc_ops  # noqa: F401  (registers torch.ops.fdc)
 from conftest import SAMPLE_CASES, cuda_skip_reason, sample_inputs
 
-
 OPS = ("rotate_compress", "rope_rotate_compress", "prefill_plan", "prefill_attention", "decode_plan",
        "decode_attention", "append_kv")
 

@@ -10,8 +10,20 @@ import random
 import pytest
 import torch
 
-from conftest import DTYPES, assert_close_to_reference, case_generator, offsets, random_block_table, random_layout, \
-    randn, random_lengths, random_rope_inputs, rope_tables, strided_rows, to_pages
+from conftest import (
+    DTYPES,
+    assert_close_to_reference,
+    case_generator,
+    offsets,
+    randn,
+    random_block_table,
+    random_layout,
+    random_lengths,
+    random_rope_inputs,
+    rope_tables,
+    strided_rows,
+    to_pages,
+)
 from fdc_ops import ops, reference
 
 CASES = 60  # per op and run: enough fresh configurations that every branch (dtype, causal, empty and

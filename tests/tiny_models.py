@@ -55,7 +55,7 @@ def hand_rope(x: torch.Tensor, positions: torch.Tensor, theta: float, partial: f
 
 
 def rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
-    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps")
+    eps = getattr(norm, "variance_epsilon", None) or norm.eps
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm.weight.detach().to(torch.float64)
 
 

@@ -174,7 +174,7 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
     complete = True
     try:
         for name in methods:
-            metrics.compression_curve(lambda c: relative(name, c)[1], grid, refine, refine_steps)
+            metrics.compression_curve(lambda c, name=name: relative(name, c)[1], grid, refine, refine_steps)
     except OutOfTime:
         complete = False
         print(f"stopping: the {budget_s:.0f} s budget is spent; run again to continue")

@@ -121,8 +121,10 @@ def run(removal_rate: float = 0.1, prompt_lengths: tuple[int, ...] = (301, 77, 1
         ops.append_kv(k_cache, v_cache, k_step, v_step, step_cu, seqlens, qk_offsets, v_offsets)
         seqlens += 1
         plan = ops.decode_plan(seqlens, qk_offsets, v_offsets, GROUP)
-        out, ms = _timed(lambda: ops.decode_attention(q_step, k_cache, v_cache, seqlens, qk_offsets, v_offsets,
-                                                      GROUP, scale, plan))
+        def decode(q_step=q_step, seqlens=seqlens, plan=plan):
+            return ops.decode_attention(q_step, k_cache, v_cache, seqlens, qk_offsets, v_offsets, GROUP, scale, plan)
+
+        out, ms = _timed(decode)
         decode_ms.append(ms)
         expected = reference.decode_attention_ref(q_step, k_cache, v_cache, seqlens, qk_offsets, v_offsets, GROUP,
                                                   scale)

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
-
 from vllm.config import VllmConfig
 from vllm.v1.attention.backend import (
     AttentionBackend,

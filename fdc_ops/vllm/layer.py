@@ -5,7 +5,6 @@ backend and to ask for a KV cache of exactly the layer's packed widths."""
 from __future__ import annotations
 
 import torch
-
 from vllm.config import CacheConfig, VllmConfig
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.attention.attention import unified_attention_with_output
