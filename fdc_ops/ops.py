@@ -235,6 +235,11 @@ def decode_plan(
     status 0. The CUDA planner takes at most 1024 KV heads, 1024 workers and ``B * H_kv + 3 * num_workers``
     up to 2**23.
 
+    What ``decode_attention`` does with a plan: the CUDA kernel runs exactly its tasks, one persistent block per
+    worker. On the CPU the portable kernels also run its tasks (one thread per worker), but the AVX-512 kernels only
+    check it: they cut requests into pieces of keys read for every KV head at once (whole rows or pages, in order),
+    which a plan's per-KV-head tasks cannot express (docs/design.md section 7; csrc/cpu/decode_attention.cpp).
+
     Args:
         cache_seqlens: ``(B,)`` int32 cache lengths, on the device whose plan is wanted.
         qk_offsets, v_offsets: ``(H_kv + 1,)`` int32 CPU prefix sums of the head widths.

@@ -35,10 +35,7 @@ constexpr int64_t kMaxBlockKeys = 512;
 constexpr int64_t kMaxPagedBlockKeys = 128;
 
 // Keys per block of the portable task kernel (run_task): a whole page at vLLM's CPU page size, so a KV head's block of
-// a dim-major page is one contiguous run of d * 128 elements instead of two halves read one after the other, column by
-// column. Measured on the 2-core Intel Xeon (float32, SmolLM2's widths at compression 0.1, 8 requests, pages of 128,
-// caches far larger than the LLC): decode_attention took 206 us per layer at 256 keys (222 with 64-key blocks) and 1380
-// us at 2048 (1535). Scores, one 128 x 256 key and one value block in float stay at 272 KiB at most, within L2.
+// a dim-major page is one contiguous run; best of those measured (bench/results/ops/README.md, "CPU decode").
 constexpr int64_t kTaskKeyBlock = 128;
 
 // Degree of the exp polynomial (vec_avx512.h exp16) of the AVX-512 kernels: half-precision outputs are rounded to 8
@@ -219,13 +216,10 @@ void run_task(const int32_t* record, const Problem& pb, const T* q, int64_t q_ld
   finish_task(record, pb, ws.acc.get(), softmax.data(), out, out_ld);
 }
 
-// Keys of a request for run_piece_avx512: a piece is keys [t0, t1) of request b for every KV head. A KV head's
-// columns are a slice of each token's row (W_qk elements for K) or of each page, so a task of one KV head reads a
-// strided fraction of every row or page: measured on a 2-core AMD EPYC (AVX-512), a contiguous cache read that way
-// ran at 3 GB/s per core where whole rows in order ran at 8-9; on the 2-core Intel Xeon, B=8 x 16K bf16 from
-// 16-token pages shuffled over the pool took 42 ms by KV-head tasks and 18 ms by pieces (128-token pages 20 and 16.5
-// ms; a page's address translation and its column runs serve all heads at once). A piece reads its keys' blocks whole
-// and in order, one after the other, and scores every KV head on the block while it is in cache.
+// Keys of a request for run_piece_avx512: a piece is keys [t0, t1) of request b for every KV head. A task of one KV
+// head would read a strided fraction of every row or page, measured 2-3x slower than whole rows in order; a piece
+// reads its keys' blocks whole and in order and scores every KV head on a block while it is in cache
+// (bench/results/ops/README.md, "CPU decode").
 struct RowPiece {
   int64_t b, t0, t1, index;  // index: which of its request's pieces this is
 };
@@ -268,37 +262,13 @@ struct RowScratch {
         softmax(heads) {}
 };
 
-// How the next block is brought towards the core: the best way was measured to differ between vendors, and on AMD
-// between kernels (read_ahead_for).
-// - kStream: prefetcht0 of the whole next block, one cache line per register the kernels load from the current block
-//   (avx512::PrefetchStream), its ranges of bytes in turns. On the 2-core AMD EPYC (bench_ops' layout; builds
-//   alternated process by process, each time a median of 15 calls), against plain loads of the whole block, its
-//   ranges in turns, before its first KV head (the way before): bf16 B=8 x 16K contiguous 6.4-7.7 -> 5.7-5.9 ms,
-//   B=4 x 8K 1.45-1.56 -> 1.31-1.40; from 16-token pages shuffled over the pool 8.4-9.9 -> 6.9-7.0 and 1.5-2.3 ->
-//   1.23-1.37 ms. A load that misses holds up retirement, so the loads had to come as a burst of their own, which
-//   the block's arithmetic then waited behind; prefetches retire at once, so spread over the arithmetic they
-//   overlap it (in a burst, prefetches had been no better than the loads: 16 ms against 8.1, B=4 x 8K bf16, an
-//   earlier kernel).
-// - kLoads: those loads, where the block's arithmetic is short next to its bytes: contiguous caches whose rows are
-//   widened to float (float32, float16, or bf16 without AVX-512-BF16). There the stream lost (same A/B: float32 B=8 x
-//   16K 10.3-11.9 ms by loads against 12.0-14.9 by the stream, float16 7.4-7.6 against 7.6-9.1; SmolLM2's float32 step,
-//   30 layers of one 8K request, 9.0-10.9 against 11.1-12.1 ms), while from pages the stream won in every precision
-//   (float32 16-token pages 17.4-18.9 -> 12.3-14.2 ms, 128-token 13.1-13.5 -> 10.8-12.0; float16 11.0-11.2 -> 8.1-9.6
-//   and 7.5-7.7 -> 6.3). From memory the burst is most of a float32 step: perf puts 59% of the kernel's samples at B=8
-//   x 16K (11.7 ms) in it and the rest in the arithmetic that waits behind it (about 31 and 44 GB/s per core, one after
-//   the other). Ways to overlap them were slower (2-core AMD EPYC, float32 B=8 x 16K, settings or builds alternated
-//   process by process): the stream by prefetcht1 12.9-14.6 ms against 10.4-11.5 by loads; loads for the first two
-//   thirds or half of each range and the stream for the rest 11.8-13.0 and 13.3-13.6 against 10.1-11.6; no read-ahead
-//   17.0-18.9 against 11.0-16.8. A burst of 8 loads per loop instead of 2 (fewer instructions per line in flight)
-//   changed nothing (10.4-10.9 against 10.5-10.9 ms): the burst is held by the core's misses in flight, not by its
-//   instruction window.
-// - kPrefetchL2: prefetcht1 per cache line, a share of the block before each KV head (prefetch_rows_share,
-//   prefetch_runs_share). On the 2-core Intel Xeon with AMX (bench_ops shapes, 2 threads, the
-//   variants taken in turn in one process), B=8 x 16K took 17.1 ms in bf16 and 27.5 ms in fp32 with loads, 15.8 and
-//   26.2 with prefetcht0, 15.5 and 25.9 with prefetcht1 (prefetcht2 alike), 19.9 and 29.0 without reading ahead:
-//   there a load that misses holds up retirement, so the block's arithmetic waited behind the loads it follows.
-//   Reading 2, 3 or 4 blocks ahead instead of 1 was slower (bf16 16.3, 16.8, 16.9 ms; fp32 27.9, 28.4, 29.2). The
-//   stream has not been measured there.
+// How the next block is brought towards the core, measured to differ between vendors and, on AMD, between kernels
+// (read_ahead_for; the A/B runs: bench/results/ops/README.md, "CPU decode"):
+// - kStream: prefetcht0 of the whole next block spread over the current block's loads (avx512::PrefetchStream):
+//   prefetches retire at once, so they overlap the arithmetic where a burst of missing loads would stall it;
+// - kLoads: plain loads of the next block in a burst, where the block's arithmetic is short next to its bytes
+//   (contiguous caches widened to float), where the stream lost on AMD;
+// - kPrefetchL2: prefetcht1 per cache line, a share of the block before each KV head: the best on Intel.
 enum class ReadAhead { kStream, kLoads, kPrefetchL2 };
 
 // The way for this CPU, a paged cache or not, and products without widening (bf16 by vdpbf16ps) or not, unless the
@@ -319,37 +289,16 @@ ReadAhead read_ahead_for(const char* op, bool paged, bool bf16_products) {
   return paged || bf16_products ? ReadAhead::kStream : ReadAhead::kLoads;
 }
 
-// K and V bytes of a contiguous cache's block under kStream and kLoads (contiguous_block_rows). When the next block was
-// read ahead whole by loads before the block's first KV head (K rows then V rows when these figures were taken),
-// measured on the 2-core AMD EPYC (Zen 5; bench_ops' layout, whose rows take 1632 bytes in bf16 and 3264 in float;
-// variants alternated call by call in one process, the times below from one run each): B=8 x 16K bf16 took 6.8 / 6.8
-// / 7.1 / 7.9 ms with blocks of 64 / 96 / 128 / 160 rows (104 / 157 / 209 / 261 KB), B=4 x 8K bf16 1.71 / 1.65 / 1.69
-// / 1.78; fp32 B=8 x 16K 12.2 / 12.5 / 13.0 / 12.8 ms with 48 / 64 / 96 / 128 rows (157 / 209 / 313 / 418 KB), B=4 x
-// 8K 2.9 / 2.9 / 3.8 / 3.3 ms; 384- and 512-row blocks were slower again (bf16 8x16K 8.4 and 9.1 ms). Against the
-// layout before, 512 KiB blocks whose successor was read in one share per KV head before that head's work (bf16 8.1
-// and 2.6 ms, fp32 13.8 and 3.8): 16%, 37%, 11% and 22% faster. Per-head shares of 128-row blocks had taken 7.9 and 1.9
-// ms in bf16 in an earlier run, and shares of half a head each were slower than shares per head (bf16 B=8 x 16K 9.2
-// against 8.5 ms): one long sequential sweep per block is what the L2 stream prefetcher follows best. So about 160 KiB
-// (its block and the one read ahead take a third of the 1 MiB L2). Measured again once the read-ahead took K and V in
-// turns (builds alternated process by process): 96 / 160 / 256 KiB took 1.54-1.57 / 1.41-1.46 / 1.62-1.69 ms for B=4 x
-// 8K bf16 and 6.6-6.8 / 6.1-6.3 / 6.55-6.75 for B=8 x 16K; fp32 2.87-3.06 / 2.61-2.63 / 2.89-2.92 and 11.7-12.5
-// / 10.9-11.3 / 11.1-11.6 ms. With the stream (kStream, bf16): 96 / 160 / 256 KiB 1.22-1.43 / 1.23-1.37 / 1.37-1.52
-// and 6.1-6.2 / 5.9-6.35 / 6.5-7.0 ms, 96 and 160 within the noise.
+// K and V bytes of a contiguous cache's block under kStream and kLoads (contiguous_block_rows): about 160 KiB, so a
+// block and the one read ahead take a third of a 1 MiB L2; one long sequential sweep per block is what the L2 stream
+// prefetcher follows best (bench/results/ops/README.md, "CPU decode").
 constexpr int64_t kBlockBytes = 160 << 10;
 
 // Rows per block of a piece of a contiguous cache whose rows take row_bytes of K and V together.
-// - kPrefetchL2: 16, one dot_rows group and the fewest: on the Intel Xeon (same A/B as above, reading 1 block ahead)
-//   B=8 x 16K took 13.5 / 15.0 / 15.2 / 16.1 ms in bf16 and 22.8 / 23.9 / 24.4 / 24.8 ms in fp32 with blocks of
-//   16 / 32 / 48 / 64 rows, and B=4 x 8K 2.56 / 2.67 / 2.59 / 2.74 ms (bf16); 128 and 256 rows were slower than 64
-//   again. A block of 16 rows (26 KiB of K and V in bf16 for the benchmark's layout) stays in L1 from its scores to
-//   its value sums, and each head's share of the read-ahead is a short burst between its products.
+// - kPrefetchL2: 16, one dot_rows group: the block stays in L1 from its scores to its value sums (fastest on Intel).
 // - kStream and kLoads: kBlockBytes of rows, a multiple of 16 from 16 to kMaxBlockKeys, and at most a quarter of
-//   the piece's `piece_rows` (but not below 64): a thread's first piece starts on a block nobody read ahead, and a
-//   piece's first block is read ahead only during the last block of the piece before it. SmolLM2's decode shape on the
-//   AMD EPYC (30 layers, 3 KV heads of 64 + 64 float columns, one request of 4K keys: pieces of 512 rows) took 5.6-5.8
-//   ms per step in one block per piece and 5.1-5.3 in quarters when blocks were 512 KiB, when no piece's first block
-//   was read ahead. With them read ahead (run_piece_avx512's `following`), bf16 pieces in 160 KiB blocks (208 rows)
-//   instead of quarters took 3.2-4.7 against 2.8-3.3 ms for 4K keys and 1.9-3.3 against 1.3-1.6 for 2K.
+//   the piece's `piece_rows` (but not below 64): a thread's first piece starts on a block nobody read ahead.
+// The measurements: bench/results/ops/README.md, "CPU decode".
 int64_t contiguous_block_rows(ReadAhead way, int64_t row_bytes, int64_t piece_rows) {
   if (way == ReadAhead::kPrefetchL2) return 16;
   const int64_t quarter = std::max<int64_t>(64, ceil_div(piece_rows, 4 * 16) * 16);
@@ -357,23 +306,9 @@ int64_t contiguous_block_rows(ReadAhead way, int64_t row_bytes, int64_t piece_ro
 }
 
 // Keys per block of a piece of a paged cache: the runs of every page the block touches, at most kMaxPagedBlockKeys.
-// - kPrefetchL2: 256 bytes of each column (128 keys of bf16 or fp16, 64 of float), a whole 128-token page of half
-//   precision, several pages when pages are shorter. Measured on the 2-core Intel Xeon (bench_ops' layout, pages
-//   shuffled over the pool, block sizes alternated process by process), in ms for 16- and 128-token pages: B=8 x 16K
-//   bf16 16 keys 15.4 / 21.0, 32: 14.4 / 19.5, 48: 13.4 / 16.0, 64: 13.0 / 14.3, 128: 13.0 / 13.2, 256: 15.7 / 14.4;
-//   B=4 x 8K bf16 64: 2.47 / 2.42, 128: 2.37 / 2.23; fp32 B=4 x 8K 64: 4.7 / 4.0, 128: 4.9 / 4.6; B=8 x 16K fp32
-//   64: 24.0 / 24.0, 128: 26.2 / 23.5. So the bytes per column set the length, not the key count: the best was 256
-//   bytes in both precisions, and twice that was slower in both.
-// - kStream: whole pages, as many as fit in kStreamPagedBlockKeys, or one page of at most kMaxPagedBlockKeys keys
-//   (half a page beyond). On the AMD EPYC (same A/B), with the stream: from 16-token pages B=8 x 16K took 5.2-6.4 ms
-//   in bf16 with 64-key blocks against 6.3-7.7 with 128 (float 11.1-11.7 against 12.6-14.6), B=4 x 8K 1.3-1.4 in
-//   both (float 2.47-2.58 against 3.2-3.6); in a noisier hour, 6 rounds, bf16 B=8 x 16K 5.5-7.9 ms (median 7.5)
-//   against 6.5-10.3 (7.6). 32-key blocks were slower in bf16 (2.3 and 6.4 ms); 32-token pages took bf16 1.7 /
-//   1.6-2.5 ms and 7.1 / 6.8-7.2 with 64 / 128 keys, float 2.5 / 3.3 ms at B=4 x 8K; 128-token pages cut in blocks of
-//   64 or 96 keys were slower than whole (B=8 x 16K bf16 7.3-7.8 against 5.7-6.0 ms). When the next block
-//   was read ahead by loads, B=8 x 16K from 128-token pages took in float 18.9-19.1 / 12.9-13.0 / 13.9-14.8 ms with
-//   blocks of 64 / 128 / 256 keys (256 / 512 / 1024 bytes of a column), in bf16 8.5 / 9.1-9.3 / 9.4-10.1 ms with 128
-//   / 256 / 512 keys.
+// - kPrefetchL2: 256 bytes of each column (the bytes per column set the best length, not the key count);
+// - kStream: whole pages, as many as fit in kStreamPagedBlockKeys, or one page of at most kMaxPagedBlockKeys keys.
+// The measurements: bench/results/ops/README.md, "CPU decode".
 constexpr int64_t kStreamPagedBlockKeys = 64;
 
 template <typename T>
@@ -421,12 +356,7 @@ struct PageRuns {
 
 // prefetch_l2 of the j-th of `shares` parts of a paged block's K and V, page by page: the block's columns listed run
 // by run (the K columns of run 0, its V columns, the K columns of run 1, ...), each part a contiguous slice of that
-// list, so a part is one or two long ranges of bytes (whole pages, or a page's K or V columns) where a whole page is
-// in the block. On the AMD EPYC, when it read ahead this way by loads (builds alternated process by process), B=8 x
-// 16K bf16 from 128-token pages took 6.8-6.9 ms against 7.7-8.0 when each part was the j-th share of every run's K
-// columns and of its V columns, B=4 x 8K 1.60-1.62 against 1.87-1.91 ms. One block ahead was best: B=8 x 16K bf16
-// from shuffled 16-token pages took 16.5 / 17.4 / 17.8 / 17.8 ms reading 1 / 2 / 3 / 4 blocks ahead (Intel Xeon,
-// before this order).
+// list, so a part is one or two long ranges of bytes; one block ahead (bench/results/ops/README.md, "CPU decode").
 template <typename T>
 inline void prefetch_runs_share(const PageRuns<T>& runs, int64_t page_size, int64_t qk_width, int64_t v_width,
                                 int64_t j, int64_t shares) {
@@ -449,14 +379,9 @@ inline void prefetch_runs_share(const PageRuns<T>& runs, int64_t page_size, int6
 }
 
 // The ranges of bytes that hold a block's K and V, at most kMaxRanges: a contiguous cache's K rows and V rows (2), or
-// each page run's K columns and V columns (from the run's first key in column 0 to its last key in the last column),
-// prefetched by an avx512::PrefetchStream (ReadAhead::kStream), a line of each range in turn. Ranges in turns were
-// measured when the block was read ahead by loads before its first KV head (2-core AMD EPYC, bench_ops' layout, builds
-// alternated process by process), against ranges one after the other: from shuffled 16-token pages B=4 x 8K bf16
-// 2.65 -> 2.1-2.2 ms and B=8 x 16K 12.1-12.5 -> 9.7-10.2 ms, 128-token pages 1.65-1.70 -> 1.4-1.55 and 7.1-7.5 ->
-// 6.4-6.8 ms, a contiguous cache 1.56-1.66 -> 1.33-1.48 and 6.6-6.7 -> 5.7-6.6 ms. Pages that follow each other in
-// memory are one range (add): 16-token pages in pool order, taken in turns page by page, had taken 11.3-11.8 ms
-// (B=8 x 16K bf16) against 7.7-8.1 as one K and one V range.
+// each page run's K columns and V columns, prefetched by an avx512::PrefetchStream (ReadAhead::kStream), a line of
+// each range in turn (faster than ranges one after the other); pages that follow each other in memory are one range
+// (add). Measured: bench/results/ops/README.md, "CPU decode".
 template <int64_t kMaxRanges>
 struct BlockBytes {
   const char* first[kMaxRanges];
@@ -532,21 +457,15 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
   };
   const int64_t rows = block_keys(piece);
   const int64_t col_stride = kc.col_stride();
-  // Value sums over bf16 pages by vdpbf16ps (dot_columns_tile_bf16) where a page's column fills a 32-token register: on
-  // the AMD EPYC (bench_ops' layer, alternated call by call) B=8 x 16K took 7.17 against 7.55 ms from 128-token pages,
-  // 8.2 against 8.5 from 64-token, 9.3 against 9.4 from 32-token, but 12.2 against 11.8 from 16-token pages, whose
-  // half-filled registers cost more than the widening they save. So 16-token pages put two columns in a register
-  // (dot_columns_page16_bf16): B=4 x 8K 1.86-2.01 against 2.27-2.35 ms by widening, B=8 x 16K 9.45-9.6 against 10.4
-  // (builds alternated process by process). Pages of 17 to 31 tokens keep widening.
+  // Value sums over bf16 pages by vdpbf16ps (dot_columns_tile_bf16) where a page's column fills a 32-token register,
+  // and for 16-token pages two columns per register (dot_columns_page16_bf16); pages of 17 to 31 tokens keep
+  // widening, whose cost their half-filled registers would exceed (bench/results/ops/README.md, "CPU decode").
   const bool bf16_pages =
       std::is_same_v<T, c10::BFloat16> && bf16_dot && vc.paged() && (vc.page_size >= 32 || vc.page_size == 16);
   // Key scores of bf16 pages without widening: pages of 32 tokens or more by axpy_rows_bf16 (two columns interleaved,
-  // one vdpbf16ps per pair of columns and head), pages of 16 by dot_page16_bf16 (two columns in one load). On the AMD
-  // EPYC (bench_ops' layer, pages shuffled over the pool, builds alternated process by process), 128-token pages
-  // B=4 x 8K took 1.34-1.55 against 1.46-1.60 ms by widening, B=8 x 16K 6.1-6.8 against 6.5-7.2; 32-token 1.83-1.85
-  // against 1.91-1.97 and 8.2-8.3 against 8.4-8.6; 16-token 2.15-2.23 against 2.32-2.44 and 10.2-10.5 against
-  // 10.7-10.9 (axpy_rows_bf16 there: 2.1-2.7 and 10.5-11.1, its registers half empty). The runs of a 16-token page
-  // start at its first token: pieces start at page starts (cut_rows) and blocks are whole pages (paged_block_keys).
+  // one vdpbf16ps per pair of columns and head), pages of 16 by dot_page16_bf16 (two columns in one load); both
+  // faster than widening (bench/results/ops/README.md, "CPU decode"). The runs of a 16-token page start at its
+  // first token: pieces start at page starts (cut_rows) and blocks are whole pages (paged_block_keys).
   const bool bf16_key_pages = std::is_same_v<T, c10::BFloat16> && bf16_dot && kc.paged();
   const bool bf16_weights = vc.paged() ? bf16_pages : std::is_same_v<T, c10::BFloat16> && bf16_dot;
   PageRuns<T> runs[2];  // paged: the block's and the next block's runs, by turns
@@ -634,9 +553,7 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
         const float factor = softmax[i].rescale_for(avx512::max_of(si, n) * pb.scale);
         if (factor != 1.f) avx512::scale_in_place(acc + i * dv, dv, factor);
         // Where the value products take bf16 weights, the exps are rounded as they are made (exp2_for_bf16, one
-        // pass): on the AMD EPYC (bench_ops' layer, bf16, in L3, builds alternated process by process, 8 rounds)
-        // B=1 x 8K contiguous took 0.24-0.26 against 0.25-0.36 ms with float exps rounded in a pass of their own,
-        // 128-token pages 0.22-0.29 against 0.24-0.33.
+        // pass, not a pass of their own: measured in bench/results/ops/README.md, "CPU decode").
         if (bf16_weights) {
           softmax[i].sum += avx512::exp_sum_to_bf16<true>(
               si, n, pb.scale, softmax[i].max, reinterpret_cast<c10::BFloat16*>(weights + i * kMaxBlockKeys));
