@@ -22,6 +22,9 @@
 
 #include "cpu/cpu_common.h"
 #include "cpu/vec_avx512.h"
+#include "cpu/vec_avx512_axpy.h"
+#include "cpu/vec_avx512_rows.h"
+#include "cpu/vec_avx512_softmax.h"
 #include "cpu/vec_math.h"
 #include "fdc/prefill_plan.h"
 #include "fdc/softmax_merge.h"

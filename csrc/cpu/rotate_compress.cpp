@@ -5,6 +5,7 @@
 
 #include "cpu/cpu_common.h"
 #include "cpu/vec_avx512.h"
+#include "cpu/vec_avx512_axpy.h"
 #include "cpu/vec_math.h"
 
 namespace fdc::cpu {

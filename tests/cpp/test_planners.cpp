@@ -1,7 +1,8 @@
 // Tests of the torch-free headers (include/fdc): the planners against independent, naive implementations of the
-// algorithms their headers document, exact coverage of the work, the LPT bound, the closed-form causal cost, the
-// sort, the worker pool and the log-sum-exp merge. Fresh random cases from a seeded generator (the seed is printed;
-// pass one as argv[1] to replay), plus fixed edge cases. Exit code = number of failed checks (capped at 255).
+// algorithms their headers document, the CPU decode kernel's pieces, exact coverage of the work, the LPT bound, the
+// closed-form causal cost, the sort, the worker pool and the log-sum-exp merge. Fresh random cases from a seeded
+// generator (the seed is printed; pass one as argv[1] to replay), plus fixed edge cases. Exit code = number of failed
+// checks (capped at 255).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -12,6 +13,7 @@
 #include <tuple>
 #include <vector>
 
+#include "fdc/decode_pieces.h"
 #include "fdc/decode_plan.h"
 #include "fdc/decode_plan_device.h"
 #include "fdc/decode_tiles.h"
@@ -535,6 +537,38 @@ void test_decode_shared_memory() {
 
 }  // namespace
 
+// cut_rows: every request covered exactly, in order, by pieces of one length (each request's last shorter), that
+// length the smallest multiple of the quantum reaching both kMinPieceRows and the requests' keys over
+// kPiecesPerThread pieces per thread; split_offsets counts each (request, KV head)'s pieces.
+void test_cut_rows(const std::vector<int32_t>& lens, int64_t hkv, int64_t threads, int64_t quantum) {
+  std::vector<int32_t> splits;
+  const std::vector<fdc::RowPiece> pieces = fdc::cut_rows(lens, hkv, threads, quantum, splits);
+  int64_t total = 0;
+  for (int32_t len : lens) total += len;
+  int64_t length = quantum;
+  while (length < fdc::kMinPieceRows || length * fdc::kPiecesPerThread * threads < total) length += quantum;
+  CHECK(int64_t(splits.size()) == int64_t(lens.size()) * hkv + 1 && splits[0] == 0, "split_offsets size");
+  size_t next = 0;
+  for (int64_t b = 0; b < int64_t(lens.size()); ++b) {
+    int64_t t = 0, index = 0;
+    while (next < pieces.size() && pieces[next].b == b) {
+      const fdc::RowPiece& p = pieces[next++];
+      CHECK(p.t0 == t && p.index == index && p.t1 > p.t0, "request %lld: piece %lld is [%lld, %lld)", (long long)b,
+            (long long)index, (long long)p.t0, (long long)p.t1);
+      CHECK(p.t1 - p.t0 == length || p.t1 == lens[b], "request %lld: a piece of %lld keys, not %lld", (long long)b,
+            (long long)(p.t1 - p.t0), (long long)length);
+      t = p.t1, ++index;
+    }
+    CHECK(t == lens[b], "request %lld: pieces end at %lld of %d keys", (long long)b, (long long)t, lens[b]);
+    for (int64_t j = 0; j < hkv; ++j)
+      CHECK(splits[b * hkv + j + 1] - splits[b * hkv + j] == index, "request %lld head %lld: %d slots for %lld pieces",
+            (long long)b, (long long)j, splits[b * hkv + j + 1] - splits[b * hkv + j], (long long)index);
+  }
+  CHECK(next == pieces.size(), "pieces of no request");
+  CHECK(int64_t(pieces.size()) <= fdc::kPiecesPerThread * threads + int64_t(lens.size()), "%zu pieces for %lld threads",
+        pieces.size(), (long long)threads);
+}
+
 int main(int argc, char** argv) {
   seed = argc > 1 ? static_cast<unsigned>(std::strtoul(argv[1], nullptr, 10)) : std::random_device{}();
   std::printf("test_planners seed %u\n", seed);
@@ -542,6 +576,16 @@ int main(int argc, char** argv) {
   test_building_blocks(rng);
   test_visible_keys(rng);
   test_decode_shared_memory();
+  test_cut_rows({}, 3, 2, 1);
+  test_cut_rows({0, 0}, 2, 4, 16);
+  test_cut_rows({8192}, 3, 2, 1);  // SmolLM2's one long request on 2 threads
+  test_cut_rows({100000, 3, 0, 257}, 8, 16, 128);
+  for (int trial = 0; trial < 300; ++trial) {
+    std::vector<int32_t> lens(rng() % 12);
+    for (auto& len : lens) len = rng() % 3 == 0 ? int32_t(rng() % 40000) : int32_t(rng() % 600);
+    const int64_t quanta[] = {1, 16, 32, 128};
+    test_cut_rows(lens, 1 + rng() % 8, 1 + rng() % 64, quanta[rng() % 4]);
+  }
 
   const Layout fixed{{0, 64, 80}, {0, 32, 96}, 2};
   test_decode_plan(fixed, {}, 4);                        // empty batch

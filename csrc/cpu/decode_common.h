@@ -1,0 +1,141 @@
+// What both ways of the CPU decode (csrc/cpu/decode_attention.cpp) share: the caches as views, the problem's
+// constants, the per-task result and its partials. Included by decode_attention.cpp only.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <type_traits>
+
+#include "checks.h"
+#include "cpu/cpu_common.h"
+#include "cpu/vec_math.h"
+#include "fdc/softmax_merge.h"
+
+// Internal linkage, as when this was part of decode_attention.cpp (the only file that includes it): the compiler may
+// inline and specialise these functions for their one caller.
+namespace fdc::cpu::decode {
+namespace {
+
+// The longest block of keys of a piece (run_piece_avx512), the scores' leading dimension there, a multiple of 32
+// (exp_sum_to_bf16 fills whole 32-value chunks): reached by contiguous caches of narrow layers (contiguous_block_rows).
+constexpr int64_t kMaxBlockKeys = 512;
+// The longest block of keys of a piece of a paged cache (paged_block_keys), whose page runs a piece lists per block.
+constexpr int64_t kMaxPagedBlockKeys = 128;
+
+// Degree of the exp polynomial (vec_avx512.h exp16) of the AVX-512 kernels: half-precision outputs are rounded to 8
+// (bf16) or 11 (fp16) significant bits, far coarser than degree 4's 5e-5 relative error; float32 keeps degree 6.
+template <typename T>
+constexpr int kExpDegree = std::is_same_v<T, float> ? 6 : 4;
+
+// A block of a float matrix: element (r, c) at data[r * stride + c].
+struct FloatRows {
+  const float* data;
+  int64_t stride;
+};
+
+// One cache (K or V): contiguous (B, S_max, width) or paged (num_pages, width, page_size) with a block table.
+template <typename T>
+struct CacheView {
+  const T* data;
+  int64_t stride0;             // between requests (contiguous) or pages (paged)
+  int64_t stride1;             // between rows (contiguous); unused when paged
+  const int32_t* block_table;  // (B, max_pages) when paged, else nullptr
+  int64_t max_pages;
+  int64_t page_size;
+
+  bool paged() const { return block_table != nullptr; }
+
+  // End of the block starting at t0: at most `keys` keys, cut at the chunk end and, when paged, at the page end.
+  int64_t block_end(int64_t t0, int64_t chunk_end, int64_t keys) const {
+    int64_t end = std::min(chunk_end, t0 + keys);
+    if (paged()) end = std::min(end, (t0 / page_size + 1) * page_size);
+    return end;
+  }
+
+  // Asks for the memory of keys [t0, t1), columns [col, col + dim), ahead of use. Contiguous caches put every row
+  // of a wide layer on its own 4 KiB page, where hardware prefetchers stop, so without this each row of a block
+  // waits on DRAM in turn.
+  void prefetch(int64_t b, int64_t t0, int64_t t1, int64_t col, int64_t dim) const {
+    constexpr int64_t kLine = 64;  // bytes per cache line
+    const int64_t runs = paged() ? dim : t1 - t0;
+    const int64_t run_bytes = (paged() ? t1 - t0 : dim) * static_cast<int64_t>(sizeof(T));
+    const char* first = reinterpret_cast<const char*>(
+        paged() ? data + block_table[b * max_pages + t0 / page_size] * stride0 + col * page_size + t0 % page_size
+                : data + b * stride0 + t0 * stride1 + col);
+    const int64_t run_stride = static_cast<int64_t>(sizeof(T)) * (paged() ? page_size : stride1);
+    for (int64_t r = 0; r < runs; ++r)
+      for (int64_t byte = 0; byte < run_bytes; byte += kLine) __builtin_prefetch(first + r * run_stride + byte);
+  }
+
+  // Element (key t, column col) of request b: within a block (a page, when paged) keys follow each other stride1
+  // elements apart (1 when paged), columns col_stride() apart.
+  const T* at(int64_t b, int64_t t, int64_t col) const {
+    return paged() ? data + block_table[b * max_pages + t / page_size] * stride0 + col * page_size + t % page_size
+                   : data + b * stride0 + t * stride1 + col;
+  }
+  int64_t col_stride() const { return paged() ? page_size : 1; }
+
+  // Keys [t0, t1) of request b, columns [col, col + dim), as float: token-major (t1 - t0 rows of dim) when
+  // contiguous, column-major (dim rows of t1 - t0 tokens) when paged, the page's own order. Float caches are read
+  // in place; half-precision ones are widened into `scratch`.
+  FloatRows block(int64_t b, int64_t t0, int64_t t1, int64_t col, int64_t dim, float* scratch) const {
+    const T* src;
+    int64_t src_stride, rows, cols;
+    if (paged()) {
+      src = data + block_table[b * max_pages + t0 / page_size] * stride0 + col * page_size + t0 % page_size;
+      src_stride = page_size, rows = dim, cols = t1 - t0;
+    } else {
+      src = data + b * stride0 + t0 * stride1 + col;
+      src_stride = stride1, rows = t1 - t0, cols = dim;
+    }
+    if constexpr (std::is_same_v<T, float>) {
+      return {src, src_stride};
+    } else {
+      rows_to_float(src, src_stride, rows, cols, scratch);
+      return {scratch, cols};
+    }
+  }
+};
+
+// A float buffer of n elements left uninitialised: every user writes what it reads first (the tests pass with these
+// buffers filled with NaN), and zero-filling the task scratch (136 KiB per call when it always held the two widened
+// blocks) cost more than a short decode task's own work.
+inline std::unique_ptr<float[]> uninitialized_floats(int64_t n) { return std::unique_ptr<float[]>(new float[n]); }
+
+struct Problem {
+  const checks::HostLayout* layout;
+  float scale;
+  const int32_t* split_offsets;  // (B * H_kv + 1) from the plan
+  float* partial_out;            // (num_tasks, G, max_v_dim) for split requests
+  float* partial_lse;            // (num_tasks, G)
+  int64_t max_v_dim;
+};
+
+// Writes one task's result: the normalised output of each of the G query heads, or, when its request is split
+// into chunks, the (output, log-sum-exp) partial for merge_splits. acc (G, d_v) holds the unnormalised sums.
+template <typename T>
+void finish_task(const int32_t* record, const Problem& pb, const float* acc, const OnlineSoftmax* softmax, T* out,
+                 int64_t out_ld) {
+  const checks::HostLayout& layout = *pb.layout;
+  const int64_t hkv = layout.num_kv_heads(), group = layout.group;
+  const int64_t b = record[0] / hkv, j = record[0] % hkv, chunk = record[1];
+  const int64_t dv = layout.v_offsets[j + 1] - layout.v_offsets[j];
+  const HeadLayoutView view = layout.view();
+  const int64_t bj = b * hkv + j;
+  const bool split = pb.split_offsets[bj + 1] - pb.split_offsets[bj] > 1;
+  for (int64_t i = 0; i < group; ++i) {
+    const float inv = softmax[i].inverse_sum();
+    if (split) {
+      const int64_t slot = pb.split_offsets[bj] + chunk;
+      float* po = pb.partial_out + (slot * group + i) * pb.max_v_dim;
+      for (int64_t c = 0; c < dv; ++c) po[c] = acc[i * dv + c] * inv;
+      pb.partial_lse[slot * group + i] = softmax[i].lse();
+    } else {
+      T* oi = out + b * out_ld + view.o_column(static_cast<int32_t>(j * group + i));
+      for (int64_t c = 0; c < dv; ++c) oi[c] = static_cast<T>(acc[i * dv + c] * inv);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace fdc::cpu::decode

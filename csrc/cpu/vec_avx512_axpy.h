@@ -1,0 +1,196 @@
+// AVX-512 weighted row sums (vec_avx512.h says how these kernels are built): the value sums of a contiguous
+// cache's token-major rows and the key scores of bf16 pages of 32 tokens or more, in float and, with
+// AVX-512-BF16, bf16 pairs without widening.
+#pragma once
+
+#include "cpu/vec_avx512.h"
+
+namespace fdc::cpu::avx512 {
+
+// acc[i * acc_ld + x] += sum_r w[i * w_ld + r] * rows[r * row_stride + x] for kHeads heads and kVecs registers of
+// columns (the last one masked by `last`): all kHeads x kVecs accumulators stay in registers over the n rows, and
+// each row's slice is loaded and widened once for all kHeads heads.
+template <typename T, int kHeads, int kVecs>
+FDC_AVX512 void axpy_tile(const float* w, int64_t w_ld, const T* rows, int64_t row_stride, int64_t n, __mmask16 last,
+                          float* acc, int64_t acc_ld, PrefetchStream& stream) {
+  PrefetchStream ahead = stream;
+  __m512 sums[kHeads][kVecs];
+#pragma GCC unroll 4
+  for (int h = 0; h < kHeads; ++h)
+#pragma GCC unroll 4
+    for (int v = 0; v < kVecs; ++v)
+      sums[h][v] = _mm512_maskz_loadu_ps(v + 1 == kVecs ? last : __mmask16(0xFFFF), acc + h * acc_ld + v * kLanes);
+  for (int64_t r = 0; r < n; ++r) {
+    const T* row = rows + r * row_stride;
+    __m512 x[kVecs];
+#pragma GCC unroll 4
+    for (int v = 0; v < kVecs; ++v) {
+      x[v] = load16(row + v * kLanes, v + 1 == kVecs ? last : __mmask16(0xFFFF));
+      ahead.step();
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < kHeads; ++h) {
+      const __m512 weight = _mm512_set1_ps(w[h * w_ld + r]);
+#pragma GCC unroll 4
+      for (int v = 0; v < kVecs; ++v) sums[h][v] = _mm512_fmadd_ps(weight, x[v], sums[h][v]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < kHeads; ++h)
+#pragma GCC unroll 4
+    for (int v = 0; v < kVecs; ++v)
+      _mm512_mask_storeu_ps(acc + h * acc_ld + v * kLanes, v + 1 == kVecs ? last : __mmask16(0xFFFF), sums[h][v]);
+  stream = ahead;
+}
+
+// Tiles are at most kTileHeads x kTileVecs registers: 16 accumulators, plus kTileVecs row registers and a broadcast
+// weight, within the 32 registers.
+constexpr int kTileHeads = 4, kTileVecs = 4;
+
+template <typename T, int kHeads>
+FDC_AVX512 void axpy_tile_vecs(int vecs, const float* w, int64_t w_ld, const T* rows, int64_t row_stride, int64_t n,
+                               __mmask16 last, float* acc, int64_t acc_ld, PrefetchStream& ahead) {
+  switch (vecs) {
+    case 1: return axpy_tile<T, kHeads, 1>(w, w_ld, rows, row_stride, n, last, acc, acc_ld, ahead);
+    case 2: return axpy_tile<T, kHeads, 2>(w, w_ld, rows, row_stride, n, last, acc, acc_ld, ahead);
+    case 3: return axpy_tile<T, kHeads, 3>(w, w_ld, rows, row_stride, n, last, acc, acc_ld, ahead);
+    case 4: return axpy_tile<T, kHeads, 4>(w, w_ld, rows, row_stride, n, last, acc, acc_ld, ahead);
+    default: TORCH_CHECK(false, "fdc: axpy tile of ", vecs, " registers, expected 1 to ", kTileVecs);
+  }
+}
+
+// Weighted row sums: acc[i * acc_ld + x] += sum_r w[i * w_ld + r] * rows[r * row_stride + x] for i < group, r < n,
+// x < len; in tiles of up to 4 heads x 64 columns.
+template <typename T>
+FDC_AVX512 void axpy_rows(const float* w, int64_t w_ld, int64_t group, const T* rows, int64_t row_stride, int64_t n,
+                          int64_t len, float* acc, int64_t acc_ld, PrefetchStream& ahead) {
+  for (int64_t x0 = 0; x0 < len; x0 += kTileVecs * kLanes) {
+    const int64_t cols = std::min<int64_t>(kTileVecs * kLanes, len - x0);
+    const int vecs = static_cast<int>((cols + kLanes - 1) / kLanes);
+    const __mmask16 last = lanes_mask(cols - (vecs - 1) * kLanes);
+    for (int64_t h0 = 0; h0 < group; h0 += kTileHeads) {
+      const int heads = static_cast<int>(std::min<int64_t>(kTileHeads, group - h0));
+      const float* wh = w + h0 * w_ld;
+      float* ah = acc + h0 * acc_ld + x0;
+      switch (heads) {
+        case 1: axpy_tile_vecs<T, 1>(vecs, wh, w_ld, rows + x0, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 2: axpy_tile_vecs<T, 2>(vecs, wh, w_ld, rows + x0, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 3: axpy_tile_vecs<T, 3>(vecs, wh, w_ld, rows + x0, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 4: axpy_tile_vecs<T, 4>(vecs, wh, w_ld, rows + x0, row_stride, n, last, ah, acc_ld, ahead); break;
+        default: TORCH_CHECK(false, "fdc: axpy tile of ", heads, " heads, expected 1 to ", kTileHeads);
+      }
+    }
+  }
+}
+
+// axpy_tile for bf16 rows and bf16 weights, with AVX-512-BF16: rows r and r + 1 are interleaved element by element
+// (vpunpcklwd and vpunpckhwd, within each 128-bit lane), so one vdpbf16ps adds w[r] row_r + w[r + 1] row_{r + 1} to
+// 16 columns, against two widenings and two FMAs per row in float. kChunks registers of 32 columns (the last masked
+// by `last`) for kHeads heads; w holds each head's weights as bf16 bits, zero after n up to an even count, so the pair
+// (w[r], w[r + 1]) is one 32-bit lane. The interleave leaves the columns of each 128-bit lane split in two: dword
+// 4L + i of the first sum holds column 8L + i, of the second column 8L + 4 + i (L < 4, i < 4); they are put back in
+// order once per tile.
+template <int kHeads, int kChunks>
+FDC_AVX512_BF16 void axpy_pairs_tile(const uint16_t* w, int64_t w_ld, const c10::BFloat16* rows, int64_t row_stride,
+                                     int64_t n, __mmask32 last, float* acc, int64_t acc_ld, PrefetchStream& stream) {
+  PrefetchStream ahead = stream;
+  constexpr int64_t kPairs = 2 * kLanes;  // columns per register of bf16
+  const auto chunk_mask = [last](int c) { return c + 1 == kChunks ? last : __mmask32(0xFFFFFFFF); };
+  __m512 low[kHeads][kChunks], high[kHeads][kChunks];
+#pragma GCC unroll 4
+  for (int h = 0; h < kHeads; ++h)
+#pragma GCC unroll 2
+    for (int c = 0; c < kChunks; ++c) low[h][c] = high[h][c] = _mm512_setzero_ps();
+  for (int64_t r = 0; r < n; r += 2) {
+    const c10::BFloat16* row = rows + r * row_stride;
+    __m512bh x_low[kChunks], x_high[kChunks];
+#pragma GCC unroll 2
+    for (int c = 0; c < kChunks; ++c) {
+      const __mmask32 mask = chunk_mask(c);
+      const __m512i a = _mm512_maskz_loadu_epi16(mask, row + c * kPairs);
+      const __m512i b = _mm512_maskz_loadu_epi16(r + 1 < n ? mask : __mmask32(0), row + row_stride + c * kPairs);
+      ahead.step();
+      ahead.step();
+      x_low[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      x_high[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < kHeads; ++h) {
+      uint32_t pair;
+      std::memcpy(&pair, w + h * w_ld + r, sizeof(pair));
+      const __m512bh weights = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair));
+#pragma GCC unroll 2
+      for (int c = 0; c < kChunks; ++c) {
+        low[h][c] = _mm512_dpbf16_ps(low[h][c], x_low[c], weights);
+        high[h][c] = _mm512_dpbf16_ps(high[h][c], x_high[c], weights);
+      }
+    }
+  }
+  // Lane m of first (second): column m (16 + m), taken from `low` (index < 16) or `high` (index - 16).
+  alignas(64) static constexpr int32_t kFirst[kLanes] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+  alignas(64) static constexpr int32_t kSecond[kLanes] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+  const __m512i first = _mm512_load_si512(kFirst), second = _mm512_load_si512(kSecond);
+#pragma GCC unroll 4
+  for (int h = 0; h < kHeads; ++h)
+#pragma GCC unroll 2
+    for (int c = 0; c < kChunks; ++c) {
+      const __mmask32 mask = chunk_mask(c);
+      float* a = acc + h * acc_ld + c * kPairs;
+      const __mmask16 m0 = __mmask16(mask), m1 = __mmask16(mask >> kLanes);
+      const __m512 cols0 = _mm512_permutex2var_ps(low[h][c], first, high[h][c]);
+      const __m512 cols1 = _mm512_permutex2var_ps(low[h][c], second, high[h][c]);
+      _mm512_mask_storeu_ps(a, m0, _mm512_add_ps(cols0, _mm512_maskz_loadu_ps(m0, a)));
+      _mm512_mask_storeu_ps(a + kLanes, m1, _mm512_add_ps(cols1, _mm512_maskz_loadu_ps(m1, a + kLanes)));
+    }
+  stream = ahead;
+}
+
+// axpy_rows for bf16 rows with bf16 weights (exp_sum_to_bf16, w_ld elements per head), by axpy_pairs_tile: tiles of
+// up to 4 heads x 64 columns (16 accumulators, 4 interleaved row registers and a weight pair within the 32 registers).
+FDC_AVX512_BF16 inline void axpy_rows_bf16(const uint16_t* w, int64_t w_ld, int64_t group, const c10::BFloat16* rows,
+                                           int64_t row_stride, int64_t n, int64_t len, float* acc, int64_t acc_ld,
+                                           PrefetchStream& ahead) {
+  constexpr int64_t kPairs = 2 * kLanes, kTileColumns = 2 * kPairs;
+  for (int64_t x0 = 0; x0 < len; x0 += kTileColumns) {
+    const int64_t cols = std::min(kTileColumns, len - x0);
+    const int chunks = static_cast<int>((cols + kPairs - 1) / kPairs);
+    const __mmask32 last = pairs_mask(cols - (chunks - 1) * kPairs);
+    for (int64_t h0 = 0; h0 < group; h0 += 4) {
+      const int heads = static_cast<int>(std::min<int64_t>(4, group - h0));
+      const uint16_t* wh = w + h0 * w_ld;
+      const c10::BFloat16* r = rows + x0;
+      float* ah = acc + h0 * acc_ld + x0;
+      switch (heads * 2 + chunks - 1) {
+        case 2: axpy_pairs_tile<1, 1>(wh, w_ld, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 3: axpy_pairs_tile<1, 2>(wh, w_ld, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 4: axpy_pairs_tile<2, 1>(wh, w_ld, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 5: axpy_pairs_tile<2, 2>(wh, w_ld, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 6: axpy_pairs_tile<3, 1>(wh, w_ld, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 7: axpy_pairs_tile<3, 2>(wh, w_ld, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 8: axpy_pairs_tile<4, 1>(wh, w_ld, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 9: axpy_pairs_tile<4, 2>(wh, w_ld, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        default: TORCH_CHECK(false, "fdc: bf16 axpy tile of ", heads, " heads and ", chunks, " registers");
+      }
+    }
+  }
+}
+
+// Interleaves two rows of bf16 values into VNNI pairs: out[2 x] = a[x], out[2 x + 1] = b[x] for x < width, where
+// a[x] and b[x] count as 0 for x >= n (b may be null: all 0); width is a multiple of 32.
+FDC_AVX512 inline void interleave_pairs(const c10::BFloat16* a, const c10::BFloat16* b, int64_t n, int64_t width,
+                                        c10::BFloat16* out) {
+  alignas(64) static constexpr uint16_t kLow[32] = {0, 32, 1, 33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static constexpr uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                     24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
+  for (int64_t x = 0; x < width; x += 32) {
+    const __mmask32 mask = n - x >= 32 ? ~__mmask32(0) : n > x ? (__mmask32(1) << (n - x)) - 1 : 0;
+    const __m512i va = _mm512_maskz_loadu_epi16(mask, a + x);
+    const __m512i vb = b ? _mm512_maskz_loadu_epi16(mask, b + x) : _mm512_setzero_si512();
+    _mm512_storeu_si512(out + 2 * x, _mm512_permutex2var_epi16(va, low, vb));
+    _mm512_storeu_si512(out + 2 * x + 32, _mm512_permutex2var_epi16(va, high, vb));
+  }
+}
+
+}  // namespace fdc::cpu::avx512
