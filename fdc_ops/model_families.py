@@ -34,9 +34,9 @@ SERVED_ARCHITECTURES = {family.architecture: family.vllm_class for family in FAM
 #: Model types asked for and refused, with the reason (what they need that the ops do not have yet).
 REFUSED = {
     "gemma2": "sliding-window layers and attention logit soft-capping",
-    "gemma3": "sliding-window layers and a query scale other than 1/sqrt(head_dim)",
-    "gemma3_text": "sliding-window layers and a query scale other than 1/sqrt(head_dim)",
-    "mixtral": "sliding-window attention in its released configurations, and no tested mixture-of-experts path",
+    "gemma3": "sliding-window layers and per-head q/k norms its family code does not read",
+    "gemma3_text": "sliding-window layers and per-head q/k norms its family code does not read",
+    "mixtral": "a mixture-of-experts family that no test covers",
 }
 
 

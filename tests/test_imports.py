@@ -21,24 +21,17 @@ def imported(path: Path, module: str, module_level: bool) -> set[str]:
     anywhere, function bodies included. ``from X import Y`` counts X, and X.Y where that is a module."""
     tree = ast.parse(path.read_text(), str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    nodes = []
-
-    def collect(body):
-        for node in body:
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
+    if module_level:  # the statements that run on import: the module's own, and those in its ifs and trys
+        statements, nodes = list(tree.body), []
+        while statements:
+            node = statements.pop()
+            if isinstance(node, (ast.If, ast.Try)):
+                statements += node.body + node.orelse + getattr(node, "finalbody", [])
+                statements += [s for handler in getattr(node, "handlers", []) for s in handler.body]
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
                 nodes.append(node)
-            elif isinstance(node, (ast.If, ast.Try)) or not module_level:
-                for child in ast.iter_child_nodes(node):
-                    if isinstance(child, ast.stmt):
-                        collect([child])
-                    elif isinstance(child, ast.excepthandler):
-                        collect(child.body)
-                for field in ("body", "orelse", "finalbody", "handlers"):
-                    for child in getattr(node, field, []) or []:
-                        if isinstance(child, ast.stmt):
-                            collect([child])
-
-    collect(tree.body)
+    else:
+        nodes = [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
     found = set()
     for node in nodes:
         if isinstance(node, ast.Import):

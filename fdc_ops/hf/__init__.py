@@ -23,7 +23,7 @@ from . import compat
 compat.check_transformers()
 
 from .. import artifact as artifacts  # noqa: E402
-from ..artifact import resolve_allocation  # noqa: E402,F401  (also the vLLM plugin's, through fdc_ops.artifact)
+from ..artifact import resolve_allocation  # noqa: E402  (fdc_ops.hf.resolve_allocation, as before; vLLM's too)
 from . import families  # noqa: E402
 from .compat import cache_keyword, returned_cache  # noqa: E402,F401  (re-exported for step-by-step callers)
 from .modules import CompressedKVLayer, FDCAttention, PaddingState, PaluAttention  # noqa: E402

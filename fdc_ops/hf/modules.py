@@ -387,10 +387,9 @@ class FDCAttention(_CompressedAttentionBase):
         """hidden_states: (B, S, hidden); the cache comes in ``kwargs`` under the name the transformers release
         uses (fdc_ops.hf.compat.cache_argument). Returns ((B, S, hidden), None)."""
         cache = cache_argument(kwargs, "fdc_ops.hf.modules.FDCAttention")
-        if cache is not None:
-            layer = _cache_layer(cache, self.layer_idx, *self.cache_offsets())
-            if isinstance(layer, StaticCompressedKVLayer):
-                return self._static_forward(hidden_states, position_embeddings, layer), None
+        layer = None if cache is None else _cache_layer(cache, self.layer_idx, *self.cache_offsets())
+        if isinstance(layer, StaticCompressedKVLayer):
+            return self._static_forward(hidden_states, position_embeddings, layer), None
         B, S, _ = hidden_states.shape
         H, Hkv, G = self.num_heads, self.num_kv_heads, self.group
         rows = self._padding.rows(B, S, hidden_states.device)
@@ -402,7 +401,7 @@ class FDCAttention(_CompressedAttentionBase):
         q_rows = ops.rope_rotate_compress(rows.take(q), cos, sin, rotation, self.qk_offsets, G)
         k_rows = ops.rope_rotate_compress(rows.take(k), cos, sin, rotation, self.qk_offsets, 1)
         v_rows = self.v_proj(rows.take(hidden_states))  # (T, v_width)
-        out = _attend(self, q_rows, k_rows, v_rows, rows, S, cache)
+        out = _attend(self, q_rows, k_rows, v_rows, rows, S, layer)
         return self.o_proj(rows.scatter(out, B, S)), None
 
     def _static_forward(self, hidden_states: torch.Tensor, position_embeddings,
@@ -460,16 +459,16 @@ class FDCAttention(_CompressedAttentionBase):
         return self.o_proj(out.view(B, S, -1))
 
 
-def _attend(module, q_rows, k_rows, v_rows, rows: CallRows, new_positions, cache, k_offsets=None,
-            keys_from_cache=None):
+def _attend(module, q_rows, k_rows, v_rows, rows: CallRows, new_positions, layer: CompressedKVLayer | None,
+            k_offsets=None, keys_from_cache=None):
     """Attention of the call's real queries over (cached +) new keys: decode_attention when every request brings one
-    token to a cache, prefill_attention otherwise. Returns (T, G * v_width)."""
+    token to a cache layer (the module's, from _cache_layer; None without a cache), prefill_attention otherwise.
+    Returns (T, G * v_width)."""
     k_offsets = module.qk_offsets if k_offsets is None else k_offsets
     scale, G = module.scaling, module.group
-    if cache is None:
+    if layer is None:
         return ops.prefill_attention(q_rows, k_rows, v_rows, rows.cu, rows.cu, k_offsets, module.v_offsets, G, scale,
                                      True)
-    layer = _cache_layer(cache, module.layer_idx, *(module.cache_offsets()))
     was_empty = not any(layer.host_lengths)
     layer.append(k_rows, v_rows, rows, new_positions)
     if keys_from_cache is not None:  # Palu: full-width keys rebuilt from the cached latent
@@ -566,5 +565,5 @@ class PaluAttention(_CompressedAttentionBase):
                 positions = torch.arange(used, device=latent.device)[None, :].expand(B, -1)
                 return self._keys(layer.k_cache[:, :used], positions).contiguous(), layer.v_cache[:, :used]
 
-            out = _attend(self, q_rows, latent_rows, v_rows, rows, S, cache, keys_from_cache=keys_from_cache)
+            out = _attend(self, q_rows, latent_rows, v_rows, rows, S, layer, keys_from_cache=keys_from_cache)
         return self.o_proj(rows.scatter(out, B, S)), None

@@ -88,7 +88,7 @@ def _check_shape(hf_config, artifact: FDCArtifact) -> None:
     shape = identity.attention_shape(hf_config)
     if shape != artifact.shape:
         raise ArtifactError(f"fdc_ops.vllm: the artifact is for attention shape {artifact.shape}, the "
-                                        f"model has {shape}")
+                            f"model has {shape}")
 
 
 def unsupported(original: nn.Module, model_type: str | None) -> str | None:
@@ -182,8 +182,8 @@ class VllmFDCAttention(nn.Module):
         sharded = self.fdc.partition is not None
         o_bias = None if self.o_proj.bias is None or sharded else self.o_proj.bias.data
         folded = fold_value_and_output(v_weight, self.o_proj.weight.data, v_encoder[layer][heads],
-                                                   v_decoder[layer][heads], self.v_dims.tolist(),
-                                                   self.num_heads // self.num_kv_heads, v_bias, o_bias)
+                                       v_decoder[layer][heads], self.v_dims.tolist(),
+                                       self.num_heads // self.num_kv_heads, v_bias, o_bias)
         self.qkv_proj.weight = nn.Parameter(torch.cat([q_weight, k_weight, folded.value_weight]), requires_grad=False)
         if qkv_bias is not None:
             # A_V carries no bias: the V bias passes through attention unchanged and is folded into o_proj's bias.
