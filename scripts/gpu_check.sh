@@ -3,8 +3,8 @@
 # (machine start and idle included), 10 minutes per command, a bare machine at each start that keeps ignored build
 # outputs only while warm (30 s after a call). Two commands on one warm machine:
 #
-#   first  = prebuilt-or-build, tests, memcheck            limits 180 + 100 + 300 s
-#   second = racecheck, synccheck, initcheck, bench        limits 240 + 60 + 150 + 120 s
+#   first  = prebuilt-or-build, tests, then the four sanitizer tools at once      limits 180 + 100 + 300 s
+#   second = bench                                                                limit 120 s
 #
 # Measured on an H100 on 2026-11-27 (bench/results/gpu-check/README.md): the prebuilt extension's check 7 s, the tests
 # 39 s (714 tests), synccheck 22 s; memcheck reached 119 tests in 150 s, initcheck 96 in 70 s, racecheck 5 in 80 s.
@@ -39,8 +39,8 @@ work=${1:-build/gpu-check}
 mkdir -p "$work"
 python=${PYTHON:-python3}
 steps=${STEPS:-first second}
-steps=${steps//first/build tests memcheck}
-steps=${steps//second/racecheck synccheck initcheck bench}
+steps=${steps//first/build tests memcheck racecheck synccheck initcheck}
+steps=${steps//second/bench}
 status=0
 ran=()
 
@@ -54,8 +54,7 @@ step() {  # step NAME LIMIT_S COMMAND...: runs COMMAND for at most LIMIT_S s, lo
   [ $rc -eq 124 ] && echo "gpu_check: $name stopped at its limit of $limit s" >> "$work/$name.log"
   tail -n 12 "$work/$name.log"
   echo "== $name: exit $rc after $((SECONDS - start)) s"
-  { grep -v "^$name " "$work/exit-codes" 2>/dev/null; echo "$name $rc $((SECONDS - start))"; } > "$work/exit-codes.new"
-  mv "$work/exit-codes.new" "$work/exit-codes"
+  echo "$name $rc $((SECONDS - start))" >> "$work/exit-codes"  # one line per run; gpu_summary.py reads the last
   ran+=("$name")
   [ $rc -eq 0 ] || status=1
   return $rc
@@ -113,14 +112,30 @@ fi
 wants tests && step tests 100 env OMP_NUM_THREADS=$threads "$python" -m pytest "${cuda_tests[@]}" \
   tests/test_bad_input.py tests/test_opcheck.py -q -rs -p no:cacheprovider --durations=10 "${parallel[@]}" \
   ${PYTEST_ARGS:-}
-wants memcheck && under memcheck 4 && step memcheck 300 "${run_under[@]}" "$python" -m pytest "${cuda_tests[@]}" \
-  "${quick[@]}"
-wants racecheck && under racecheck 1 && step racecheck 240 "${run_under[@]}" "$python" -m pytest \
-  "${shared_memory_tests[@]}" "${fewest[@]}"
-wants synccheck && under synccheck 2 && step synccheck 60 "${run_under[@]}" "$python" -m pytest \
-  "${shared_memory_tests[@]}" "${quick[@]}"
-wants initcheck && under initcheck 2 && step initcheck 150 "${run_under[@]}" "$python" -m pytest "${cuda_tests[@]}" \
-  "${quick[@]}"
+# The four sanitizer tools run at once, each over its own pytest-xdist processes (compute-sanitizer follows a
+# command's child processes and prints one error summary per process): one tool and one process at a time, memcheck
+# reached 119 tests in 150 s, initcheck 96 in 70 s and racecheck 5 in 80 s on the H100, too slow to finish all four
+# in one call. Workers per tool roughly in proportion to its tests and slowdown, 15 on 16 cores, one thread each.
+sanitize() {  # sanitize TOOL CASES LIMIT WORKERS TEST_ARGS...: one tool's step, in the background
+  local tool=$1 cases=$2 limit=$3 workers=$4
+  shift 4
+  under "$tool" "$cases"
+  local spread=()
+  [ ${#parallel[@]} -gt 0 ] && spread=(-n "$workers")
+  step "$tool" "$limit" env OMP_NUM_THREADS=1 "${run_under[@]}" "$python" -m pytest "$@" --durations=10 "${spread[@]}" &
+  pids+=($!)
+  names+=("$tool")
+}
+pids=()
+names=()
+wants memcheck && sanitize memcheck 4 300 4 "${cuda_tests[@]}" "${quick[@]}"
+wants racecheck && sanitize racecheck 1 300 5 "${shared_memory_tests[@]}" "${fewest[@]}"
+wants synccheck && sanitize synccheck 2 300 2 "${shared_memory_tests[@]}" "${quick[@]}"
+wants initcheck && sanitize initcheck 2 300 4 "${cuda_tests[@]}" "${quick[@]}"
+for i in "${!pids[@]}"; do
+  wait "${pids[$i]}" || status=1
+  ran+=("${names[$i]}")
+done
 wants bench && rm -f "$work"/*-quick-*.json && step bench 120 sh -c \
   "'$python' bench/bench_decode.py --quick --out '$work' && '$python' bench/bench_prefill.py --quick --out '$work'"
 

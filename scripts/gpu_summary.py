@@ -28,9 +28,20 @@ def pytest_counts(log: str) -> dict[str, int]:
             for n, kind in PYTEST_COUNTS.findall(lines[-1])}
 
 
+RACECHECK_SUMMARY = re.compile(r"RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) errors?, (\d+) warnings?\)")
+
+
 def sanitizer_errors(log: str) -> int | None:
-    """The sum of compute-sanitizer's "ERROR SUMMARY: N errors" lines (one per process), None if it printed none."""
+    """The sum of compute-sanitizer's "ERROR SUMMARY: N errors" lines and racecheck's errors (one summary per
+    process), None if it printed none."""
     counts = [int(n) for n in re.findall(r"ERROR SUMMARY: (\d+) errors?", log)]
+    counts += [int(errors) for errors, _ in RACECHECK_SUMMARY.findall(log)]
+    return sum(counts) if counts else None
+
+
+def sanitizer_warnings(log: str) -> int | None:
+    """The sum of racecheck's warnings (hazards it could not prove harmful), None if it printed no summary."""
+    counts = [int(warnings) for _, warnings in RACECHECK_SUMMARY.findall(log)]
     return sum(counts) if counts else None
 
 
@@ -54,6 +65,8 @@ def summarise(out: Path) -> dict:
             step["pytest"] = counts
         if name in SANITIZER_TOOLS:
             step["sanitizer_errors"] = sanitizer_errors(log)
+        if name == "racecheck":
+            step["sanitizer_warnings"] = sanitizer_warnings(log)
         steps[name] = step
     commit, dirty = git_commit()
     return {
@@ -62,7 +75,8 @@ def summarise(out: Path) -> dict:
         "commit": commit,
         "dirty": dirty,
         "steps": steps,
-        "all_passed": bool(steps) and all(step["exit_code"] == 0 for step in steps.values()),
+        "all_passed": bool(steps) and all(step["exit_code"] == 0 and not step.get("sanitizer_warnings")
+                                          for step in steps.values()),
     }
 
 

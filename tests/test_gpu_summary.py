@@ -25,6 +25,25 @@ def test_sanitizer_errors_add_up_over_processes():
     assert gpu_summary.sanitizer_errors("the tool never ran") is None
 
 
+def test_racecheck_errors_and_warnings_add_up_over_processes():
+    log = ("========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n"
+           "========= RACECHECK SUMMARY: 3 hazards displayed (1 error, 2 warnings)\n")
+    assert gpu_summary.sanitizer_errors(log) == 1
+    assert gpu_summary.sanitizer_warnings(log) == 2
+    assert gpu_summary.sanitizer_warnings("========= ERROR SUMMARY: 0 errors\n") is None
+
+
+def test_the_last_run_of_a_step_counts(tmp_path, monkeypatch):
+    monkeypatch.setenv("FDC_COMMIT", "abc123")
+    (tmp_path / "exit-codes").write_text("racecheck 124 300\nracecheck 0 200\n")
+    (tmp_path / "racecheck.log").write_text("========= RACECHECK SUMMARY: 1 hazard displayed (0 errors, 1 warning)\n")
+    assert gpu_summary.main([str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"]["racecheck"] == {"exit_code": 0, "seconds": 200, "sanitizer_errors": 0,
+                                             "sanitizer_warnings": 1}
+    assert summary["all_passed"] is False, "a racecheck warning is a hazard still to explain"
+
+
 def test_summary_of_a_run(tmp_path, monkeypatch):
     monkeypatch.setenv("FDC_COMMIT", "abc123")
     (tmp_path / "exit-codes").write_text("tests 1 42\nmemcheck 0\n")  # seconds since scripts/gpu_check.sh kept them
