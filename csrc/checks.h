@@ -365,8 +365,11 @@ struct RotateShape {
   int32_t max_dim = 0;   // widest head of the layout
 };
 
+// out_width, when the caller gives it, must be the output's columns group * qk_offsets[-1] (a compiled graph's fixed
+// shape; fdc_ops/ops.py says why it exists).
 inline RotateShape check_rotate_compress(const char* op, const at::Tensor& x, const at::Tensor& rot,
-                                         const at::Tensor& qk_offsets, int64_t group) {
+                                         const at::Tensor& qk_offsets, int64_t group,
+                                         std::optional<int64_t> out_width) {
   check_float(op, "x", x, 3);
   check_float(op, "rot", rot, 3);
   check_same_dtype(op, "rot", rot, "x", x);
@@ -384,6 +387,9 @@ inline RotateShape check_rotate_compress(const char* op, const at::Tensor& x, co
   FDC_CHECK(rot.size(0) == hkv && rot.size(1) == shape.head_dim && rot.size(2) >= shape.max_dim, op,
             "rot must have shape (H_kv=", hkv, ", D=", shape.head_dim, ", R_max>=", shape.max_dim, ") but got ",
             rot.sizes());
+  const int64_t width = group * shape.layout.qk_width();
+  FDC_CHECK(!out_width || *out_width == width, op, "out_width must be group * qk_offsets[-1] = ", group, " * ",
+            shape.layout.qk_width(), " = ", width, " but got ", out_width.value_or(width));
   return shape;
 }
 

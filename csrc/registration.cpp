@@ -11,8 +11,10 @@ extern "C" PyMODINIT_FUNC PyInit__C(void) {
 }
 
 TORCH_LIBRARY(fdc, m) {
-  m.def("rotate_compress(Tensor x, Tensor rot, Tensor qk_offsets, int group) -> Tensor");
-  m.def("rope_rotate_compress(Tensor x, Tensor cos, Tensor sin, Tensor rot, Tensor qk_offsets, int group) -> Tensor");
+  m.def("rotate_compress(Tensor x, Tensor rot, Tensor qk_offsets, int group, int? out_width=None) -> Tensor");
+  m.def(
+      "rope_rotate_compress(Tensor x, Tensor cos, Tensor sin, Tensor rot, Tensor qk_offsets, int group, "
+      "int? out_width=None) -> Tensor");
   m.def(
       "prefill_plan(Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor qk_offsets, Tensor v_offsets, int group, "
       "bool causal, int? num_workers=None, int row_block=64) -> Tensor");

@@ -66,7 +66,8 @@ def prefix_sums(sizes) -> torch.Tensor:
     return torch.cat([sizes.new_zeros(1), sizes.cumsum(0)]).to(torch.int32)
 
 
-def rotate_compress(x: torch.Tensor, rot: torch.Tensor, qk_offsets: torch.Tensor, group: int) -> torch.Tensor:
+def rotate_compress(x: torch.Tensor, rot: torch.Tensor, qk_offsets: torch.Tensor, group: int,
+                    out_width: int | None = None) -> torch.Tensor:
     """Rotates post-RoPE queries or keys per head and keeps each head's leading ``qk_dim`` columns, packed.
 
     Args:
@@ -74,6 +75,9 @@ def rotate_compress(x: torch.Tensor, rot: torch.Tensor, qk_offsets: torch.Tensor
         rot: ``(H_kv, D, R_max)`` truncated rotations, ``R_max >= max(qk_dim)``, dtype of ``x``.
         qk_offsets: ``(H_kv + 1,)`` int32 CPU prefix sums of the per-KV-head widths.
         group: query heads per KV head in ``x`` (1 for keys).
+        out_width: ``group * qk_offsets[-1]``, checked, when the caller knows it. Optional; it is what lets
+            ``torch.compile`` see the output's shape (from the offsets alone it is data, a dynamic size, and an op
+            whose output shape is data breaks a graph that is not compiled with ``fullgraph=True``).
 
     Returns:
         ``(T, group * qk_offsets[-1])``: head ``h``'s segment is ``x[:, h, :] @ rot[h // group, :, :qk_dim]``.
@@ -90,11 +94,11 @@ def rotate_compress(x: torch.Tensor, rot: torch.Tensor, qk_offsets: torch.Tensor
         >>> torch.allclose(packed[:, 8:16], q[:, 1] @ rot[0, :, :8], atol=1e-5)  # query head 1, of KV head 0
         True
     """
-    return torch.ops.fdc.rotate_compress(x, rot, qk_offsets, group)
+    return torch.ops.fdc.rotate_compress(x, rot, qk_offsets, group, out_width)
 
 
 def rope_rotate_compress(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: torch.Tensor,
-                         qk_offsets: torch.Tensor, group: int) -> torch.Tensor:
+                         qk_offsets: torch.Tensor, group: int, out_width: int | None = None) -> torch.Tensor:
     """RoPE and :func:`rotate_compress` in one pass: ``rotate_compress(rope(x), rot, qk_offsets, group)``.
 
     RoPE is Hugging Face's rotate-half form (``apply_rotary_pos_emb``), partial when ``rotary_dim < D`` (Phi-3):
@@ -110,6 +114,7 @@ def rope_rotate_compress(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
         rot: ``(H_kv, D, R_max)`` truncated rotations, ``R_max >= max(qk_dim)``, dtype of ``x``.
         qk_offsets: ``(H_kv + 1,)`` int32 CPU prefix sums of the per-KV-head widths.
         group: query heads per KV head in ``x`` (1 for keys).
+        out_width: ``group * qk_offsets[-1]``, checked, when the caller knows it (as :func:`rotate_compress`).
 
     Returns:
         ``(T, group * qk_offsets[-1])``, dtype of ``x``, packed as :func:`rotate_compress`'s output.
@@ -125,7 +130,7 @@ def rope_rotate_compress(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
         >>> torch.allclose(fused, fdc_ops.rotate_compress(k, rot, qk_offsets, group=1), atol=1e-5)
         True
     """
-    return torch.ops.fdc.rope_rotate_compress(x, cos, sin, rot, qk_offsets, group)
+    return torch.ops.fdc.rope_rotate_compress(x, cos, sin, rot, qk_offsets, group, out_width)
 
 
 def prefill_plan(
@@ -404,25 +409,30 @@ def _check_rotation_inputs(op: str, x, rot, qk_offsets, group: int) -> None:
            f"rot must have shape (H_kv={heads}, D={x.shape[2]}, >= max qk dim) but got {tuple(rot.shape)}")
 
 
+def _packed_rows(op: str, x, out_width):
+    """The (T, out_width) output of the rotation ops under fake tensors. The packed width is the data
+    group * qk_offsets[-1], which fake tensors do not carry: without out_width it is a dynamic size."""
+    if out_width is None:
+        return x.new_empty((x.shape[0], torch.library.get_ctx().new_dynamic_size()))
+    _check(out_width >= 0, op, f"out_width must be group * qk_offsets[-1] >= 0 but got {out_width}")
+    return x.new_empty((x.shape[0], out_width))
+
+
 @torch.library.register_fake("fdc::rotate_compress")
-def _rotate_compress_fake(x, rot, qk_offsets, group):
+def _rotate_compress_fake(x, rot, qk_offsets, group, out_width=None):
     _check_rotation_inputs("rotate_compress", x, rot, qk_offsets, group)
-    # The packed width is the data qk_offsets[-1], which fake tensors do not carry: it is a dynamic size (a caller
-    # that knows the width states it with torch._check, as fdc_ops.hf.modules does).
-    width = torch.library.get_ctx().new_dynamic_size()
-    return x.new_empty((x.shape[0], width))
+    return _packed_rows("rotate_compress", x, out_width)
 
 
 @torch.library.register_fake("fdc::rope_rotate_compress")
-def _rope_rotate_compress_fake(x, cos, sin, rot, qk_offsets, group):
+def _rope_rotate_compress_fake(x, cos, sin, rot, qk_offsets, group, out_width=None):
     _check_rotation_inputs("rope_rotate_compress", x, rot, qk_offsets, group)
     _check_dims("rope_rotate_compress", cos=(cos, 2), sin=(sin, 2))
     _check(cos.shape[0] == x.shape[0], "rope_rotate_compress",
            f"cos must have the T={x.shape[0]} rows of x but got shape {tuple(cos.shape)}")
     _check(sin.shape == cos.shape, "rope_rotate_compress",
            f"sin must have the shape of cos {tuple(cos.shape)} but got {tuple(sin.shape)}")
-    width = torch.library.get_ctx().new_dynamic_size()
-    return x.new_empty((x.shape[0], width))
+    return _packed_rows("rope_rotate_compress", x, out_width)
 
 
 @torch.library.register_fake("fdc::prefill_plan")

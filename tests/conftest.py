@@ -265,6 +265,7 @@ def sample_inputs(device: torch.device | str) -> dict[str, tuple[str, tuple]]:
         "rope_rotate_compress": ("rope_rotate_compress", (x, cos, sin, rot, qk_offsets, group)),
         "rope_rotate_compress_bfloat16": ("rope_rotate_compress", (x.bfloat16(), cos.bfloat16(), sin.bfloat16(),
                                                                    rot.bfloat16(), qk_offsets, group)),
+        "rope_rotate_compress_out_width": ("rope_rotate_compress", (x, cos, sin, rot, qk_offsets, group, group * 24)),
         "prefill_plan": ("prefill_plan", (cu_q, cu_k, qk_offsets, v_offsets, group, True, 3, 64)),
         "prefill_plan_default_workers": ("prefill_plan", (cu_q, cu_k, qk_offsets, v_offsets, group, False, None, 32)),
         "decode_plan": ("decode_plan", (seqlens, qk_offsets, v_offsets, group, 3)),
@@ -294,8 +295,8 @@ def sample_inputs(device: torch.device | str) -> dict[str, tuple[str, tuple]]:
 
 
 SAMPLE_CASES = ("rotate_compress", "rotate_compress_float16", "rope_rotate_compress", "rope_rotate_compress_bfloat16",
-                "prefill_plan", "prefill_plan_default_workers", "decode_plan", "decode_plan_default_workers",
-                "decode_attention", "decode_attention_paged", "decode_attention_plan", "append_kv",
-                "append_kv_paged", "prefill_attention_float32", "prefill_attention_plan_float32",
+                "rope_rotate_compress_out_width", "prefill_plan", "prefill_plan_default_workers", "decode_plan",
+                "decode_plan_default_workers", "decode_attention", "decode_attention_paged", "decode_attention_plan",
+                "append_kv", "append_kv_paged", "prefill_attention_float32", "prefill_attention_plan_float32",
                 "prefill_attention_bfloat16", "prefill_attention_plan_bfloat16")  # sample_inputs' keys, named
 # before any device exists so that tests can be parametrised over them

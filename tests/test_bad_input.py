@@ -201,6 +201,8 @@ def test_rotate_compress_bad_input():
         ops.rotate_compress(x, rot.half(), QK, G)
     with raises("rotate_compress", "x must have 3 dimensions"):
         ops.rotate_compress(x[0], rot, QK, G)
+    with raises("rotate_compress", r"out_width must be group \* qk_offsets\[-1\] = 2 \* 24 = 48 but got 24"):
+        ops.rotate_compress(x, rot, QK, G, out_width=24)
 
 
 @pytest.mark.parametrize("name, value, argument", [
@@ -213,6 +215,7 @@ def test_rotate_compress_bad_input():
     ("sin", torch.randn(3, 16).bfloat16(), "sin must have the dtype of x"),
     ("rot", torch.randn(2, 32, 8), r"rot must have shape \(H_kv=2, D=32, R_max>=16\)"),
     ("group", 3, r"x must have group \* H_kv = 3 \* 2 = 6 heads"),
+    ("out_width", 49, r"out_width must be group \* qk_offsets\[-1\] = 2 \* 24 = 48 but got 49"),
 ])
 def test_rope_rotate_compress_bad_input(name, value, argument):
     args = dict(x=torch.randn(3, 4, 32), cos=torch.randn(3, 16), sin=torch.randn(3, 16), rot=torch.randn(2, 32, 16),
@@ -276,6 +279,10 @@ def test_fakes_refuse_what_the_kernels_refuse_when_traced():
             torch.ops.fdc.decode_attention(*decode_args(v_cache=torch.randn(2, 5, 24)).values())
         with fake_raises("rotate_compress", "x must have group \\* H_kv = 2 \\* 2"):
             torch.ops.fdc.rotate_compress(torch.randn(3, 3, 32), torch.randn(2, 32, 16), QK, G)
+        with fake_raises("rope_rotate_compress", "out_width must be group"):
+            torch.ops.fdc.rope_rotate_compress(torch.randn(3, 4, 32), torch.randn(3, 32), torch.randn(3, 32),
+                                               torch.randn(2, 32, 16), QK, G, -1)
+        assert torch.ops.fdc.rotate_compress(torch.randn(3, 4, 32), torch.randn(2, 32, 16), QK, G, 48).shape == (3, 48)
         with fake_raises("rope_rotate_compress", "cos must have the T=3 rows"):
             torch.ops.fdc.rope_rotate_compress(torch.randn(3, 4, 32), torch.randn(2, 32), torch.randn(2, 32),
                                                torch.randn(2, 32, 16), QK, G)

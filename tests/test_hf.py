@@ -402,6 +402,26 @@ def test_a_compiled_decode_step_is_one_graph_reused_by_every_step_and_every_sequ
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == before + 1, "generate() compiled no graph"
 
 
+def test_generates_default_compilation_has_no_graph_break():
+    """generate() over a static cache compiles the forward itself, on a GPU unasked and with fullgraph=False: a graph
+    break there (an op whose output shape is data: seen on an H200, where CUDA graphs then failed over the pieces)
+    must not happen, so every layer's ops are in the one graph."""
+    generator, rng, replay = case_generator("default_compilation", 0)
+    model, artifact = calibrated("llama", rng.randrange(1000))
+    hf.compress(model, artifact, compression=0.4)
+    ids, mask = left_padded(generator, model.config.vocab_size, [7, 4])
+    expected = generate(model, ids, mask)
+    config = transformers.CompileConfig(backend="eager")  # fullgraph=False, as generate() compiles by default
+    assert not config.fullgraph
+    config._compile_all_devices = True  # generate() compiles on accelerators only unless told
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    breaks = sum(counters["graph_break"].values())
+    assert torch.equal(generate(model, ids, mask, cache_implementation="static", compile_config=config), expected), \
+        replay
+    assert sum(counters["graph_break"].values()) == breaks, f"graph breaks: {dict(counters['graph_break'])}"
+
+
 def test_a_static_cache_refuses_what_it_cannot_hold():
     generator, rng, replay = case_generator("static_refusals", 0)
     model, artifact = calibrated("mistral", rng.randrange(1000))

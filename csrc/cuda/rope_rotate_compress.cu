@@ -8,9 +8,10 @@ namespace fdc::cuda {
 
 // x (T, G * H_kv, D) pre-RoPE, cos and sin (T, rotary_dim), rot (H_kv, D, R_max) -> (T, G * qk_offsets[-1]).
 at::Tensor rope_rotate_compress_cuda(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                                     const at::Tensor& rot, const at::Tensor& qk_offsets, int64_t group) {
+                                     const at::Tensor& rot, const at::Tensor& qk_offsets, int64_t group,
+                                     std::optional<int64_t> out_width) {
   const char* op = "rope_rotate_compress";
-  const checks::RotateShape shape = checks::check_rotate_compress(op, x, rot, qk_offsets, group);
+  const checks::RotateShape shape = checks::check_rotate_compress(op, x, rot, qk_offsets, group, out_width);
   checks::check_rope_tables(op, cos, sin, x);
   checks::check_cuda_tensor(op, "x", x);
   const c10::cuda::CUDAGuard guard(x.device());

@@ -422,11 +422,11 @@ class FDCAttention(_CompressedAttentionBase):
         k = self._heads(self.k_proj, self.k_norm, hidden_states, Hkv).reshape(B * S, Hkv, self.head_dim)
         cos, sin = (t.expand(B, S, -1).reshape(B * S, -1).to(q.dtype) for t in position_embeddings)
         rotation = self.rotation if self.rotation.dtype == q.dtype else self.rotation.to(q.dtype)
-        q_rows = ops.rope_rotate_compress(q, cos, sin, rotation, self.qk_offsets, G)  # (B * S, G * k_width)
-        k_rows = ops.rope_rotate_compress(k, cos, sin, rotation, self.qk_offsets, 1)  # (B * S, k_width)
-        # The packed widths are the offsets' values, which compiled graphs do not see: state them.
-        torch._check(k_rows.shape[1] == layer.k_cache.shape[2])
-        torch._check(q_rows.shape[1] == G * layer.k_cache.shape[2])
+        # The packed widths are the offsets' values, which compiled graphs do not see: the cache's shape states them.
+        k_width = layer.k_cache.shape[2]
+        q_rows = ops.rope_rotate_compress(q, cos, sin, rotation, self.qk_offsets, G, out_width=G * k_width)
+        k_rows = ops.rope_rotate_compress(k, cos, sin, rotation, self.qk_offsets, 1, out_width=k_width)
+        # q_rows: (B * S, G * k_width), k_rows: (B * S, k_width)
         v_rows = self.v_proj(hidden_states.reshape(B * S, -1))  # (B * S, v_width)
         if valid is None:
             order, counts = None, torch.full((B,), S, dtype=torch.int32, device=q.device)
