@@ -347,6 +347,11 @@ def detail(row) -> str:
     return text
 
 
+def progress(message: str) -> None:
+    """One line on stderr as a benchmark goes, flushed: a run stopped at a time limit still shows how far it got."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
 def print_header(header: str) -> None:
     print(header)
     print("-" * len(header))
@@ -423,6 +428,8 @@ def setup(args: argparse.Namespace) -> tuple[torch.device, int]:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if device.type == "cuda":
+        if device.index is None:  # torch 2.11's set_device refuses a device without an index (seen on an H200)
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     torch.manual_seed(0)
     return device, args.repeats or (3 if args.quick else (50 if device.type == "cuda" else 5))

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -80,6 +81,7 @@ from bench_common import (
     p99,
     phase_targets,
     print_header,
+    progress,
     provenance,
     randn,
     release,
@@ -432,6 +434,26 @@ def balance_ablation(lengths_list, dtype, device, timer: Timer) -> list[dict]:
     return out
 
 
+def workers_sweep(case: Case, qk_dims, v_dims, device, timer: Timer, copy_gbps: float) -> list[dict]:
+    """decode_attention on the first case's first cache with plans for 1, 2, 4 and 8 workers per SM (per thread on
+    the CPU, 1 and 2): one CUDA block per worker, so more workers put more blocks, and more K/V bytes in flight, on
+    each SM (the first H200 run read 15% of the copy bandwidth at one worker per SM)."""
+    inputs = FdcInputs(case.lengths, qk_dims, v_dims, case.dtype, device, case.caches[0])
+    base = num_workers_for(device)
+    compressed = sum(case.lengths) * (sum(qk_dims) + sum(v_dims)) * case.dtype.itemsize
+    out = []
+    for per_unit in ((1, 2, 4, 8) if device.type == "cuda" else (1, 2)):
+        plan = inputs.plan(base * per_unit)
+        seconds = median(timer(lambda plan=plan: inputs.attention(plan)))
+        gbps = compressed / seconds / 1e9
+        out.append(dict(case=case.name, cache=case.caches[0], workers=base * per_unit, per_unit=per_unit,
+                        unit="SM" if device.type == "cuda" else "thread",
+                        micros=seconds * 1e6, gbps=gbps, copy_share=gbps / copy_gbps if copy_gbps else None))
+    inputs = plan = None  # released: the timed closures above hold them
+    release(device)
+    return out
+
+
 def scheduler_cost(case: Case, qk_dims, v_dims, device, timer: Timer, repeats: int) -> dict:
     inputs = FdcInputs(case.lengths, qk_dims, v_dims, case.dtype, device, case.caches[0])
     plan_times = timer(inputs.plan, repeats=repeats)
@@ -451,7 +473,8 @@ def scheduler_cost(case: Case, qk_dims, v_dims, device, timer: Timer, repeats: i
 # ------------------------------------------------------------------------------------------------------- reporting
 
 
-def print_tables(rows: list[Row], targets: list[dict], ablation: list[dict], scheduler: dict) -> None:
+def print_tables(rows: list[Row], targets: list[dict], ablation: list[dict], sweep: list[dict],
+                 scheduler: dict) -> None:
     header = (f"{'case':<22} {'cache':<10} {'dtype':<8} {'method':<15} {'us':>10} {'p99 us':>10} {'GB/s':>9} "
               f"{'% copy':>7} {'vs full':>8}  detail")
     print_header(header)
@@ -469,6 +492,11 @@ def print_tables(rows: list[Row], targets: list[dict], ablation: list[dict], sch
               f"({a['lpt']['makespan_over_ideal']:.2f}x ideal) | {a['baseline']:<18} {a['static']['micros']:9.1f} us "
               f"makespan {a['static']['makespan']:>10} ({a['static']['makespan_over_ideal']:.2f}x ideal) | "
               f"gain {a['time_gain']:.2f}x time, {a['makespan_gain']:.2f}x makespan")
+    print(f"\nworkers per {sweep[0]['unit']} (decode_attention, {sweep[0]['case']}, {sweep[0]['cache']})")
+    for w in sweep:
+        share = cell(w["copy_share"], "{:.1f}", scale=100)
+        print(f"  {w['per_unit']} per {w['unit']} ({w['workers']:>5} workers) {w['micros']:10.1f} us "
+              f"{w['gbps']:9.1f} GB/s {share:>6}% of copy")
     s = scheduler
     print(f"\nscheduler cost ({s['case']}, {s['cache']}): decode_plan {s['plan_us']:.1f} us "
           f"(P99 {s['plan_p99_us']:.1f}), plan + attention {s['step_us']:.1f} us (P99 {s['step_p99_us']:.1f}); "
@@ -487,11 +515,14 @@ def main(argv: list[str] | None = None) -> int:
     all_cases = cases(args.quick)
     rows: list[Row] = []
     for case in all_cases:
+        started = time.perf_counter()
         rows += bench_case(case, qk_dims, v_dims, device, timer, copy_gbps, modes)
+        progress(f"{case.name}: {time.perf_counter() - started:.1f} s")
     targets = targets_for(rows, device)
     ablation_shapes = ([("B=2 x 512", [512] * 2), ("mixed 1x1K + 3x64", [1024] + [64] * 3)] if args.quick else
                        [("B=32 x 8K", [8192] * 32), ("mixed 1x64K + 31x1K", [65536] + [1024] * 31)])
     ablation = balance_ablation(ablation_shapes, torch.bfloat16, device, timer)
+    sweep = workers_sweep(all_cases[0], qk_dims, v_dims, device, timer, copy_gbps)
     scheduler = scheduler_cost(all_cases[0], qk_dims, v_dims, device, timer,
                                repeats=20 if args.quick else 500)
 
@@ -499,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     commit, dirty = git_commit()
     print(f"{device_line(name, commit, dirty, device)}; copy bandwidth {copy_gbps:.1f} GB/s")
     print(f"{layout_line(qk_dims, v_dims)}; SDPA GQA modes {modes}")
-    print_tables(rows, targets, ablation, scheduler)
+    print_tables(rows, targets, ablation, sweep, scheduler)
 
     report = {
         **provenance("decode", name, commit, dirty, device, args.quick), "repeats": repeats,
@@ -511,6 +542,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [asdict(r) for r in rows],
         "targets": targets,
         "balance_ablation": ablation,
+        "workers_sweep": sweep,
         "scheduler": scheduler,
     }
     write_json(finite(report), args.out, name, "decode", args.quick)

@@ -89,6 +89,7 @@ from bench_common import (
     num_workers_for,
     phase_targets,
     print_header,
+    progress,
     provenance,
     randn,
     release,
@@ -538,7 +539,9 @@ def main(argv: list[str] | None = None) -> int:
     all_cases = cases(args.quick)
     rows: list[Row] = []
     for case in all_cases:
+        started = time.perf_counter()
         rows += bench_case(case, qk_dims, v_dims, device, timer, peak, gqa)
+        progress(f"{case.name}: {time.perf_counter() - started:.1f} s")
     targets = targets_for(rows, device)
     ablation_shapes = ([("1 x 256", [256], True), ("varlen 3 seqs", [200, 37, 96], False)] if args.quick else
                        [("1 x 16K", [16384], True), ("1 x 4K", [4096], False), ("1 x 4K", [4096], True),

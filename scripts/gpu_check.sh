@@ -3,13 +3,15 @@
 # (machine start and idle included), 10 minutes per command, a bare machine at each start that keeps ignored build
 # outputs only while warm (30 s after a call). Two commands on one warm machine:
 #
-#   first  = prebuilt-or-build, tests, then the four sanitizer tools at once      limits 180 + 100 + 300 s
-#   second = bench                                                                limit 120 s
+#   first  = prebuilt-or-build, tests, the four sanitizer tools at once   limits 180 + 100 + 300 s (racecheck 360)
+#   second = bench                                                       limit 120 s
 #
-# Measured on an H100 on 2026-11-27 (bench/results/gpu-check/README.md): the prebuilt extension's check 7 s, the tests
-# 39 s (714 tests), synccheck 22 s; memcheck reached 119 tests in 150 s, initcheck 96 in 70 s, racecheck 5 in 80 s.
-# So the sanitizers are what take the time, racecheck most: it runs one random case per test and skips the G sweep
-# and the widest heads. STEPS picks any subset, to spend a session's minutes where checks are still owed.
+# Measured on 2026-11-27 (bench/results/gpu-check/README.md): the prebuilt extension's check 7 s, the tests 39 s on an
+# H100 and 57 s on an H200 (717 tests); one tool at a time on the H100, memcheck reached 119 tests in 150 s, initcheck
+# 96 in 70 s, racecheck 5 in 80 s; all four at once on the H200 in 300 s, synccheck finished (102 tests, 45 s),
+# memcheck reached 113 of 127, initcheck 100 of 113, racecheck 46 of 75. The slowdown seems to land on the GPU, so
+# running them at once saves only the waiting between them; racecheck is the slowest (one random case per test, no G
+# sweep, no widest heads). STEPS picks any subset: what is still owed, e.g. racecheck alone in a second call.
 #
 # "tests" is every CUDA test file plus the bad-input and opcheck files (opcheck runs on CUDA inputs where a GPU is
 # visible); the sanitizers run the CUDA tests with fewer random cases (FDC_CUDA_CASES) and without the 32K-key
@@ -96,8 +98,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 cuda_tests=(tests/test_cuda_*.py)
 shared_memory_tests=(tests/test_cuda_decode.py tests/test_cuda_prefill.py tests/test_cuda_plan.py)
 selection="not long and not among_many and not graph and not hf"
-quick=(-q -p no:cacheprovider -k "$selection")
-fewest=(-q -p no:cacheprovider -k "$selection and not group_sizes and not widest")
+quick=(-v -p no:cacheprovider -k "$selection")
+fewest=(-v -p no:cacheprovider -k "$selection and not group_sizes and not widest")
 # The tests step spreads over 8 processes where pytest-xdist is installed (the GPU machines' image has it): the float64
 # references run on the host, and the 32K-key cases are host-bound. Each process gets its share of the cores for
 # torch's CPU threads: 8 processes of 16 OpenMP threads each on 16 cores made the references' many small CPU ops
@@ -129,7 +131,7 @@ sanitize() {  # sanitize TOOL CASES LIMIT WORKERS TEST_ARGS...: one tool's step,
 pids=()
 names=()
 wants memcheck && sanitize memcheck 4 300 4 "${cuda_tests[@]}" "${quick[@]}"
-wants racecheck && sanitize racecheck 1 300 5 "${shared_memory_tests[@]}" "${fewest[@]}"
+wants racecheck && sanitize racecheck 1 360 5 "${shared_memory_tests[@]}" "${fewest[@]}"
 wants synccheck && sanitize synccheck 2 300 2 "${shared_memory_tests[@]}" "${quick[@]}"
 wants initcheck && sanitize initcheck 2 300 4 "${cuda_tests[@]}" "${quick[@]}"
 for i in "${!pids[@]}"; do

@@ -57,6 +57,10 @@ def test_bench_decode_quick(tmp_path):
     assert {e["baseline"] for e in report["balance_ablation"]} == {"static_blocks", "static_round_robin"}
     scheduler = report["scheduler"]
     assert 0 < scheduler["share"] and scheduler["plan_p99_us"] >= scheduler["plan_us"] > 0
+    assert "workers per thread" in stdout
+    sweep = report["workers_sweep"]
+    assert [w["per_unit"] for w in sweep] == [1, 2] and sweep[1]["workers"] == 2 * sweep[0]["workers"]
+    assert all(w["micros"] > 0 and w["gbps"] > 0 and w["copy_share"] > 0 for w in sweep)
 
 
 def test_bench_prefill_quick(tmp_path):
