@@ -71,8 +71,8 @@ void rotate_into_packed(const at::Tensor& x_float, const at::Tensor& rot, const 
 }
 
 // x (T, G * H_kv, D), rot (H_kv, D, R_max) -> (T, G * qk_offsets[-1]).
-at::Tensor rotate_compress_cpu(const at::Tensor& x, const at::Tensor& rot, const at::Tensor& qk_offsets,
-                               int64_t group, std::optional<int64_t> out_width) {
+at::Tensor rotate_compress_cpu(const at::Tensor& x, const at::Tensor& rot, const at::Tensor& qk_offsets, int64_t group,
+                               std::optional<int64_t> out_width) {
   const checks::RotateShape shape =
       checks::check_rotate_compress("rotate_compress", x, rot, qk_offsets, group, out_width);
   at::Tensor out = at::empty({shape.tokens, group * shape.layout.qk_width()}, x.options());

@@ -6,8 +6,8 @@
 namespace fdc::cuda {
 
 // x (T, G * H_kv, D), rot (H_kv, D, R_max) -> (T, G * qk_offsets[-1]).
-at::Tensor rotate_compress_cuda(const at::Tensor& x, const at::Tensor& rot, const at::Tensor& qk_offsets,
-                                int64_t group, std::optional<int64_t> out_width) {
+at::Tensor rotate_compress_cuda(const at::Tensor& x, const at::Tensor& rot, const at::Tensor& qk_offsets, int64_t group,
+                                std::optional<int64_t> out_width) {
   const char* op = "rotate_compress";
   const checks::RotateShape shape = checks::check_rotate_compress(op, x, rot, qk_offsets, group, out_width);
   checks::check_cuda_tensor(op, "x", x);
