@@ -1,6 +1,7 @@
-"""What bench_decode.py, bench_prefill.py and bench_ops.py share: the attention shape and adaptive layout, the timer,
-the copy-bandwidth probe, useful FLOPs, the SDPA backend sweep, the one table of targets (TARGETS), PASS/MISS records,
-table cells, command line and the JSON report with its provenance.
+"""What the torch benchmarks share: the attention shape and adaptive layout, the timer, the copy-bandwidth probe,
+useful FLOPs, the SDPA backend sweep, the one table of targets (TARGETS), PASS/MISS records, table cells and the
+command line; the report's provenance, file and percentiles come from bench_results, the layer every benchmark (the
+vLLM ones too) writes through, and are re-exported here.
 
 Each script imports this module first: `python bench/bench_X.py` puts bench/ on sys.path, and importing this module
 puts the repository root there for fdc_ops, so the scripts run from any directory with only torch, numpy, the
@@ -10,11 +11,7 @@ standard library and fdc_ops.
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
-import os
-import platform
-import re
 import statistics
 import sys
 import time
@@ -25,12 +22,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # for the scripts' `import fdc_ops` when they run from a checkout
-    sys.path.insert(0, ROOT)
+from bench_results import ROOT, percentile
+from bench_results import git_commit as git_commit  # re-exported for the scripts, as are record and write_report
+from bench_results import record as record
+from bench_results import write_report as write_report
 
-from fdc_ops import files  # noqa: E402  (needs ROOT on sys.path)
-from fdc_ops.plans import visible_keys  # noqa: E402
+if str(ROOT) not in sys.path:  # for the scripts' `import fdc_ops` when they run from a checkout
+    sys.path.insert(0, str(ROOT))
+
+from fdc_ops.plans import visible_keys  # noqa: E402  (needs ROOT on sys.path)
 
 # Llama-3-8B-like attention: 32 query heads, 8 KV heads of 128.
 NUM_KV_HEADS, GROUP, HEAD_DIM = 8, 4, 128
@@ -125,8 +125,7 @@ def median(times: list[float]) -> float:
 
 
 def p99(times: list[float]) -> float:
-    ordered = sorted(times)
-    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+    return percentile(times, 0.99)
 
 
 def release(device: torch.device) -> None:
@@ -380,28 +379,15 @@ def layout_line(qk_dims: list[int], v_dims: list[int]) -> str:
             f"v dims {v_dims} ({width_ratio(qk_dims, v_dims):.3f} of full width)")
 
 
-def provenance(benchmark: str, name: str, commit: str, dirty: bool, device: torch.device, quick: bool) -> dict:
-    """The first keys of a benchmark's JSON: what ran, where, on which commit."""
-    return {
-        "benchmark": benchmark, "device": name, "device_type": device.type, "torch": torch.__version__,
-        "python": platform.python_version(), "commit": commit, "dirty": dirty, "quick": quick,
-        "threads": torch.get_num_threads(), "num_workers": num_workers_for(device)}
+def provenance(benchmark: str, name: str, device: torch.device, quick: bool) -> dict:
+    """The first keys of an attention benchmark's JSON: what ran, where, on which commit, with how many workers."""
+    return record(benchmark, name, device_type=device.type, quick=quick, threads=torch.get_num_threads(),
+                  num_workers=num_workers_for(device))
 
 
 def layout_record(qk_dims: list[int], v_dims: list[int]) -> dict:
     return {"num_heads": NUM_KV_HEADS * GROUP, "num_kv_heads": NUM_KV_HEADS, "head_dim": HEAD_DIM,
             "qk_dims": qk_dims, "v_dims": v_dims, "width_ratio": width_ratio(qk_dims, v_dims), "seed": LAYOUT_SEED}
-
-
-def write_json(report: dict, folder: str, name: str, benchmark: str, quick: bool) -> str:
-    """Writes report to folder/<device slug>-<benchmark>-[quick-]<UTC stamp>.json, says so, returns the path."""
-    os.makedirs(folder, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:40]
-    path = os.path.join(folder, f"{slug}-{benchmark}-{'quick-' if quick else ''}{stamp}.json")
-    files.write_json_atomically(path, report, indent=1)
-    print(f"wrote {path}")
-    return path
 
 
 # ---------------------------------------------------------------------------------------------------- command line
@@ -412,7 +398,7 @@ def bench_parser(description: str, repeats_help: str, topic: str, budget: bool =
     --budget for a Timer whose timed calls adapt."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, seconds; runs on the CPU too")
-    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", topic), help="folder for the JSON")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / topic), help="folder for the JSON")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=None, help=repeats_help)
     if budget:

@@ -20,10 +20,10 @@ import time
 import torch
 
 # bench_common first: it puts the repository root on sys.path for fdc_ops.
-from bench_common import Timer, bench_parser, setup, verdict, write_json
+from bench_common import Timer, bench_parser, git_commit, record, setup, verdict, write_report
 from bench_e2e import floats, ints, uniform_widths
 from fdc_ops import calibration, hf
-from fdc_ops.apps.provenance import device_name, git_commit
+from fdc_ops.apps.provenance import device_name
 from fdc_ops.hf.compat import cache_keyword
 from fdc_ops.hf.loading import load_model
 
@@ -155,11 +155,10 @@ def main() -> None:
               f"{r['tbt_vs_eager_dynamic']:>8.3f} {graphs:>6} {first:>6}")
     for t in targets:
         print(f"target {t['where']}: {t['what']}: {t['value']} {t['verdict']}")
-    write_json({"benchmark": "compile", "device": name, "device_type": device.type, "torch": torch.__version__,
-                "commit": commit, "dirty": dirty, "quick": args.quick, "threads": torch.get_num_threads(),
-                "dtype": args.dtype, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "rows": rows, "targets": targets},
-               args.out, name, "compile", args.quick)
+    report = record("compile", name, device_type=device.type, quick=args.quick, threads=torch.get_num_threads(),
+                    dtype=args.dtype, time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), rows=rows,
+                    targets=targets)
+    write_report(report, args.out, name, "compile", args.quick)
 
 
 if __name__ == "__main__":

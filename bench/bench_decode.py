@@ -72,6 +72,7 @@ from bench_common import (
     faster_than,
     finite,
     first_line,
+    git_commit,
     has_enable_gqa,
     head_buckets,
     layout_line,
@@ -89,10 +90,10 @@ from bench_common import (
     setup,
     target,
     verdict,
-    write_json,
+    write_report,
 )
 from fdc_ops import ops
-from fdc_ops.apps.provenance import device_name, git_commit
+from fdc_ops.apps.provenance import device_name
 from fdc_ops.plans import DecodePlan, concat_workers
 
 # Mean of the adaptive widths (bench_common.adaptive_dims): 51, ~40% of D.
@@ -533,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     print_tables(rows, targets, ablation, sweep, scheduler)
 
     report = {
-        **provenance("decode", name, commit, dirty, device, args.quick), "repeats": repeats,
+        **provenance("decode", name, device, args.quick), "repeats": repeats,
         "copy_bandwidth_gbps": copy_gbps,
         "layout": layout_record(qk_dims, v_dims),
         "cases": [{"name": c.name, "lengths": c.lengths, "dtype": dtype_name(c.dtype), "caches": c.caches}
@@ -545,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
         "workers_sweep": sweep,
         "scheduler": scheduler,
     }
-    write_json(finite(report), args.out, name, "decode", args.quick)
+    write_report(finite(report), args.out, name, "decode", args.quick)
     return 0
 
 

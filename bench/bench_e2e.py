@@ -30,9 +30,9 @@ import time
 import torch
 
 # bench_common first: it puts the repository root on sys.path for fdc_ops.
-from bench_common import Timer, bench_parser, setup, verdict, write_json
+from bench_common import Timer, bench_parser, git_commit, record, setup, verdict, write_report
 from fdc_ops import calibration, files, hf
-from fdc_ops.apps.provenance import device_name, git_commit
+from fdc_ops.apps.provenance import device_name
 from fdc_ops.hf.loading import load_model
 
 
@@ -257,11 +257,10 @@ def main() -> None:
               f"{r['attention_share']:>5.0%}")
     for t in targets:
         print(f"target {t['where']}: {t['what']}: {t['value']:.3f} {t['verdict']}")
-    path = write_json({"benchmark": "e2e", "device": name, "device_type": device.type, "torch": torch.__version__,
-                       "threads": torch.get_num_threads(), "commit": commit, "dirty": dirty, "quick": args.quick,
-                       "model": "SmolLM2-135M", "dtype": args.dtype, "rows": rows, "targets": targets,
-                       "profiles": profiles}, args.out, name, "e2e", args.quick)
-    plot(rows, path[:-len(".json")] + ".png",
+    report = record("e2e", name, device_type=device.type, threads=torch.get_num_threads(), quick=args.quick,
+                    model="SmolLM2-135M", dtype=args.dtype, rows=rows, targets=targets, profiles=profiles)
+    path = write_report(report, args.out, name, "e2e", args.quick)
+    plot(rows, str(path.with_suffix(".png")),
          f"SmolLM2-135M {args.dtype} on {name}, {args.new_tokens} new tokens, commit {commit[:12]}")
 
 

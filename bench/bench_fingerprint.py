@@ -20,9 +20,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import ROOT, print_header, provenance, write_json  # noqa: E402
+from bench_common import ROOT, git_commit, print_header, provenance, write_report  # noqa: E402
 from fdc_ops import identity  # noqa: E402
-from fdc_ops.apps.provenance import device_name, git_commit  # noqa: E402
+from fdc_ops.apps.provenance import device_name  # noqa: E402
 
 MODEL_PARAMETERS = 6.74e9  # Llama-2-7B, all parameters: the "per billion parameters" of the target
 TARGET_SECONDS_PER_BILLION = 1.0
@@ -50,7 +50,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="4 layers of 1024 (seconds)")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
                         help="the dtype the stack is held in (as the model is loaded)")
-    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "fingerprint"))
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "fingerprint"))
     args = parser.parse_args()
     layers, hidden = (4, 1024) if args.quick else (32, 4096)
     dtype = getattr(torch, args.dtype)
@@ -78,14 +78,14 @@ def main() -> None:
     passed = check_seconds / scale * 1e9 < TARGET_SECONDS_PER_BILLION
     print(f"target: the check under {TARGET_SECONDS_PER_BILLION:.1f} s per billion model parameters: "
           f"{'PASS' if passed else 'MISS'}")
-    report = {**provenance("fingerprint", name, commit, dirty, torch.device("cpu"), args.quick),
+    report = {**provenance("fingerprint", name, torch.device("cpu"), args.quick),
               "hashing_threads": identity.DIGEST_WORKERS, "layers": layers, "hidden": hidden, "dtype": args.dtype,
               "attention_parameters": parameters, "model_parameters": scale,
               "seconds": {label: seconds for label, seconds in rows},
               "target": {"what": "check seconds per billion model parameters",
                          "value": check_seconds / scale * 1e9, "threshold": TARGET_SECONDS_PER_BILLION,
                          "passed": passed}}
-    write_json(report, args.out, name, "fingerprint", args.quick)
+    write_report(report, args.out, name, "fingerprint", args.quick)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from bench_common import (
     copy_bandwidth,
     device_line,
     dtype_name,
+    git_commit,
     layout_line,
     layout_record,
     median,
@@ -57,10 +58,10 @@ from bench_common import (
     useful_flops,
     verdict,
     width_ratio,
-    write_json,
+    write_report,
 )
 from fdc_ops import ops
-from fdc_ops.apps.provenance import device_name, git_commit
+from fdc_ops.apps.provenance import device_name
 
 # Mean of the adaptive widths (bench_common.adaptive_dims): 51, ~40% of D, the regime the paper's removal rates give;
 # bench_decode.py's value, so both benchmarks measure the same layer.
@@ -268,10 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     print(layout_line(qk_dims, v_dims))
     print_table(rows)
 
-    report = {**provenance("ops", name, commit, dirty, device, args.quick), "repeats": repeats,
+    report = {**provenance("ops", name, device, args.quick), "repeats": repeats,
               "dtypes": [dtype_name(d) for d in dtypes], "phase": args.phase, "copy_bandwidth_gbps": copy_gbps,
               "layout": layout_record(qk_dims, v_dims), "rows": [asdict(r) for r in rows]}
-    write_json(report, args.out, name, "ops", args.quick)
+    write_report(report, args.out, name, "ops", args.quick)
     return 0
 
 

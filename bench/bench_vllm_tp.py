@@ -14,18 +14,19 @@ The defaults are the bundled SmolLM2-135M (9 query / 3 KV heads: 3 ranks, one KV
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.metadata
 import os
-import platform
-import re
 import sys
 import time
 from pathlib import Path
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process; workers are spawned per rank
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-ROOT = Path(__file__).resolve().parents[1]
+# bench_results sits beside this script; run with PYTHONSAFEPATH, Python puts no folder on sys.path by itself.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_results  # noqa: E402
+
+ROOT = bench_results.ROOT
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
 
 
@@ -114,21 +115,11 @@ def main() -> None:
                   f"{row['predicted_tokens']:,}; x{row['capacity_vs_one_rank']:.3f} of one rank), pages in use "
                   f"{efficiency:.3f}, tokens as one rank's: {row['tokens_match_one_rank']}, start-up "
                   f"{row['startup_s']:.0f} s", flush=True)
-    commit, dirty = provenance.git_commit()
     device = provenance.device_name(torch.device("cpu"))
-    report = {"benchmark": "vllm-tp", "device": device, "torch": torch.__version__,
-              "vllm": importlib.metadata.version("vllm-cpu"), "commit": commit, "dirty": dirty,
-              "python": platform.python_version(), "args": vars(args), "model": model, "artifact": artifact_dir,
-              "kv_cache_space_bytes_per_rank": space, "dtype": "float32", "rows": rows}
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    name = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}-vllm-tp-{stamp}.json"
-    from fdc_ops import files
-
-    files.write_json_atomically(path, report, indent=1)
-    print(f"wrote {path}", file=sys.stderr)
+    report = bench_results.record("vllm-tp", device, vllm=importlib.metadata.version("vllm-cpu"), args=vars(args),
+                                  model=model, artifact=artifact_dir, kv_cache_space_bytes_per_rank=space,
+                                  dtype="float32", rows=rows)
+    bench_results.write_report(report, args.out, device, "vllm-tp")
 
 
 if __name__ == "__main__":

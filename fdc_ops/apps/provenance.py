@@ -23,9 +23,10 @@ def device_name(device: torch.device) -> str:
         return platform.processor() or "cpu"
 
 
-def git_commit() -> tuple[str, bool]:
-    """(commit of the checkout fdc_ops runs from, whether tracked files differ from it). FDC_COMMIT names the commit
-    where the checkout is a copy without its git folder (a lent GPU machine gets the working tree only)."""
+def git_commit(checkout: str | os.PathLike = CHECKOUT) -> tuple[str, bool]:
+    """(commit of the checkout, by default the one fdc_ops runs from, whether tracked files differ from it).
+    FDC_COMMIT names the commit where the checkout is a copy without its git folder (a lent GPU machine gets the
+    working tree only)."""
     if os.environ.get("FDC_COMMIT"):
         return os.environ["FDC_COMMIT"], False
     try:
