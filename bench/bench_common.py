@@ -27,7 +27,9 @@ from bench_results import git_commit as git_commit  # re-exported for the script
 from bench_results import record as record
 from bench_results import write_report as write_report
 
-if str(ROOT) not in sys.path:  # for the scripts' `import fdc_ops` when they run from a checkout
+# The scripts import fdc_ops from the checkout they are in, unless run with PYTHONSAFEPATH: then, as everywhere in
+# vLLM's environment (README), the caller wants the installed copy (the checkout's extension is built for .venv).
+if not sys.flags.safe_path and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from fdc_ops.plans import visible_keys  # noqa: E402  (needs ROOT on sys.path)
@@ -297,6 +299,13 @@ TARGETS = {
     ("prefill", "cpu"): Targets(full_ratio_slack=1.25, copy_share=None, scheduler_share=None,
                                 faster_than=PREFILL_BASELINES),
 }
+
+
+# Against the peer a CPU user would pick, vLLM's own CPU attention (bench_vllm_attention.py): fdc's time at most this
+# slack x (its compressed/full bytes for decode, useful-FLOP ratio for prefill) x vLLM's full-width time. Decode
+# streams the cache once, so its time should follow the bytes within 10%; prefill is compute-bound and narrow heads
+# fill SIMD tiles less well, as against SDPA above, so 25%. fdc must also beat vLLM padded to the widest head.
+VLLM_PEER_TARGETS = {"decode": 1.10, "prefill": 1.25}
 
 
 def phase_targets(phase: str, device: torch.device) -> Targets:
