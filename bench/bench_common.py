@@ -378,7 +378,8 @@ def finite(value):
 
 def device_line(name: str, commit: str, dirty: bool, device: torch.device) -> str:
     """The start of a benchmark's first printed line: device, torch, commit, workers."""
-    return (f"device: {name}; torch {torch.__version__}; commit {commit[:12]}{' (dirty)' if dirty else ''}; "
+    vectors = f" ({torch.backends.cpu.get_cpu_capability()})" if device.type == "cpu" else ""
+    return (f"device: {name}{vectors}; torch {torch.__version__}; commit {commit[:12]}{' (dirty)' if dirty else ''}; "
             f"workers {num_workers_for(device)}")
 
 

@@ -41,12 +41,14 @@ def percentile(values: list[float], share: float) -> float:
 
 
 def record(benchmark: str, device: str, **more) -> dict:
-    """The first keys of a report: which benchmark, on which device, torch, Python and commit; then ``more``."""
+    """The first keys of a report: which benchmark, on which device (with the widest vector instructions torch finds
+    on its processor: CPU kernels differ by them, and CPU names often do not say), torch, Python and commit; then
+    ``more``."""
     import torch
 
     commit, dirty = git_commit()
-    return {"benchmark": benchmark, "device": device, "torch": torch.__version__,
-            "python": platform.python_version(), "commit": commit, "dirty": dirty, **more}
+    return {"benchmark": benchmark, "device": device, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "torch": torch.__version__, "python": platform.python_version(), "commit": commit, "dirty": dirty, **more}
 
 
 def report_path(folder: str | Path, device: str, benchmark: str, quick: bool = False) -> Path:

@@ -37,7 +37,7 @@ def test_a_report_is_named_recorded_and_written_whole(tmp_path, monkeypatch, cap
     report = bench_results.record("decode", "NVIDIA H200", quick=True, rows=[1, 2])
     assert report["benchmark"] == "decode" and report["device"] == "NVIDIA H200"
     assert (report["commit"], report["dirty"]) == ("abc123", False)
-    assert {"torch", "python"} <= report.keys() and report["rows"] == [1, 2]
+    assert {"torch", "python", "cpu_capability"} <= report.keys() and report["rows"] == [1, 2]
     path = bench_results.write_report(report, tmp_path / "gpu", "NVIDIA H200", "decode", quick=True)
     assert path.parent == tmp_path / "gpu" and path.name.startswith("nvidia-h200-decode-quick-")
     assert path.suffix == ".json" and json.loads(path.read_text()) == report
