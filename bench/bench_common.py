@@ -16,7 +16,7 @@ import statistics
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -353,6 +353,33 @@ def detail(row) -> str:
     if "error" in row.extra:
         text += f" ERROR {row.extra['error']}"
     return text
+
+
+@dataclass
+class OpRow:
+    """One method on one shape in the CPU operator benchmarks (bench_ops.py, bench_vllm_attention.py)."""
+
+    phase: str
+    config: str
+    dtype: str
+    method: str
+    millis: float
+    metric: float  # GB/s for decode, useful TFLOP/s for prefill
+    metric_unit: str
+    vs_full: float  # time / the shape's full-width baseline (SDPA in bench_ops, vLLM's attention in its peer bench)
+    target: str = ""
+    verdict: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def print_op_rows(rows: list[OpRow], config_width: int, dtype_width: int, method_width: int) -> None:
+    header = (f"{'phase':<8} {'config':<{config_width}} {'dtype':<{dtype_width}} {'method':<{method_width}} "
+              f"{'ms':>9} {'rate':>15} {'vs full':>8}  target")
+    print_header(header)
+    for r in rows:
+        rate = f"{r.metric:.2f} {r.metric_unit}" if r.metric_unit == "GB/s" else f"{r.metric:.4f} {r.metric_unit}"
+        print(f"{r.phase:<8} {r.config:<{config_width}} {r.dtype:<{dtype_width}} {r.method:<{method_width}} "
+              f"{r.millis:>9.2f} {rate:>15} {r.vs_full:>7.3f}x  {r.target} {r.verdict}")
 
 
 def progress(message: str) -> None:

@@ -31,7 +31,7 @@ configuration (seconds).
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,7 @@ from bench_common import (
     HEAD_DIM,
     NUM_KV_HEADS,
     SCALE,
+    OpRow,
     Timer,
     adaptive_dims,
     bench_parser,
@@ -53,6 +54,7 @@ from bench_common import (
     layout_record,
     median,
     phase_targets,
+    print_op_rows,
     provenance,
     setup,
     useful_flops,
@@ -73,23 +75,8 @@ WARMUP = 2
 PAGE_SIZES = (16, 128)
 
 
-@dataclass
-class Row:
-    phase: str
-    config: str
-    dtype: str
-    method: str
-    millis: float
-    metric: float  # GB/s for decode, useful TFLOP/s for prefill
-    metric_unit: str
-    vs_full: float  # time / full-width SDPA time
-    target: str = ""
-    verdict: str = ""
-    extra: dict = field(default_factory=dict)
-
-
 def bench_decode(batch: int, context: int, qk_dims: list[int], v_dims: list[int], dtype: torch.dtype,
-                 device: torch.device, copy_mb: int, timer: Timer) -> list[Row]:
+                 device: torch.device, copy_mb: int, timer: Timer) -> list[OpRow]:
     qk_offsets, v_offsets = ops.prefix_sums(qk_dims), ops.prefix_sums(v_dims)
     width, full_width = sum(qk_dims) + sum(v_dims), 2 * NUM_KV_HEADS * HEAD_DIM
     heads = NUM_KV_HEADS * GROUP
@@ -103,7 +90,8 @@ def bench_decode(batch: int, context: int, qk_dims: list[int], v_dims: list[int]
     v_full = torch.randn_like(k_full)
     full = median(timer(lambda: F.scaled_dot_product_attention(q_full, k_full, v_full, enable_gqa=True)))
     full_bytes = batch * context * full_width * dtype.itemsize
-    rows.append(Row("decode", config, str(dtype), "SDPA full width", full * 1e3, full_bytes / full / 1e9, "GB/s", 1.0))
+    rows.append(OpRow("decode", config, str(dtype), "SDPA full width", full * 1e3, full_bytes / full / 1e9, "GB/s",
+                      1.0))
     k_full = v_full = None  # released: the timed closures above hold them
 
     pad = max(max(qk_dims), max(v_dims))
@@ -112,8 +100,8 @@ def bench_decode(batch: int, context: int, qk_dims: list[int], v_dims: list[int]
     v_pad = torch.randn_like(k_pad)
     padded = median(timer(lambda: F.scaled_dot_product_attention(q_pad, k_pad, v_pad, enable_gqa=True)))
     padded_bytes = batch * context * 2 * NUM_KV_HEADS * pad * dtype.itemsize
-    rows.append(Row("decode", config, str(dtype), f"SDPA padded to {pad}", padded * 1e3,
-                    padded_bytes / padded / 1e9, "GB/s", padded / full))
+    rows.append(OpRow("decode", config, str(dtype), f"SDPA padded to {pad}", padded * 1e3,
+                      padded_bytes / padded / 1e9, "GB/s", padded / full))
     k_pad = v_pad = None  # released: the timed closures above hold them
 
     buckets = width_buckets(qk_dims, v_dims)
@@ -123,8 +111,8 @@ def bench_decode(batch: int, context: int, qk_dims: list[int], v_dims: list[int]
     bucketed = median(timer(lambda: [F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
                                      for q, k, v in bucket_tensors]))
     bucketed_bytes = sum(t[1].nbytes + t[2].nbytes for t in bucket_tensors)
-    rows.append(Row("decode", config, str(dtype), f"SDPA per bucket ({len(buckets)} calls)", bucketed * 1e3,
-                    bucketed_bytes / bucketed / 1e9, "GB/s", bucketed / full))
+    rows.append(OpRow("decode", config, str(dtype), f"SDPA per bucket ({len(buckets)} calls)", bucketed * 1e3,
+                      bucketed_bytes / bucketed / 1e9, "GB/s", bucketed / full))
     bucket_tensors = None  # released: the timed closure above holds them
 
     seqlens = torch.full((batch,), context, dtype=torch.int32, device=device)
@@ -168,17 +156,17 @@ def bench_decode(batch: int, context: int, qk_dims: list[int], v_dims: list[int]
         gbps, bandwidth_floor = needed / seconds / 1e9, goal.copy_share * copy_gbps
         time_ok, bandwidth_ok = seconds <= time_limit * full, gbps >= bandwidth_floor
         beats_ok = seconds < min(padded, bucketed)
-        rows.append(Row("decode", config, str(dtype), method, seconds * 1e3, gbps, "GB/s", seconds / full,
-                        f"<= {time_limit:.3f}x full; >= {bandwidth_floor:.1f} GB/s; < padded, per bucket",
-                        f"{verdict(time_ok)}; {verdict(bandwidth_ok)} ({gbps / copy_gbps:.0%} of copy); "
-                        f"{verdict(beats_ok)}",
-                        {"share_of_copy_bandwidth": gbps / copy_gbps, "copy_bandwidth_gbps": copy_gbps,
-                         "width_ratio": share}))
+        rows.append(OpRow("decode", config, str(dtype), method, seconds * 1e3, gbps, "GB/s", seconds / full,
+                          f"<= {time_limit:.3f}x full; >= {bandwidth_floor:.1f} GB/s; < padded, per bucket",
+                          f"{verdict(time_ok)}; {verdict(bandwidth_ok)} ({gbps / copy_gbps:.0%} of copy); "
+                          f"{verdict(beats_ok)}",
+                          {"share_of_copy_bandwidth": gbps / copy_gbps, "copy_bandwidth_gbps": copy_gbps,
+                           "width_ratio": share}))
     return rows
 
 
 def bench_prefill(lengths: list[int], causal: bool, qk_dims: list[int], v_dims: list[int], dtype: torch.dtype,
-                  device: torch.device, timer: Timer) -> list[Row]:
+                  device: torch.device, timer: Timer) -> list[OpRow]:
     qk_offsets, v_offsets = ops.prefix_sums(qk_dims), ops.prefix_sums(v_dims)
     config = f"seqs={lengths} causal={causal}"
     useful_full = useful_flops(lengths, causal, [HEAD_DIM] * NUM_KV_HEADS, [HEAD_DIM] * NUM_KV_HEADS)
@@ -205,18 +193,18 @@ def bench_prefill(lengths: list[int], causal: bool, qk_dims: list[int], v_dims: 
     full, padded, bucketed, seconds = map(median, timer.interleaved([
         sdpa_per_sequence(HEAD_DIM), sdpa_per_sequence(pad), lambda: [call() for call in bucket_calls],
         lambda: ops.prefill_attention(q, k, v, cu, cu, qk_offsets, v_offsets, GROUP, SCALE, causal)]))
-    rows.append(Row("prefill", config, str(dtype), "SDPA full width", full * 1e3, useful_full / full / 1e12,
-                    "TFLOP/s", 1.0))
-    rows.append(Row("prefill", config, str(dtype), f"SDPA padded to {pad}", padded * 1e3, useful / padded / 1e12,
-                    "TFLOP/s", padded / full))
-    rows.append(Row("prefill", config, str(dtype), f"SDPA per bucket ({len(buckets)} calls)", bucketed * 1e3,
-                    useful / bucketed / 1e12, "TFLOP/s", bucketed / full))
+    rows.append(OpRow("prefill", config, str(dtype), "SDPA full width", full * 1e3, useful_full / full / 1e12,
+                      "TFLOP/s", 1.0))
+    rows.append(OpRow("prefill", config, str(dtype), f"SDPA padded to {pad}", padded * 1e3, useful / padded / 1e12,
+                      "TFLOP/s", padded / full))
+    rows.append(OpRow("prefill", config, str(dtype), f"SDPA per bucket ({len(buckets)} calls)", bucketed * 1e3,
+                      useful / bucketed / 1e12, "TFLOP/s", bucketed / full))
     ratio = useful / useful_full
     limit = goal.full_ratio_slack * ratio
-    rows.append(Row("prefill", config, str(dtype), "fdc prefill", seconds * 1e3, useful / seconds / 1e12, "TFLOP/s",
-                    seconds / full, f"<= {limit:.3f}x full; < padded, per bucket",
-                    f"{verdict(seconds <= limit * full)}; {verdict(seconds < min(padded, bucketed))}",
-                    {"useful_flops_ratio": ratio}))
+    rows.append(OpRow("prefill", config, str(dtype), "fdc prefill", seconds * 1e3, useful / seconds / 1e12, "TFLOP/s",
+                      seconds / full, f"<= {limit:.3f}x full; < padded, per bucket",
+                      f"{verdict(seconds <= limit * full)}; {verdict(seconds < min(padded, bucketed))}",
+                      {"useful_flops_ratio": ratio}))
     return rows
 
 
@@ -224,16 +212,6 @@ def width_buckets(qk_dims: list[int], v_dims: list[int]) -> list[tuple[int, int]
     """(number of KV heads, width) for each distinct max(d_qk, d_v) of the layout, narrowest first."""
     widths = [max(dq, dv) for dq, dv in zip(qk_dims, v_dims)]
     return [(widths.count(w), w) for w in sorted(set(widths))]
-
-
-def print_table(rows: list[Row]) -> None:
-    header = f"{'phase':<8} {'config':<40} {'dtype':<15} {'method':<34} {'ms':>9} {'rate':>14} {'vs full':>8}  target"
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        rate = f"{r.metric:.2f} {r.metric_unit}" if r.metric_unit == "GB/s" else f"{r.metric:.4f} {r.metric_unit}"
-        print(f"{r.phase:<8} {r.config:<40} {r.dtype:<15} {r.method:<34} {r.millis:>9.2f} {rate:>14} "
-              f"{r.vs_full:>7.3f}x  {r.target} {r.verdict}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     qk_dims, v_dims = adaptive_dims(DIM_MEAN)
 
     copy_gbps = copy_bandwidth(device, copy_mb, timer)
-    rows: list[Row] = []
+    rows: list[OpRow] = []
     for dtype in dtypes:
         for batch, context in decode_shapes if args.phase != "prefill" else []:
             rows += bench_decode(batch, context, qk_dims, v_dims, dtype, device, copy_mb, timer)
@@ -267,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{device_line(name, commit, dirty, device)}; threads {torch.get_num_threads()}; "
           f"copy bandwidth {copy_gbps:.1f} GB/s")
     print(layout_line(qk_dims, v_dims))
-    print_table(rows)
+    print_op_rows(rows, 40, 15, 34)
 
     report = {**provenance("ops", name, device, args.quick), "repeats": repeats,
               "dtypes": [dtype_name(d) for d in dtypes], "phase": args.phase, "copy_bandwidth_gbps": copy_gbps,

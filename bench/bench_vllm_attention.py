@@ -25,7 +25,7 @@ writes JSON to bench/results/ops/ (or --out).
 from __future__ import annotations
 
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 # bench_common and bench_results sit beside this script; under PYTHONSAFEPATH Python puts no folder on sys.path, and
@@ -40,6 +40,7 @@ from bench_common import (  # noqa: E402
     NUM_KV_HEADS,
     SCALE,
     VLLM_PEER_TARGETS,
+    OpRow,
     Timer,
     adaptive_dims,
     bench_parser,
@@ -49,6 +50,7 @@ from bench_common import (  # noqa: E402
     layout_line,
     layout_record,
     median,
+    print_op_rows,
     provenance,
     setup,
     useful_flops,
@@ -62,21 +64,6 @@ from fdc_ops.apps.provenance import device_name  # noqa: E402
 DIM_MEAN = 51  # bench_ops.py's layout: widths averaging ~40% of D
 BLOCK = 128  # vLLM's default block size on the CPU; fdc's pages the same
 WARMUP = 2
-
-
-@dataclass
-class Row:
-    phase: str
-    config: str
-    dtype: str
-    method: str
-    millis: float
-    metric: float  # GB/s of K/V read (decode) or useful TFLOP/s (prefill)
-    metric_unit: str
-    vs_vllm_full: float
-    target: str = ""
-    verdict: str = ""
-    extra: dict = field(default_factory=dict)
 
 
 class VllmPaged:
@@ -164,7 +151,7 @@ def fdc_prefill(lengths: list[int], qk_dims, v_dims, dtype: torch.dtype):
     return lambda: ops.prefill_attention(q, k, v, cu, cu, qk_offsets, v_offsets, GROUP, SCALE, True, plan)
 
 
-def bench_shape(phase: str, lengths: list[int], qk_dims, v_dims, dtype: torch.dtype, timer: Timer) -> list[Row]:
+def bench_shape(phase: str, lengths: list[int], qk_dims, v_dims, dtype: torch.dtype, timer: Timer) -> list[OpRow]:
     """vLLM full width, vLLM padded and fdc on one shape: decode (one query per request) or a causal prefill."""
     pad = max(max(qk_dims), max(v_dims))
     queries = [1] * len(lengths) if phase == "decode" else lengths
@@ -196,26 +183,15 @@ def bench_shape(phase: str, lengths: list[int], qk_dims, v_dims, dtype: torch.dt
     config = (f"B={len(lengths)} ctx={lengths[0]}" if phase == "decode" else f"seqs={lengths} causal")
     name = str(dtype).removeprefix("torch.")
     limit = VLLM_PEER_TARGETS[phase] * ratio
-    rows = [Row(phase, config, name, "vllm full width", full * 1e3, work[0] / full / scale, unit, 1.0,
-                extra=checks["full"]),
-            Row(phase, config, name, f"vllm padded to {pad}", padded * 1e3, work[1] / padded / scale, unit,
-                padded / full, extra=checks["padded"]),
-            Row(phase, config, name, "fdc", fdc * 1e3, work[2] / fdc / scale, unit, fdc / full,
-                f"<= {limit:.3f}x vllm full; < vllm padded",
-                f"{verdict(fdc <= limit * full)}; {verdict(fdc < padded)}",
-                {"ratio": ratio, "slack": VLLM_PEER_TARGETS[phase]})]
+    rows = [OpRow(phase, config, name, "vllm full width", full * 1e3, work[0] / full / scale, unit, 1.0,
+                  extra=checks["full"]),
+            OpRow(phase, config, name, f"vllm padded to {pad}", padded * 1e3, work[1] / padded / scale, unit,
+                  padded / full, extra=checks["padded"]),
+            OpRow(phase, config, name, "fdc", fdc * 1e3, work[2] / fdc / scale, unit, fdc / full,
+                  f"<= {limit:.3f}x vllm full; < vllm padded",
+                  f"{verdict(fdc <= limit * full)}; {verdict(fdc < padded)}",
+                  {"ratio": ratio, "slack": VLLM_PEER_TARGETS[phase]})]
     return rows
-
-
-def print_table(rows: list[Row]) -> None:
-    header = (f"{'phase':<8} {'config':<34} {'dtype':<9} {'method':<20} {'ms':>9} {'rate':>15} {'vs vllm':>8}"
-              "  target")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        rate = f"{r.metric:.2f} {r.metric_unit}" if r.metric_unit == "GB/s" else f"{r.metric:.4f} {r.metric_unit}"
-        print(f"{r.phase:<8} {r.config:<34} {r.dtype:<9} {r.method:<20} {r.millis:>9.2f} {rate:>15} "
-              f"{r.vs_vllm_full:>7.3f}x  {r.target} {r.verdict}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         decode_shapes, prefill_shapes, copy_mb = [[8192] * 4, [16384] * 8], [[1024, 512, 2048, 512], [4096]], 1024
     qk_dims, v_dims = adaptive_dims(DIM_MEAN)
     copy_gbps = copy_bandwidth(device, copy_mb, timer)
-    rows: list[Row] = []
+    rows: list[OpRow] = []
     for dtype in (torch.bfloat16, torch.float32):
         for lengths in decode_shapes:
             rows += bench_shape("decode", lengths, qk_dims, v_dims, dtype, timer)
@@ -244,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     commit, dirty = git_commit()
     print(f"{device_line(name, commit, dirty, device)}; vllm {vllm.__version__}; copy bandwidth {copy_gbps:.1f} GB/s")
     print(layout_line(qk_dims, v_dims))
-    print_table(rows)
+    print_op_rows(rows, 34, 9, 20)
     report = {**provenance("vllm_attention", name, device, args.quick), "vllm": vllm.__version__,
               "repeats": repeats, "copy_bandwidth_gbps": copy_gbps, "layout": layout_record(qk_dims, v_dims),
               "block_size": BLOCK, "rows": [asdict(r) for r in rows]}
