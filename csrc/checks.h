@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "fdc/attention_variant.h"
 #include "fdc/common.h"
 #include "fdc/decode_plan.h"
 #include "fdc/decode_plan_device.h"
@@ -308,6 +309,42 @@ inline DecodeInputs check_decode_inputs(const char* op, const at::Tensor& q, con
   inputs.batch = q.size(0);
   inputs.cache = check_cache(op, k_cache, v_cache, block_table, inputs.batch, inputs.layout);
   return inputs;
+}
+
+// A sliding window's width (include/fdc/attention_variant.h): -1 for none, else the keys a query sees before its own
+// position; int32 like every position the kernels and planners handle.
+inline void check_window(const char* op, int64_t window_left) {
+  FDC_CHECK(window_left >= kNoWindow && window_left <= INT32_MAX, op,
+            "window_left must be -1 (no window) or a key count in [0, 2**31) but got ", window_left);
+}
+
+// The attention variants an attention op was given (include/fdc/attention_variant.h), validated.
+struct AttentionVariant {
+  int64_t window_left = kNoWindow;
+  float softcap = 0.f;
+  at::Tensor sinks;  // (H_kv * G) float32 contiguous on q's device, one logit per query head; undefined when none
+
+  const float* sink_logits() const { return sinks.defined() ? sinks.data_ptr<float>() : nullptr; }
+};
+
+// window_left (check_window), softcap (finite, >= 0; 0 for none) and sinks (a float32 vector of one logit per query
+// head h = j * G + i, on q's device, or none).
+inline AttentionVariant check_attention_variant(const char* op, int64_t window_left, double softcap,
+                                                const std::optional<at::Tensor>& sinks, const at::Tensor& q,
+                                                int64_t num_query_heads) {
+  check_window(op, window_left);
+  FDC_CHECK(std::isfinite(softcap) && softcap >= 0, op,
+            "softcap must be 0 (no capping) or a positive finite number but got ", softcap);
+  AttentionVariant variant;
+  variant.window_left = window_left;
+  variant.softcap = static_cast<float>(softcap);
+  if (sinks) {
+    FDC_CHECK(sinks->scalar_type() == at::kFloat, op, "sinks must be float32 but got ", dtype_name(sinks->scalar_type()));
+    check_same_device(op, "sinks", *sinks, "q", q);
+    check_shape(op, "sinks", *sinks, {num_query_heads});
+    variant.sinks = sinks->contiguous();
+  }
+  return variant;
 }
 
 // The CUDA kernels read caches in 16-byte packets: the data must start 16-byte aligned, and a contiguous cache's

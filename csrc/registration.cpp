@@ -17,16 +17,18 @@ TORCH_LIBRARY(fdc, m) {
       "int? out_width=None) -> Tensor");
   m.def(
       "prefill_plan(Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor qk_offsets, Tensor v_offsets, int group, "
-      "bool causal, int? num_workers=None, int row_block=64) -> Tensor");
+      "bool causal, int? num_workers=None, int row_block=64, int window_left=-1) -> Tensor");
   m.def(
       "prefill_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-      "Tensor qk_offsets, Tensor v_offsets, int group, float scale, bool causal, Tensor? plan=None) -> Tensor");
+      "Tensor qk_offsets, Tensor v_offsets, int group, float scale, bool causal, Tensor? plan=None, "
+      "int window_left=-1, float softcap=0.0, Tensor? sinks=None) -> Tensor");
   m.def(
-      "decode_plan(Tensor cache_seqlens, Tensor qk_offsets, Tensor v_offsets, int group, int? num_workers=None) "
-      "-> Tensor");
+      "decode_plan(Tensor cache_seqlens, Tensor qk_offsets, Tensor v_offsets, int group, int? num_workers=None, "
+      "int window_left=-1) -> Tensor");
   m.def(
       "decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, Tensor qk_offsets, "
-      "Tensor v_offsets, int group, float scale, Tensor? plan=None, Tensor? block_table=None) -> Tensor");
+      "Tensor v_offsets, int group, float scale, Tensor? plan=None, Tensor? block_table=None, int window_left=-1, "
+      "float softcap=0.0, Tensor? sinks=None) -> Tensor");
   m.def(
       "append_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor cu_seqlens, "
       "Tensor cache_seqlens, Tensor qk_offsets, Tensor v_offsets, Tensor? block_table=None) -> ()");

@@ -28,6 +28,8 @@ Schedules are int32 tensors whose format is documented in include/fdc/prefill_pl
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import _extension  # noqa: F401  (loads torch.ops.fdc, or raises an ImportError saying why not and what to do)
@@ -142,6 +144,7 @@ def prefill_plan(
     causal: bool,
     num_workers: int | None = None,
     row_block: int = DEFAULT_ROW_BLOCK,
+    window_left: int = -1,
 ) -> torch.Tensor:
     """The prefill schedule: row blocks rescaled per head, full rounds by least load, the last round split evenly.
 
@@ -153,6 +156,8 @@ def prefill_plan(
         causal: whether the attention is causal (bottom-right aligned); changes the cost of each row block.
         num_workers: workers to balance over; default the backend's (CPU: intra-op threads).
         row_block: rows per task of the widest head, a multiple of 16.
+        window_left: the sliding window of :func:`prefill_attention` (-1: none); a row block costs the keys its rows
+            see, so windowed sequences are balanced by their real work.
 
     Returns:
         int32 ``(8 + num_workers + 1 + 4 * records,)``: see include/fdc/prefill_plan.h.
@@ -169,7 +174,7 @@ def prefill_plan(
         (2, 4, 3)
     """
     return torch.ops.fdc.prefill_plan(
-        cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group, causal, num_workers, row_block
+        cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group, causal, num_workers, row_block, window_left
     )
 
 
@@ -185,8 +190,11 @@ def prefill_attention(
     scale: float,
     causal: bool,
     plan: torch.Tensor | None = None,
+    window_left: int = -1,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Varlen attention over packed heads of different widths, GQA.
+    """Varlen attention over packed heads of different widths, GQA; sliding windows, soft-capping and sinks.
 
     Args:
         q: ``(T_q, G * qk_offsets[-1])`` compressed queries.
@@ -198,7 +206,15 @@ def prefill_attention(
         scale: softmax scale, ``1 / sqrt(original head dim)`` for FDC (not of the compressed width).
         causal: causal mask aligned bottom-right: query ``i`` of a sequence with ``s_q`` queries and ``s_k`` keys
             sees keys ``0 .. i + s_k - s_q``; a row that sees no key returns zeros.
-        plan: a schedule from :func:`prefill_plan` for the same boundaries, layout and ``causal``; computed when None.
+        plan: a schedule from :func:`prefill_plan` for the same boundaries, layout and ``causal`` (and, for balance,
+            ``window_left``); computed when None.
+        window_left: sliding window: a query at position ``p`` sees no key before ``p - window_left``
+            (``p = i + s_k - s_q`` for query ``i``, as for ``causal``); -1 for none. A model's ``sliding_window`` W
+            is ``W - 1``.
+        softcap: logit soft-capping, each scaled score ``s`` becomes ``softcap * tanh(s / softcap)``; 0 for none.
+        sinks: ``(H_kv * G,)`` float32 sink logits, one per query head ``h = j * G + i``, on ``q``'s device: each joins
+            its head's softmax denominator (in the units of the scaled, capped scores) and adds nothing to the output;
+            None for none.
 
     Returns:
         ``(T_q, G * v_offsets[-1])``, dtype of ``q``. Rows of ``q`` outside every sequence are zero.
@@ -219,7 +235,8 @@ def prefill_attention(
         True
     """
     return torch.ops.fdc.prefill_attention(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group, scale, causal, plan
+        q, k, v, cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group, scale, causal, plan, window_left, softcap,
+        sinks,
     )
 
 
@@ -229,6 +246,7 @@ def decode_plan(
     v_offsets: torch.Tensor,
     group: int,
     num_workers: int | None = None,
+    window_left: int = -1,
 ) -> torch.Tensor:
     """The decode schedule: (request, KV head, KV chunk) tasks, long sequences split, greedy LPT over workers.
 
@@ -250,6 +268,8 @@ def decode_plan(
         qk_offsets, v_offsets: ``(H_kv + 1,)`` int32 CPU prefix sums of the head widths.
         group: query heads per KV head.
         num_workers: workers to balance over; default the backend's (CPU: intra-op threads, CUDA: SMs).
+        window_left: the sliding window of :func:`decode_attention` (-1: none): the tasks then cover each request's
+            visible keys only, ``[max(0, cache_seqlens[b] - 1 - window_left), cache_seqlens[b])``.
 
     Returns:
         int32 ``(decode_plan_size(B, H_kv, num_workers),)`` on ``cache_seqlens``' device: see
@@ -267,7 +287,7 @@ def decode_plan(
         >>> decoded.num_tasks > 2 * 2, decoded.status.name  # more tasks than (request, KV head) pairs
         (True, 'OK')
     """
-    return torch.ops.fdc.decode_plan(cache_seqlens, qk_offsets, v_offsets, group, num_workers)
+    return torch.ops.fdc.decode_plan(cache_seqlens, qk_offsets, v_offsets, group, num_workers, window_left)
 
 
 def decode_attention(
@@ -281,8 +301,12 @@ def decode_attention(
     scale: float,
     plan: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
+    window_left: int = -1,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query token per request against its compressed KV cache, GQA, split-KV with a log-sum-exp merge.
+    """One query token per request against its compressed KV cache, GQA, split-KV with a log-sum-exp merge;
+    sliding windows, soft-capping and sinks.
 
     Args:
         q: ``(B, G * qk_offsets[-1])`` compressed queries.
@@ -293,8 +317,15 @@ def decode_attention(
         qk_offsets, v_offsets: ``(H_kv + 1,)`` int32 CPU prefix sums of the head widths.
         group: query heads per KV head.
         scale: softmax scale.
-        plan: a schedule from :func:`decode_plan` for the same lengths and layout; computed when None.
+        plan: a schedule from :func:`decode_plan` for the same lengths, layout and ``window_left``; computed when None.
         block_table: ``(B, max_pages)`` int32 page indices for a paged cache, None for a contiguous one.
+        window_left: sliding window: a query at position ``p`` sees no key before ``p - window_left`` (the query is
+            the cache's newest key, ``p = cache_seqlens[b] - 1``; older slots are never read); -1 for none. A
+            model's ``sliding_window`` W is ``W - 1``.
+        softcap: logit soft-capping, each scaled score ``s`` becomes ``softcap * tanh(s / softcap)``; 0 for none.
+        sinks: ``(H_kv * G,)`` float32 sink logits, one per query head ``h = j * G + i``, on ``q``'s device: each joins
+            its head's softmax denominator (in the units of the scaled, capped scores) and adds nothing to the output;
+            None for none.
 
     Returns:
         ``(B, G * v_offsets[-1])``, dtype of ``q``.
@@ -323,7 +354,8 @@ def decode_attention(
         (torch.Size([2, 48]), False, True)
     """
     return torch.ops.fdc.decode_attention(
-        q, k_cache, v_cache, cache_seqlens, qk_offsets, v_offsets, group, scale, plan, block_table
+        q, k_cache, v_cache, cache_seqlens, qk_offsets, v_offsets, group, scale, plan, block_table, window_left,
+        softcap, sinks,
     )
 
 
@@ -400,6 +432,23 @@ def _check_dims(op: str, **tensors) -> None:
         _check(tensor.dim() == ndim, op, f"{name} must have {ndim} dimensions but got shape {tuple(tensor.shape)}")
 
 
+def _check_window(op: str, window_left: int) -> None:
+    _check(-1 <= window_left < 2**31, op,
+           f"window_left must be -1 (no window) or a key count in [0, 2**31) but got {window_left}")
+
+
+def _check_variant(op: str, q, qk_offsets, group: int, window_left: int, softcap: float, sinks) -> None:
+    """The attention variants (checks.h check_attention_variant): window, soft-cap, sinks."""
+    _check_window(op, window_left)
+    _check(math.isfinite(softcap) and softcap >= 0, op,
+           f"softcap must be 0 (no capping) or a positive finite number but got {softcap}")
+    if sinks is not None:
+        heads = group * (qk_offsets.shape[0] - 1)
+        _check(sinks.dtype == torch.float32, op, f"sinks must be float32 but got {sinks.dtype}")
+        _check(sinks.device == q.device, op, f"sinks must be on the device of q ({q.device}) but is on {sinks.device}")
+        _check(tuple(sinks.shape) == (heads,), op, f"sinks must have shape [{heads}] but got {list(sinks.shape)}")
+
+
 def _check_rotation_inputs(op: str, x, rot, qk_offsets, group: int) -> None:
     _check_dims(op, x=(x, 3), rot=(rot, 3))
     heads = qk_offsets.shape[0] - 1
@@ -437,7 +486,8 @@ def _rope_rotate_compress_fake(x, cos, sin, rot, qk_offsets, group, out_width=No
 
 @torch.library.register_fake("fdc::prefill_plan")
 def _prefill_plan_fake(cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group, causal, num_workers=None,
-                       row_block=DEFAULT_ROW_BLOCK):
+                       row_block=DEFAULT_ROW_BLOCK, window_left=-1):
+    _check_window("prefill_plan", window_left)
     # The record count depends on the sequence lengths (data), so the whole length is one dynamic size.
     workers = num_workers if num_workers is not None else torch.get_num_threads()
     size = torch.library.get_ctx().new_dynamic_size(min=PREFILL_HEADER + workers + 1)
@@ -446,8 +496,9 @@ def _prefill_plan_fake(cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group,
 
 @torch.library.register_fake("fdc::prefill_attention")
 def _prefill_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group, scale, causal,
-                            plan=None):
+                            plan=None, window_left=-1, softcap=0.0, sinks=None):
     op = "prefill_attention"
+    _check_variant(op, q, qk_offsets, group, window_left, softcap, sinks)
     _check_dims(op, q=(q, 2), k=(k, 2), v=(v, 2), cu_seqlens_q=(cu_seqlens_q, 1), cu_seqlens_k=(cu_seqlens_k, 1))
     _check(v.shape[0] == k.shape[0], op, f"v must have the {k.shape[0]} rows of k but got shape {tuple(v.shape)}")
     _check(cu_seqlens_k.shape[0] == cu_seqlens_q.shape[0], op,
@@ -463,7 +514,8 @@ def _default_decode_workers(device: torch.device) -> int:
 
 
 @torch.library.register_fake("fdc::decode_plan")
-def _decode_plan_fake(cache_seqlens, qk_offsets, v_offsets, group, num_workers=None):
+def _decode_plan_fake(cache_seqlens, qk_offsets, v_offsets, group, num_workers=None, window_left=-1):
+    _check_window("decode_plan", window_left)
     workers = num_workers if num_workers is not None else _default_decode_workers(cache_seqlens.device)
     size = decode_plan_size(cache_seqlens.shape[0], qk_offsets.shape[0] - 1, workers)
     return cache_seqlens.new_empty((size,), dtype=torch.int32)
@@ -471,7 +523,8 @@ def _decode_plan_fake(cache_seqlens, qk_offsets, v_offsets, group, num_workers=N
 
 @torch.library.register_fake("fdc::decode_attention")
 def _decode_attention_fake(q, k_cache, v_cache, cache_seqlens, qk_offsets, v_offsets, group, scale, plan=None,
-                           block_table=None):
+                           block_table=None, window_left=-1, softcap=0.0, sinks=None):
+    _check_variant("decode_attention", q, qk_offsets, group, window_left, softcap, sinks)
     _check_cache("decode_attention", q.shape[0], k_cache, v_cache, cache_seqlens, block_table)
     _check_dims("decode_attention", q=(q, 2))
     v_width = v_cache.shape[1] if block_table is not None else v_cache.shape[2]

@@ -16,22 +16,47 @@ def _dims(offsets: torch.Tensor) -> list[int]:
     return [values[j + 1] - values[j] for j in range(len(values) - 1)]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, visible: torch.Tensor | None):
-    """softmax(scale * q k^T, masked to `visible`) v in q's dtype; rows that see no key give zeros.
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, visible: torch.Tensor | None,
+            softcap: float = 0.0, sink: float | None = None):
+    """softmax(cap(scale * q k^T), masked to `visible`, with a sink logit in the denominator) v in q's dtype; rows that
+    see no key give zeros.
 
-    q (s_q, d_qk), k (s_k, d_qk), v (s_k, d_v), visible (s_q, s_k) bool or None (all visible).
+    q (s_q, d_qk), k (s_k, d_qk), v (s_k, d_v), visible (s_q, s_k) bool or None (all visible); cap(s) =
+    softcap * tanh(s / softcap) when softcap > 0.
     """
     # A fresh copy of q: torch 2.14.1's bfloat16 matmul returned NaN rows on an AMX Xeon for a row slice of a wider
     # tensor whose data did not start on a 64-byte boundary (a float64 reference never takes that path).
     scores = scale * (q.contiguous() @ k.T)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
     if visible is not None:
         scores = scores.masked_fill(~visible, float("-inf"))
     if scores.shape[1] == 0:
         return q.new_zeros((q.shape[0], v.shape[1]))
-    weights = torch.softmax(scores, dim=1)
+    if sink is not None:  # one more logit per row, with no value: the last column's weights are dropped
+        scores = torch.cat([scores, scores.new_full((scores.shape[0], 1), sink)], dim=1)
+    weights = torch.softmax(scores, dim=1)[:, : k.shape[0]]
     if visible is not None:
         weights = torch.where(visible.any(dim=1, keepdim=True), weights, torch.zeros_like(weights))
     return weights @ v
+
+
+def _visible(s_q: int, s_k: int, causal: bool, window_left: int) -> torch.Tensor | None:
+    """(s_q, s_k) bool: keys each query sees, positions bottom-right aligned (query i at i + s_k - s_q); None: all."""
+    if not causal and window_left < 0:
+        return None
+    position = torch.arange(s_q)[:, None] + (s_k - s_q)
+    keys = torch.arange(s_k)[None, :]
+    visible = torch.ones((s_q, s_k), dtype=torch.bool)
+    if causal:
+        visible &= keys <= position
+    if window_left >= 0:
+        visible &= keys >= position - window_left
+    return visible
+
+
+def _sink(sinks: torch.Tensor | None, head: int) -> float | None:
+    return None if sinks is None else float(sinks[head])
 
 
 def rotate_compress_ref(x: torch.Tensor, rot: torch.Tensor, qk_offsets: torch.Tensor, group: int,
@@ -67,8 +92,10 @@ def rope_rotate_compress_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 
 def prefill_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group, scale, causal,
+                          window_left: int = -1, softcap: float = 0.0, sinks: torch.Tensor | None = None,
                           compute_dtype: torch.dtype = torch.float64):
-    """q (T_q, G * W_qk), k (T_k, W_qk), v (T_k, W_v) -> (T_q, G * W_v) (see ops.prefill_attention)."""
+    """q (T_q, G * W_qk), k (T_k, W_qk), v (T_k, W_v) -> (T_q, G * W_v) (see ops.prefill_attention); sinks (G * H_kv)
+    or None."""
     q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
     qk_dims, v_dims = _dims(qk_offsets), _dims(v_offsets)
     qk_off, v_off = qk_offsets.tolist(), v_offsets.tolist()
@@ -78,11 +105,7 @@ def prefill_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, qk_offsets, v_off
         s_q, s_k = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
         if s_q == 0:
             continue
-        visible = None
-        if causal:
-            rows = torch.arange(s_q)[:, None]
-            cols = torch.arange(s_k)[None, :]
-            visible = cols <= rows + (s_k - s_q)
+        visible = _visible(s_q, s_k, causal, window_left)
         for j in range(len(qk_dims)):
             keys = k[cu_k[b]:cu_k[b + 1], qk_off[j]:qk_off[j + 1]]
             values = v[cu_k[b]:cu_k[b + 1], v_off[j]:v_off[j + 1]]
@@ -90,7 +113,8 @@ def prefill_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, qk_offsets, v_off
                 q_col = group * qk_off[j] + i * qk_dims[j]
                 o_col = group * v_off[j] + i * v_dims[j]
                 queries = q[cu_q[b]:cu_q[b + 1], q_col:q_col + qk_dims[j]]
-                out[cu_q[b]:cu_q[b + 1], o_col:o_col + v_dims[j]] = _attend(queries, keys, values, scale, visible)
+                out[cu_q[b]:cu_q[b + 1], o_col:o_col + v_dims[j]] = _attend(
+                    queries, keys, values, scale, visible, softcap, _sink(sinks, j * group + i))
     return out
 
 
@@ -108,8 +132,10 @@ def _cache_rows(cache: torch.Tensor, b: int, length: int, col: int, dim: int, bl
 
 
 def decode_attention_ref(q, k_cache, v_cache, cache_seqlens, qk_offsets, v_offsets, group, scale, block_table=None,
+                         window_left: int = -1, softcap: float = 0.0, sinks: torch.Tensor | None = None,
                          compute_dtype: torch.dtype = torch.float64):
-    """q (B, G * W_qk) -> (B, G * W_v) (see ops.decode_attention); contiguous or paged caches."""
+    """q (B, G * W_qk) -> (B, G * W_v) (see ops.decode_attention); contiguous or paged caches. Only the visible keys
+    of each request (the last window_left + 1 when windowed) are read."""
     q = q.to(compute_dtype)
     qk_dims, v_dims = _dims(qk_offsets), _dims(v_offsets)
     qk_off, v_off = qk_offsets.tolist(), v_offsets.tolist()
@@ -117,14 +143,15 @@ def decode_attention_ref(q, k_cache, v_cache, cache_seqlens, qk_offsets, v_offse
     for b, length in enumerate(cache_seqlens.tolist()):
         if length == 0:
             continue
+        first = 0 if window_left < 0 else max(0, length - 1 - window_left)
         for j in range(len(qk_dims)):
-            keys = _cache_rows(k_cache, b, length, qk_off[j], qk_dims[j], block_table).to(compute_dtype)
-            values = _cache_rows(v_cache, b, length, v_off[j], v_dims[j], block_table).to(compute_dtype)
+            keys = _cache_rows(k_cache, b, length, qk_off[j], qk_dims[j], block_table)[first:].to(compute_dtype)
+            values = _cache_rows(v_cache, b, length, v_off[j], v_dims[j], block_table)[first:].to(compute_dtype)
             for i in range(group):
                 q_col = group * qk_off[j] + i * qk_dims[j]
                 o_col = group * v_off[j] + i * v_dims[j]
                 out[b:b + 1, o_col:o_col + v_dims[j]] = _attend(q[b:b + 1, q_col:q_col + qk_dims[j]], keys, values,
-                                                               scale, None)
+                                                               scale, None, softcap, _sink(sinks, j * group + i))
     return out
 
 

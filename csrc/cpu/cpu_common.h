@@ -23,10 +23,10 @@ namespace fdc::cpu {
 
 at::Tensor prefill_plan_cpu(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                             const at::Tensor& qk_offsets, const at::Tensor& v_offsets, int64_t group, bool causal,
-                            std::optional<int64_t> num_workers, int64_t row_block);
+                            std::optional<int64_t> num_workers, int64_t row_block, int64_t window_left);
 
 at::Tensor decode_plan_cpu(const at::Tensor& cache_seqlens, const at::Tensor& qk_offsets, const at::Tensor& v_offsets,
-                           int64_t group, std::optional<int64_t> num_workers);
+                           int64_t group, std::optional<int64_t> num_workers, int64_t window_left);
 
 // Up to this many tokens (decode steps, short prompts) rotate_into_packed runs one row kernel per (token, KV head),
 // and rope_rotate_compress one RoPE loop per (token, head): their general paths are ATen calls (a broadcast matmul,

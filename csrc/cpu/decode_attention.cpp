@@ -164,11 +164,16 @@ void check_plan_records(const char* op, const DecodePlanView& plan, const std::v
 at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                 const at::Tensor& cache_seqlens, const at::Tensor& qk_offsets,
                                 const at::Tensor& v_offsets, int64_t group, double scale,
-                                const std::optional<at::Tensor>& plan, const std::optional<at::Tensor>& block_table) {
+                                const std::optional<at::Tensor>& plan, const std::optional<at::Tensor>& block_table,
+                                int64_t window_left, double softcap, const std::optional<at::Tensor>& sinks) {
   const char* op = "decode_attention";
   const checks::DecodeInputs inputs =
       checks::check_decode_inputs(op, q, k_cache, v_cache, qk_offsets, v_offsets, group, scale, block_table);
   const checks::HostLayout& layout = inputs.layout;
+  const checks::AttentionVariant variant =
+      checks::check_attention_variant(op, window_left, softcap, sinks, q, layout.num_heads());
+  FDC_CHECK(variant.window_left == kNoWindow && variant.softcap == 0.f && !variant.sinks.defined(), op,
+            "window_left, softcap and sinks are not implemented yet");
   const checks::CacheShape& cache = inputs.cache;
   const int64_t batch = inputs.batch;
   const checks::PagedCache& paged = cache.paged;
@@ -193,7 +198,7 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
     checks::check_decode_plan_header(op, schedule.data_ptr<int32_t>(), schedule.size(0), batch, layout);
     check_plan_records(op, DecodePlanView{schedule.data_ptr<int32_t>()}, seqlens);
   } else if (!by_pieces) {
-    schedule = decode_plan_cpu(cache_seqlens, qk_offsets, v_offsets, group, std::nullopt);
+    schedule = decode_plan_cpu(cache_seqlens, qk_offsets, v_offsets, group, std::nullopt, window_left);
   }
 
   const at::Tensor qc = checks::unit_last_stride(q);

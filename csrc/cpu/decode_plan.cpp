@@ -10,8 +10,10 @@
 namespace fdc::cpu {
 
 at::Tensor decode_plan_cpu(const at::Tensor& cache_seqlens, const at::Tensor& qk_offsets, const at::Tensor& v_offsets,
-                           int64_t group, std::optional<int64_t> num_workers) {
+                           int64_t group, std::optional<int64_t> num_workers, int64_t window_left) {
   const char* op = "decode_plan";
+  checks::check_window(op, window_left);
+  FDC_CHECK(window_left == kNoWindow, op, "window_left is not implemented yet");
   const checks::HostLayout layout = checks::read_layout(op, qk_offsets, &v_offsets, group);
   checks::check_int32_vector(op, "cache_seqlens", cache_seqlens, -1);
   const int64_t batch = cache_seqlens.size(0);

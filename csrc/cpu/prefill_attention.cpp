@@ -316,9 +316,14 @@ void run_plan(const PrefillPlanView& plan, const at::Tensor& q, const at::Tensor
 at::Tensor prefill_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                  const at::Tensor& qk_offsets, const at::Tensor& v_offsets, int64_t group, double scale,
-                                 bool causal, const std::optional<at::Tensor>& plan) {
+                                 bool causal, const std::optional<at::Tensor>& plan, int64_t window_left,
+                                 double softcap, const std::optional<at::Tensor>& sinks) {
   const char* op = "prefill_attention";
   const checks::HostLayout layout = checks::check_prefill_inputs(op, q, k, v, qk_offsets, v_offsets, group, scale);
+  const checks::AttentionVariant variant =
+      checks::check_attention_variant(op, window_left, softcap, sinks, q, layout.num_heads());
+  FDC_CHECK(variant.window_left == kNoWindow && variant.softcap == 0.f && !variant.sinks.defined(), op,
+            "window_left, softcap and sinks are not implemented yet");
   checks::check_int32_vector(op, "cu_seqlens_q", cu_seqlens_q, -1);
   const int64_t batch = cu_seqlens_q.size(0) - 1;
   const std::vector<int32_t> cu_q = checks::read_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, batch, q.size(0), "q");
@@ -331,7 +336,8 @@ at::Tensor prefill_attention_cpu(const at::Tensor& q, const at::Tensor& k, const
     checks::check_prefill_plan_header(op, schedule.data_ptr<int32_t>(), schedule.size(0), batch, layout, causal);
   } else {
     schedule =
-        prefill_plan_cpu(cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group, causal, std::nullopt, kCpuRowBlock);
+        prefill_plan_cpu(cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group, causal, std::nullopt, kCpuRowBlock,
+                         window_left);
   }
   const PrefillPlanView view{schedule.data_ptr<int32_t>()};
   checks::check_prefill_plan_records(op, view, cu_q);

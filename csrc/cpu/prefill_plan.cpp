@@ -11,8 +11,10 @@ namespace fdc::cpu {
 
 at::Tensor prefill_plan_cpu(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                             const at::Tensor& qk_offsets, const at::Tensor& v_offsets, int64_t group, bool causal,
-                            std::optional<int64_t> num_workers, int64_t row_block) {
+                            std::optional<int64_t> num_workers, int64_t row_block, int64_t window_left) {
   const char* op = "prefill_plan";
+  checks::check_window(op, window_left);
+  FDC_CHECK(window_left == kNoWindow, op, "window_left is not implemented yet");
   const checks::HostLayout layout = checks::read_layout(op, qk_offsets, &v_offsets, group);
   checks::check_int32_vector(op, "cu_seqlens_q", cu_seqlens_q, -1);
   const int64_t batch = cu_seqlens_q.size(0) - 1;

@@ -74,9 +74,9 @@ PrefillPlans cached_prefill_plan(const std::vector<int32_t>& cu_q, const std::ve
 
 at::Tensor prefill_plan_cuda(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                              const at::Tensor& qk_offsets, const at::Tensor& v_offsets, int64_t group, bool causal,
-                             std::optional<int64_t> num_workers, int64_t row_block);
+                             std::optional<int64_t> num_workers, int64_t row_block, int64_t window_left);
 
 at::Tensor decode_plan_cuda(const at::Tensor& cache_seqlens, const at::Tensor& qk_offsets, const at::Tensor& v_offsets,
-                            int64_t group, std::optional<int64_t> num_workers);
+                            int64_t group, std::optional<int64_t> num_workers, int64_t window_left);
 
 }  // namespace fdc::cuda

@@ -93,11 +93,16 @@ int64_t plan_workers_from_size(const char* op, int64_t plan_size, int64_t batch,
 at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                  const at::Tensor& cache_seqlens, const at::Tensor& qk_offsets,
                                  const at::Tensor& v_offsets, int64_t group, double scale,
-                                 const std::optional<at::Tensor>& plan, const std::optional<at::Tensor>& block_table) {
+                                 const std::optional<at::Tensor>& plan, const std::optional<at::Tensor>& block_table,
+                                 int64_t window_left, double softcap, const std::optional<at::Tensor>& sinks) {
   const char* op = "decode_attention";
   const checks::DecodeInputs inputs =
       checks::check_decode_inputs(op, q, k_cache, v_cache, qk_offsets, v_offsets, group, scale, block_table);
   const checks::HostLayout& layout = inputs.layout;
+  const checks::AttentionVariant variant =
+      checks::check_attention_variant(op, window_left, softcap, sinks, q, layout.num_heads());
+  FDC_CHECK(variant.window_left == kNoWindow && variant.softcap == 0.f && !variant.sinks.defined(), op,
+            "window_left, softcap and sinks are not implemented yet");
   const checks::CacheShape& cache = inputs.cache;
   const int64_t batch = inputs.batch;
   checks::check_int32_vector(op, "cache_seqlens", cache_seqlens, batch);
@@ -115,7 +120,7 @@ at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
     checks::check_plan_tensor(op, *plan, q, kDecodeHeader);
     schedule = *plan;
   } else {
-    schedule = decode_plan_cuda(seqlens, qk_offsets, v_offsets, group, std::nullopt);
+    schedule = decode_plan_cuda(seqlens, qk_offsets, v_offsets, group, std::nullopt, window_left);
   }
   const int64_t workers = plan_workers_from_size(op, schedule.size(0), batch, hkv);
 

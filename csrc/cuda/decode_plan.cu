@@ -329,8 +329,10 @@ void launch_decode_plan(DecodePlanParams params, int64_t scratch_bytes, const at
 // cache_seqlens: (B) int32 on the device; qk_offsets, v_offsets: (H_kv + 1) int32 on the CPU. Returns the plan,
 // (decode_plan_size(B, H_kv, N)) int32 on cache_seqlens' device.
 at::Tensor decode_plan_cuda(const at::Tensor& cache_seqlens, const at::Tensor& qk_offsets, const at::Tensor& v_offsets,
-                            int64_t group, std::optional<int64_t> num_workers) {
+                            int64_t group, std::optional<int64_t> num_workers, int64_t window_left) {
   const char* op = "decode_plan";
+  checks::check_window(op, window_left);
+  FDC_CHECK(window_left == kNoWindow, op, "window_left is not implemented yet");
   const checks::HostLayout layout = checks::read_layout(op, qk_offsets, &v_offsets, group);
   checks::check_int32_vector(op, "cache_seqlens", cache_seqlens, -1);
   checks::check_cuda_tensor(op, "cache_seqlens", cache_seqlens);

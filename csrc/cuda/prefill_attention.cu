@@ -134,9 +134,14 @@ void launch_prefill(const PrefillArgs<T>& args, int workers, int max_dim, cudaSt
 at::Tensor prefill_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                   const at::Tensor& qk_offsets, const at::Tensor& v_offsets, int64_t group,
-                                  double scale, bool causal, const std::optional<at::Tensor>& plan) {
+                                  double scale, bool causal, const std::optional<at::Tensor>& plan,
+                                  int64_t window_left, double softcap, const std::optional<at::Tensor>& sinks) {
   const char* op = "prefill_attention";
   const checks::HostLayout layout = checks::check_prefill_inputs(op, q, k, v, qk_offsets, v_offsets, group, scale);
+  const checks::AttentionVariant variant =
+      checks::check_attention_variant(op, window_left, softcap, sinks, q, layout.num_heads());
+  FDC_CHECK(variant.window_left == kNoWindow && variant.softcap == 0.f && !variant.sinks.defined(), op,
+            "window_left, softcap and sinks are not implemented yet");
   checks::check_int32_vector(op, "cu_seqlens_q", cu_seqlens_q, -1);
   checks::check_same_device(op, "cu_seqlens_q", cu_seqlens_q, "q", q);
   checks::check_same_device(op, "cu_seqlens_k", cu_seqlens_k, "q", q);

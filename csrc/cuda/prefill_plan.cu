@@ -77,7 +77,7 @@ PrefillPlans cached_prefill_plan(const std::vector<int32_t>& cu_q, const std::ve
   // The host planner validates everything (boundaries, layout, workers, row block) with the same messages.
   PrefillPlans plans;
   plans.host = cpu::prefill_plan_cpu(host_tensor(cu_q), host_tensor(cu_k), qk_offsets, v_offsets, group, causal,
-                                     workers, row_block);
+                                     workers, row_block, kNoWindow);
   plans.device = plans.host.to(device);
   plan_cache().insert(std::move(key), plans);
   return plans;
@@ -87,8 +87,10 @@ PrefillPlans cached_prefill_plan(const std::vector<int32_t>& cu_q, const std::ve
 // Returns the plan, (prefill_plan_size(N, records)) int32 on cu_seqlens_q's device.
 at::Tensor prefill_plan_cuda(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                              const at::Tensor& qk_offsets, const at::Tensor& v_offsets, int64_t group, bool causal,
-                             std::optional<int64_t> num_workers, int64_t row_block) {
+                             std::optional<int64_t> num_workers, int64_t row_block, int64_t window_left) {
   const char* op = "prefill_plan";
+  checks::check_window(op, window_left);
+  FDC_CHECK(window_left == kNoWindow, op, "window_left is not implemented yet");
   checks::read_layout(op, qk_offsets, &v_offsets, group);
   checks::check_int32_vector(op, "cu_seqlens_q", cu_seqlens_q, -1);
   checks::check_int32_vector(op, "cu_seqlens_k", cu_seqlens_k, -1);
