@@ -339,7 +339,8 @@ inline AttentionVariant check_attention_variant(const char* op, int64_t window_l
   variant.window_left = window_left;
   variant.softcap = static_cast<float>(softcap);
   if (sinks) {
-    FDC_CHECK(sinks->scalar_type() == at::kFloat, op, "sinks must be float32 but got ", dtype_name(sinks->scalar_type()));
+    FDC_CHECK(sinks->scalar_type() == at::kFloat, op, "sinks must be float32 but got ",
+              dtype_name(sinks->scalar_type()));
     check_same_device(op, "sinks", *sinks, "q", q);
     check_shape(op, "sinks", *sinks, {num_query_heads});
     variant.sinks = sinks->contiguous();

@@ -335,9 +335,8 @@ at::Tensor prefill_attention_cpu(const at::Tensor& q, const at::Tensor& k, const
     schedule = *plan;
     checks::check_prefill_plan_header(op, schedule.data_ptr<int32_t>(), schedule.size(0), batch, layout, causal);
   } else {
-    schedule =
-        prefill_plan_cpu(cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group, causal, std::nullopt, kCpuRowBlock,
-                         window_left);
+    schedule = prefill_plan_cpu(cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group, causal, std::nullopt,
+                                kCpuRowBlock, window_left);
   }
   const PrefillPlanView view{schedule.data_ptr<int32_t>()};
   checks::check_prefill_plan_records(op, view, cu_q);

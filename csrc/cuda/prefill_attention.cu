@@ -134,8 +134,8 @@ void launch_prefill(const PrefillArgs<T>& args, int workers, int max_dim, cudaSt
 at::Tensor prefill_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                   const at::Tensor& qk_offsets, const at::Tensor& v_offsets, int64_t group,
-                                  double scale, bool causal, const std::optional<at::Tensor>& plan,
-                                  int64_t window_left, double softcap, const std::optional<at::Tensor>& sinks) {
+                                  double scale, bool causal, const std::optional<at::Tensor>& plan, int64_t window_left,
+                                  double softcap, const std::optional<at::Tensor>& sinks) {
   const char* op = "prefill_attention";
   const checks::HostLayout layout = checks::check_prefill_inputs(op, q, k, v, qk_offsets, v_offsets, group, scale);
   const checks::AttentionVariant variant =
