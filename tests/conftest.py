@@ -270,6 +270,7 @@ def sample_inputs(device: torch.device | str) -> dict[str, tuple[str, tuple]]:
         "prefill_plan_default_workers": ("prefill_plan", (cu_q, cu_k, qk_offsets, v_offsets, group, False, None, 32)),
         "decode_plan": ("decode_plan", (seqlens, qk_offsets, v_offsets, group, 3)),
         "decode_plan_default_workers": ("decode_plan", (seqlens, qk_offsets, v_offsets, group, None)),
+        "decode_plan_window": ("decode_plan", (seqlens, qk_offsets, v_offsets, group, 3, 1)),
         "decode_attention": ("decode_attention", (q_step, k_cache, v_cache, seqlens, qk_offsets, v_offsets, group,
                                                   0.25, None, None)),
         "decode_attention_paged": ("decode_attention", (q_step, k_pages, v_pages, seqlens, qk_offsets, v_offsets,
@@ -278,6 +279,9 @@ def sample_inputs(device: torch.device | str) -> dict[str, tuple[str, tuple]]:
                                                        group, 0.25,
                                                        torch.ops.fdc.decode_plan(seqlens, qk_offsets, v_offsets,
                                                                                  group, 5), None)),
+        # A window of 2 keys, soft-capping and sinks (one per query head: 2 KV heads x group 2), paged.
+        "decode_attention_variants": ("decode_attention", (q_step, k_pages, v_pages, seqlens, qk_offsets, v_offsets,
+                                                           group, 0.25, None, block_table, 1, 2.0, sample(4))),
         "append_kv": ("append_kv", (k_cache, v_cache, k_rows, v_rows, one_row_each, seqlens, qk_offsets, v_offsets,
                                     None)),
         "append_kv_paged": ("append_kv", (k_pages, v_pages, k_rows, v_rows, one_row_each, seqlens, qk_offsets,
@@ -291,12 +295,17 @@ def sample_inputs(device: torch.device | str) -> dict[str, tuple[str, tuple]]:
                                                                     group, 0.25, True, None))
         cases[f"prefill_attention_plan_{name}"] = ("prefill_attention", (q, k, v, cu_q, cu_k, qk_offsets, v_offsets,
                                                                          group, 0.25, False, plan))
+        cases[f"prefill_attention_variants_{name}"] = ("prefill_attention", (q, k, v, cu_q, cu_k, qk_offsets,
+                                                                             v_offsets, group, 0.25, True, None, 2,
+                                                                             3.0, sample(4)))
     return cases
 
 
 SAMPLE_CASES = ("rotate_compress", "rotate_compress_float16", "rope_rotate_compress", "rope_rotate_compress_bfloat16",
                 "rope_rotate_compress_out_width", "prefill_plan", "prefill_plan_default_workers", "decode_plan",
-                "decode_plan_default_workers", "decode_attention", "decode_attention_paged", "decode_attention_plan",
-                "append_kv", "append_kv_paged", "prefill_attention_float32", "prefill_attention_plan_float32",
-                "prefill_attention_bfloat16", "prefill_attention_plan_bfloat16")  # sample_inputs' keys, named
+                "decode_plan_default_workers", "decode_plan_window", "decode_attention", "decode_attention_paged",
+                "decode_attention_plan", "decode_attention_variants", "append_kv", "append_kv_paged",
+                "prefill_attention_float32", "prefill_attention_plan_float32", "prefill_attention_variants_float32",
+                "prefill_attention_bfloat16", "prefill_attention_plan_bfloat16",
+                "prefill_attention_variants_bfloat16")  # sample_inputs' keys, named
 # before any device exists so that tests can be parametrised over them

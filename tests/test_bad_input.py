@@ -290,3 +290,50 @@ def test_fakes_refuse_what_the_kernels_refuse_when_traced():
             torch.ops.fdc.append_kv(torch.randn(3, 6, 24), torch.randn(3, 6, 24), torch.randn(4, 24),
                                     torch.randn(4, 24), torch.tensor([0, 1, 2, 4], dtype=torch.int32),
                                     torch.zeros(2, dtype=torch.int32), QK, V)
+
+
+# The attention variants (window_left, softcap, sinks): the same checks (checks.h check_attention_variant) in both
+# attention ops and in their fakes; window_left also in both planners.
+VARIANT_CASES = [
+    (dict(window_left=-2), "window_left must be -1 \\(no window\\) or a key count"),
+    (dict(window_left=2**31), "window_left must be -1 \\(no window\\) or a key count"),
+    (dict(softcap=-1.0), "softcap must be 0 \\(no capping\\) or a positive finite number"),
+    (dict(softcap=float("inf")), "softcap must be 0 \\(no capping\\) or a positive finite number"),
+    (dict(softcap=float("nan")), "softcap must be 0 \\(no capping\\) or a positive finite number"),
+    (dict(sinks=torch.zeros(3)), "sinks must have shape \\[4\\]"),
+    (dict(sinks=torch.zeros(2 * G, dtype=torch.float64)), "sinks must be float32"),
+    (dict(sinks=torch.zeros(2 * G, dtype=torch.bfloat16)), "sinks must be float32"),
+    (dict(sinks=torch.zeros(1, 2 * G)), "sinks must have shape \\[4\\]"),
+]
+
+
+@pytest.mark.parametrize("change, argument", VARIANT_CASES)
+def test_attention_variants_bad_input(change, argument):
+    with raises("prefill_attention", argument):
+        ops.prefill_attention(**prefill_args(**change))
+    with raises("decode_attention", argument):
+        ops.decode_attention(**decode_args(**change))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with pytest.raises(RuntimeError, match=rf"fdc::prefill_attention: (.|\n)*{argument}"):
+            ops.prefill_attention(**prefill_args(**change))
+        with pytest.raises(RuntimeError, match=rf"fdc::decode_attention: (.|\n)*{argument}"):
+            ops.decode_attention(**decode_args(**change))
+
+
+@pytest.mark.parametrize("window_left", [-2, -100, 2**31])
+def test_planners_bad_window(window_left):
+    lengths = torch.tensor([1, 2], dtype=torch.int32)
+    cu = torch.tensor([0, 1, 3], dtype=torch.int32)
+    with raises("decode_plan", "window_left must be -1"):
+        ops.decode_plan(lengths, QK, V, G, window_left=window_left)
+    with raises("prefill_plan", "window_left must be -1"):
+        ops.prefill_plan(cu, cu, QK, V, G, True, window_left=window_left)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with pytest.raises(RuntimeError, match="fdc::decode_plan: window_left must be -1"):
+            ops.decode_plan(lengths, QK, V, G, window_left=window_left)
+        with pytest.raises(RuntimeError, match="fdc::prefill_plan: window_left must be -1"):
+            ops.prefill_plan(cu, cu, QK, V, G, True, num_workers=2, window_left=window_left)
