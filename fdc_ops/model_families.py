@@ -25,6 +25,8 @@ FAMILIES = (
     Family("phi3", "Phi3ForCausalLM", False, None,
            "vLLM's Phi-3 is a Llama with a fused checkpoint projection, which the plugin's identity check would have "
            "to split"),
+    Family("gemma2", "Gemma2ForCausalLM", False, None,
+           "the plugin's attention backend does not pass sliding windows and logit soft-capping to the ops yet"),
 )
 BY_MODEL_TYPE = {family.model_type: family for family in FAMILIES}
 BY_ARCHITECTURE = {family.architecture: family for family in FAMILIES}
@@ -33,9 +35,8 @@ SERVED_ARCHITECTURES = {family.architecture: family.vllm_class for family in FAM
 
 #: Model types asked for and refused, with the reason (what they need that the ops do not have yet).
 REFUSED = {
-    "gemma2": "sliding-window layers and attention logit soft-capping",
-    "gemma3": "sliding-window layers and per-head q/k norms its family code does not read",
-    "gemma3_text": "sliding-window layers and per-head q/k norms its family code does not read",
+    "gemma3": "a second RoPE for its sliding-window layers and per-head q/k norms its family code does not read",
+    "gemma3_text": "a second RoPE for its sliding-window layers and per-head q/k norms its family code does not read",
     "mixtral": "a mixture-of-experts family that no test covers",
 }
 

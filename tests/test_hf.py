@@ -183,10 +183,6 @@ def test_compress_rejects_bad_requests():
     assert isinstance(model.get_decoder().layers[0].self_attn, FDCAttention)
     with pytest.raises(ValueError, match="already compressed"):
         hf.compress(model, artifact, removal_rate=0.1)
-    windowed = tiny_model("mistral", sliding_window=16)
-    with pytest.raises(NotImplementedError, match="sliding"):
-        hf.compress(windowed, calibration.calibrate(windowed, text="random", num_tokens=32, seq_len=16, progress=False),
-                    removal_rate=0.1)
 
 
 def test_smollm2_at_full_rank_matches_the_original():

@@ -32,15 +32,6 @@ from .saving import load_compressed, save_compressed  # noqa: E402,F401
 METHODS = ("fdc", "palu")
 
 
-def _check_sliding_window(model) -> None:
-    config = families.text_config(model)
-    window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True) and \
-            window < getattr(config, "max_position_embeddings", window + 1):
-        raise NotImplementedError(f"fdc_ops.hf.compress: sliding-window attention (sliding_window={window}) is not "
-                                  "supported by the compressed modules")
-
-
 def compress(model, artifact: artifacts.FDCArtifact | str, removal_rate: float | None = None, *,
              compression: float | None = None, allocation: artifacts.RankAllocation | None = None, qk_dims=None,
              v_dims=None, method: str = "fdc", weighting: str | None = None, rule: str | None = None,
@@ -66,7 +57,6 @@ def compress(model, artifact: artifacts.FDCArtifact | str, removal_rate: float |
         raise TypeError("fdc_ops.hf.compress: artifact must be an fdc_ops.calibration.FDCArtifact "
                         f"(FDCArtifact.load(directory), calibrate or load_or_calibrate) or \"{artifacts.BUNDLED}\" "
                         f"(the bundled SmolLM2's), got {type(artifact).__name__}")
-    _check_sliding_window(model)
     artifact.check_model(model)
     allocation = resolve_allocation(artifact, method, removal_rate, compression, allocation, qk_dims, v_dims,
                                     weighting, rule, uniform)
@@ -74,6 +64,7 @@ def compress(model, artifact: artifacts.FDCArtifact | str, removal_rate: float |
     H, Hkv, D, G = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.group
     decoder = model.get_decoder()
     padding = PaddingState()
+    config = families.text_config(model)
     originals = families.attention_modules(model)
     v_encoder, v_decoder = artifact.v_factors(method)
     for layer, original in enumerate(originals):
@@ -88,7 +79,8 @@ def compress(model, artifact: artifacts.FDCArtifact | str, removal_rate: float |
         common = dict(original=original, layer=layer, num_heads=H, num_kv_heads=Hkv, head_dim=D,
                       q_weight=weights.q_weight.detach(), q_bias=_detach(weights.q_bias),
                       value_weight=folded.value_weight, output_weight=folded.output_weight,
-                      output_bias=folded.output_bias, v_offsets=v_offsets, padding=padding)
+                      output_bias=folded.output_bias, v_offsets=v_offsets, padding=padding,
+                      window_left=families.layer_window(config, layer), softcap=families.logit_softcap(config))
         if method == "fdc":
             rotation = artifact.qk_rotation[layer, :, :, : int(qk_dims_l.max())].to(device, dtype)
             module = FDCAttention(**common, k_weight=weights.k_weight.detach(), k_bias=_detach(weights.k_bias),

@@ -2,7 +2,8 @@
 form for every supported family, a fingerprint that ties an artifact to a model.
 
 Supported families: Llama, Mistral, Qwen2, Qwen3 (separate q/k/v projections, optional biases, Qwen3's per-head
-q/k norms before RoPE) and Phi-3 (one fused ``qkv_proj``, optionally partial rotary). Everything here reads the
+q/k norms before RoPE), Phi-3 (one fused ``qkv_proj``, optionally partial rotary) and Gemma 2; sliding windows
+(Mistral, Qwen2's ``use_sliding_window``, Gemma 2's local layers) and logit soft-capping (Gemma 2) per layer. Everything here reads the
 modules; nothing changes them.
 """
 
@@ -42,6 +43,25 @@ def check_supported(model) -> None:
     why = model_families.unsupported_model_type(getattr(text_config(model), "model_type", None))
     if why is not None:
         raise ValueError(f"fdc_ops: {why}")
+
+
+def layer_window(config, layer: int) -> int:
+    """The ``window_left`` of the ops for decoder layer ``layer`` (-1: full attention): a sliding window of W
+    positions (the query's own included) is W - 1. Layers are windowed as the family's own attention does it: by
+    ``layer_types`` where the config has them (Qwen2 with ``use_sliding_window``, Gemma 2), otherwise every layer when
+    ``sliding_window`` is set (Mistral)."""
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return -1
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window - 1 if layer_types[layer] == "sliding_attention" else -1
+    return window - 1 if getattr(config, "use_sliding_window", True) else -1
+
+
+def logit_softcap(config) -> float:
+    """The attention logits' soft-cap (Gemma 2's ``attn_logit_softcapping``), 0 for none."""
+    return float(getattr(config, "attn_logit_softcapping", None) or 0.0)
 
 
 def attention_shape(model) -> AttentionShape:

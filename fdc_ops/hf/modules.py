@@ -122,18 +122,25 @@ class CompressedKVLayer(DynamicLayer):
     """One layer's cache: packed K rows ``(B, capacity, k_width)`` and V rows ``(B, capacity, v_width)``, each
     request's real tokens first (``lengths``), in the packed head layout of the ops. It stands in for a DynamicLayer
     inside a transformers cache: ``get_seq_length`` counts positions (padding included) as transformers expects,
-    beam search reorders it, and ``update`` (full-width K/V) is refused."""
+    beam search reorders it, and ``update`` (full-width K/V) is refused.
+
+    A sliding-window layer (``window_left`` >= 0) drops the rows no later query can see whenever its buffers are
+    full, instead of growing them: its memory stops growing with the context (at most about twice the window plus
+    the longest call's rows), and a request's row i then holds its token ``first_positions[b] + i``."""
 
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, k_offsets: torch.Tensor, v_offsets: torch.Tensor):
+    def __init__(self, k_offsets: torch.Tensor, v_offsets: torch.Tensor, window_left: int = -1):
         super().__init__()
         self.k_offsets, self.v_offsets = k_offsets, v_offsets  # (H_kv + 1,) int32 CPU
+        self.window_left = window_left
         self.k_cache: torch.Tensor | None = None  # (B, capacity, k_offsets[-1])
         self.v_cache: torch.Tensor | None = None  # (B, capacity, v_offsets[-1])
         self.lengths: torch.Tensor | None = None  # (B,) int32: real tokens cached per request
         self.host_lengths: list[int] = []  # the same on the host, so appends read nothing back from the device
+        self.first_positions: torch.Tensor | None = None  # (B,) int64: the token in row 0 (rows dropped before it)
+        self.host_first_positions: list[int] = []
         self.positions = 0  # positions seen, padding included (what transformers calls the sequence length)
         self.keys = self.values = None
         self.is_initialized = True
@@ -152,12 +159,18 @@ class CompressedKVLayer(DynamicLayer):
         if self.k_cache is None:
             self.lengths = torch.zeros(batch, dtype=torch.int32, device=k_rows.device)
             self.host_lengths = [0] * batch
+            self.first_positions = torch.zeros(batch, dtype=torch.int64, device=k_rows.device)
+            self.host_first_positions = [0] * batch
             self._allocate(batch, max([INITIAL_CAPACITY, *rows.host_counts]), k_rows.dtype, k_rows.device)
         elif batch != self.k_cache.shape[0]:
             raise ValueError(f"fdc_ops.hf.modules: the cache holds {self.k_cache.shape[0]} requests, the call has "
                              f"{batch}")
         grown = [length + count for length, count in zip(self.host_lengths, rows.host_counts)]
         needed = max(grown, default=0)
+        if needed > self.k_cache.shape[1] and self.window_left >= 0:
+            self._drop_unseen_rows()
+            grown = [length + count for length, count in zip(self.host_lengths, rows.host_counts)]
+            needed = max(grown, default=0)
         if needed > self.k_cache.shape[1]:
             old_k, old_v = self.k_cache, self.v_cache
             self._allocate(batch, max(needed, 2 * old_k.shape[1]), old_k.dtype, old_k.device)
@@ -168,6 +181,26 @@ class CompressedKVLayer(DynamicLayer):
         self.lengths += rows.counts
         self.host_lengths = grown
         self.positions += new_positions
+
+    def _drop_unseen_rows(self) -> None:
+        """Moves each request's rows that a later query can still see (the last ``window_left``: the next query
+        comes at the request's current length) to the front of its buffers, dropping the older ones. A copy of at
+        most the window per request, once per filling of the buffers."""
+        dead = [max(0, length - self.window_left) for length in self.host_lengths]
+        if not any(dead):
+            return
+        kept = [length - gone for length, gone in zip(self.host_lengths, dead)]
+        device = self.k_cache.device
+        first = torch.tensor(dead, dtype=torch.int64, device=device)
+        index = (first[:, None] + torch.arange(max(kept), device=device)[None, :]).clamp_max(self.k_cache.shape[1] - 1)
+        for name in ("k_cache", "v_cache"):
+            buffer = getattr(self, name)
+            moved = torch.gather(buffer, 1, index[:, :, None].expand(-1, -1, buffer.shape[2]))  # (B, max kept, W)
+            buffer[:, : moved.shape[1]] = moved
+        self.lengths -= first.to(torch.int32)
+        self.host_lengths = kept
+        self.first_positions += first
+        self.host_first_positions = [position + gone for position, gone in zip(self.host_first_positions, dead)]
 
     def _allocate(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
         # empty, not zeros: only rows below `lengths` are ever read, and zeroing would touch every page up front
@@ -197,8 +230,9 @@ class CompressedKVLayer(DynamicLayer):
         return -1
 
     def reset(self) -> None:
-        self.k_cache = self.v_cache = self.lengths = None
+        self.k_cache = self.v_cache = self.lengths = self.first_positions = None
         self.host_lengths = []
+        self.host_first_positions = []
         self.positions = 0
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
@@ -208,15 +242,19 @@ class CompressedKVLayer(DynamicLayer):
         if self.k_cache is not None:
             indices = indices.to(self.k_cache.device)
             self.k_cache, self.v_cache = self.k_cache[indices], self.v_cache[indices]
-            self.lengths = self.lengths[indices]
-            self.host_lengths = [self.host_lengths[i] for i in indices.tolist()]
+            self.lengths, self.first_positions = self.lengths[indices], self.first_positions[indices]
+            chosen = indices.tolist()
+            self.host_lengths = [self.host_lengths[i] for i in chosen]
+            self.host_first_positions = [self.host_first_positions[i] for i in chosen]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.k_cache is not None:
             self.k_cache = self.k_cache.repeat_interleave(repeats, dim=0)
             self.v_cache = self.v_cache.repeat_interleave(repeats, dim=0)
             self.lengths = self.lengths.repeat_interleave(repeats, dim=0)
+            self.first_positions = self.first_positions.repeat_interleave(repeats, dim=0)
             self.host_lengths = [length for length in self.host_lengths for _ in range(repeats)]
+            self.host_first_positions = [first for first in self.host_first_positions for _ in range(repeats)]
 
     def crop(self, *args, **kwargs) -> None:
         raise NotImplementedError("fdc_ops.hf.modules: cropping a compressed cache (assisted decoding) is not "
@@ -306,15 +344,17 @@ class StaticCompressedKVLayer(CompressedKVLayer):
             raise NotImplementedError("fdc_ops.hf.modules: a static compressed cache keeps its batch size")
 
 
-def _cache_layer(cache, layer: int, k_offsets: torch.Tensor, v_offsets: torch.Tensor) -> CompressedKVLayer:
+def _cache_layer(cache, layer: int, k_offsets: torch.Tensor, v_offsets: torch.Tensor,
+                 window_left: int = -1) -> CompressedKVLayer:
     """The compressed layer ``layer`` of a transformers cache, installed in place of an empty layer the first time
     (generate() creates a DynamicCache, or a StaticCache for ``cache_implementation="static"``; the compressed modules
-    take over its layers: a StaticLayer becomes a StaticCompressedKVLayer of the same capacity)."""
+    take over its layers: a StaticLayer becomes a StaticCompressedKVLayer of the same capacity, any dynamic layer,
+    sliding-window ones included, a CompressedKVLayer that drops what the layer's window no longer sees)."""
     layers = getattr(cache, "layers", None)
     if layers is None:
         raise TypeError(f"fdc_ops.hf.modules: the cache must be a transformers Cache with layers, got {type(cache)}")
     while len(layers) <= layer:
-        layers.append(CompressedKVLayer(k_offsets, v_offsets))
+        layers.append(CompressedKVLayer(k_offsets, v_offsets, window_left))
     current = layers[layer]
     if isinstance(current, CompressedKVLayer):
         return current
@@ -322,11 +362,13 @@ def _cache_layer(cache, layer: int, k_offsets: torch.Tensor, v_offsets: torch.Te
         raise ValueError(f"fdc_ops.hf.modules: layer {layer} of the cache already holds uncompressed keys and values")
     if isinstance(current, StaticLayer):
         if current.is_sliding:
-            raise NotImplementedError(f"fdc_ops.hf.modules: layer {layer} of the cache is a sliding-window layer, "
-                                      f"which compressed attention does not support")
+            raise NotImplementedError(f"fdc_ops.hf.modules: layer {layer} of the static cache is a sliding-window "
+                                      "layer, which keeps only its window's rows, in a ring; a static compressed "
+                                      "cache does not (its rows stay in token order): use the dynamic cache (the "
+                                      "default), whose compressed layers drop the rows past the window")
         layers[layer] = StaticCompressedKVLayer(k_offsets, v_offsets, current.max_cache_len)
     else:
-        layers[layer] = CompressedKVLayer(k_offsets, v_offsets)
+        layers[layer] = CompressedKVLayer(k_offsets, v_offsets, window_left)
     return layers[layer]
 
 
@@ -335,9 +377,10 @@ class _CompressedAttentionBase(nn.Module):
 
     def __init__(self, original: nn.Module, layer: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  q_weight, q_bias, k_weight, k_bias, value_weight, output_weight, output_bias,
-                 v_offsets: torch.Tensor, padding: PaddingState):
+                 v_offsets: torch.Tensor, padding: PaddingState, window_left: int = -1, softcap: float = 0.0):
         super().__init__()
         self.layer_idx = layer
+        self.window_left, self.softcap = window_left, softcap  # the ops' attention variants for this layer
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
         self.scaling = getattr(original, "scaling", head_dim**-0.5)
@@ -373,10 +416,12 @@ class FDCAttention(_CompressedAttentionBase):
 
     def __init__(self, original: nn.Module, layer: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  q_weight, q_bias, k_weight, k_bias, value_weight, output_weight, output_bias,
-                 rotation: torch.Tensor, qk_offsets: torch.Tensor, v_offsets: torch.Tensor, padding: PaddingState):
-        """rotation: (H_kv, D, max qk dim) truncated R; qk_offsets, v_offsets: (H_kv + 1,) int32 CPU."""
+                 rotation: torch.Tensor, qk_offsets: torch.Tensor, v_offsets: torch.Tensor, padding: PaddingState,
+                 window_left: int = -1, softcap: float = 0.0):
+        """rotation: (H_kv, D, max qk dim) truncated R; qk_offsets, v_offsets: (H_kv + 1,) int32 CPU; window_left,
+        softcap: the layer's sliding window (-1: none) and logit soft-cap (0: none), as the ops take them."""
         super().__init__(original, layer, num_heads, num_kv_heads, head_dim, q_weight, q_bias, k_weight, k_bias,
-                         value_weight, output_weight, output_bias, v_offsets, padding)
+                         value_weight, output_weight, output_bias, v_offsets, padding, window_left, softcap)
         self.register_buffer("rotation", rotation.contiguous(), persistent=False)
         self.qk_offsets = qk_offsets  # CPU, not a buffer
 
@@ -387,7 +432,7 @@ class FDCAttention(_CompressedAttentionBase):
         """hidden_states: (B, S, hidden); the cache comes in ``kwargs`` under the name the transformers release
         uses (fdc_ops.hf.compat.cache_argument). Returns ((B, S, hidden), None)."""
         cache = cache_argument(kwargs, "fdc_ops.hf.modules.FDCAttention")
-        layer = None if cache is None else _cache_layer(cache, self.layer_idx, *self.cache_offsets())
+        layer = None if cache is None else _cache_layer(cache, self.layer_idx, *self.cache_offsets(), self.window_left)
         if isinstance(layer, StaticCompressedKVLayer):
             return self._static_forward(hidden_states, position_embeddings, layer), None
         B, S, _ = hidden_states.shape
@@ -439,7 +484,8 @@ class FDCAttention(_CompressedAttentionBase):
         layer.append_rows(k_new, v_new, cu, counts, S)
         if S == 1:  # decode: one query per request, in request order
             out = ops.decode_attention(q_rows, layer.k_cache, layer.v_cache, layer.lengths, self.qk_offsets,
-                                       self.v_offsets, G, self.scaling)  # (B, G * v_width)
+                                       self.v_offsets, G, self.scaling, window_left=self.window_left,
+                                       softcap=self.softcap)  # (B, G * v_width)
             if valid is not None:
                 out = torch.where(valid.reshape(B, 1), out, out.new_zeros(()))
         else:
@@ -453,7 +499,8 @@ class FDCAttention(_CompressedAttentionBase):
                 v_all = layer.v_cache.reshape(-1, layer.v_cache.shape[2])[gather]
                 cu_k = ops.prefix_sums(layer.lengths)
             out = ops.prefill_attention(q_real, k_all, v_all, cu, cu_k, self.qk_offsets, self.v_offsets, G,
-                                        self.scaling, True)  # (B * S, G * v_width): zeros past cu[-1]
+                                        self.scaling, True, window_left=self.window_left,
+                                        softcap=self.softcap)  # (B * S, G * v_width): zeros past cu[-1]
             if order is not None:
                 out = out[torch.argsort(order)]
         return self.o_proj(out.view(B, S, -1))
@@ -466,9 +513,10 @@ def _attend(module, q_rows, k_rows, v_rows, rows: CallRows, new_positions, layer
     Returns (T, G * v_width)."""
     k_offsets = module.qk_offsets if k_offsets is None else k_offsets
     scale, G = module.scaling, module.group
+    variant = dict(window_left=module.window_left, softcap=module.softcap)
     if layer is None:
         return ops.prefill_attention(q_rows, k_rows, v_rows, rows.cu, rows.cu, k_offsets, module.v_offsets, G, scale,
-                                     True)
+                                     True, **variant)
     was_empty = not any(layer.host_lengths)
     layer.append(k_rows, v_rows, rows, new_positions)
     if keys_from_cache is not None:  # Palu: full-width keys rebuilt from the cached latent
@@ -476,7 +524,8 @@ def _attend(module, q_rows, k_rows, v_rows, rows: CallRows, new_positions, layer
     else:
         k_cache, v_cache = layer.k_cache, layer.v_cache
     if new_positions == 1 and all(count == 1 for count in rows.host_counts):
-        return ops.decode_attention(q_rows, k_cache, v_cache, layer.lengths, k_offsets, module.v_offsets, G, scale)
+        return ops.decode_attention(q_rows, k_cache, v_cache, layer.lengths, k_offsets, module.v_offsets, G, scale,
+                                    **variant)
     cu_k = ops.prefix_sums(layer.lengths)
     if keys_from_cache is None and was_empty:  # a prompt into an empty cache: its keys are the call's own rows
         k_rows_all, v_rows_all = k_rows, v_rows
@@ -486,7 +535,7 @@ def _attend(module, q_rows, k_rows, v_rows, rows: CallRows, new_positions, layer
         mask = torch.arange(k_cache.shape[1], device=rows.counts.device)[None, :] < layer.lengths[:, None]
         k_rows_all, v_rows_all = k_cache[mask], v_cache[mask]
     return ops.prefill_attention(q_rows, k_rows_all, v_rows_all, rows.cu, cu_k, k_offsets, module.v_offsets, G,
-                                 scale, True)
+                                 scale, True, **variant)
 
 
 class PaluAttention(_CompressedAttentionBase):
@@ -499,11 +548,12 @@ class PaluAttention(_CompressedAttentionBase):
     def __init__(self, original: nn.Module, layer: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  q_weight, q_bias, latent_weight, latent_bias, value_weight, output_weight, output_bias,
                  key_basis: torch.Tensor, latent_offsets: torch.Tensor, v_offsets: torch.Tensor,
-                 padding: PaddingState, rotary: nn.Module):
+                 padding: PaddingState, rotary: nn.Module, window_left: int = -1, softcap: float = 0.0):
         """latent_weight: (sum k dims, hidden) = B W_K per KV head; key_basis: (H_kv, D, D) principal axes of the
         pre-RoPE keys (first k_dims[j] columns used); latent_offsets: (H_kv + 1,) int32 CPU."""
         super().__init__(original, layer, num_heads, num_kv_heads, head_dim, q_weight, q_bias, latent_weight,
-                         latent_bias, value_weight, output_weight, output_bias, v_offsets, padding)
+                         latent_bias, value_weight, output_weight, output_bias, v_offsets, padding, window_left,
+                         softcap)
         self.latent_proj = self.k_proj  # (hidden) -> (sum k dims): the latent, not full keys
         del self.k_proj
         dims = (latent_offsets[1:] - latent_offsets[:-1]).tolist()
@@ -541,12 +591,14 @@ class PaluAttention(_CompressedAttentionBase):
         q, _ = self._apply_rope(q, q, cos, sin)
         rows = self._padding.rows(B, S, hidden_states.device)
         valid = rows.valid if rows.valid is not None else torch.ones(B, S, dtype=torch.bool, device=q.device)
-        layer = None if cache is None else _cache_layer(cache, self.layer_idx, *self.cache_offsets())
+        layer = None if cache is None else _cache_layer(cache, self.layer_idx, *self.cache_offsets(), self.window_left)
         if isinstance(layer, StaticCompressedKVLayer):
             raise NotImplementedError("fdc_ops.hf.modules.PaluAttention: the Palu baseline runs with a dynamic cache "
                                       "only (it rebuilds keys from a latent whose used length it reads on the host); "
                                       "FDC takes a static cache")
-        past = layer.lengths if layer is not None and layer.lengths is not None else torch.zeros_like(rows.counts)
+        past = torch.zeros_like(rows.counts, dtype=torch.int64)  # real tokens before the call, dropped rows included
+        if layer is not None and layer.lengths is not None:
+            past = layer.first_positions + layer.lengths
         compact = past[:, None] + valid.cumsum(1) - 1  # (B, S): each real token's position among its request's
         position_ids = kwargs.get("position_ids")
         if position_ids is not None and not torch.equal(position_ids.expand(B, S)[valid], compact[valid]):
@@ -562,7 +614,7 @@ class PaluAttention(_CompressedAttentionBase):
         else:
             def keys_from_cache(layer):  # rebuilds the rows in use only, not the spare capacity
                 used = max(layer.host_lengths)
-                positions = torch.arange(used, device=latent.device)[None, :].expand(B, -1)
+                positions = torch.arange(used, device=latent.device)[None, :] + layer.first_positions[:, None]
                 return self._keys(layer.k_cache[:, :used], positions).contiguous(), layer.v_cache[:, :used]
 
             out = _attend(self, q_rows, latent_rows, v_rows, rows, S, layer, keys_from_cache=keys_from_cache)

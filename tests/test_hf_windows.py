@@ -1,0 +1,124 @@
+"""Sliding-window models compressed: Mistral (every layer windowed), Qwen2 with ``use_sliding_window`` and Gemma 2
+(windowed and full layers mixed; Gemma 2's logits soft-capped), tiny random-weight checkpoints, FDC and Palu, against
+the original models with their own sliding-window masks and caches; and the compressed cache of a windowed layer
+staying bounded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import case_generator
+from fdc_ops import calibration, hf
+from fdc_ops.hf import families
+from fdc_ops.hf.modules import CompressedKVLayer
+from tiny_models import tiny_model
+
+transformers = pytest.importorskip("transformers", reason="the model side needs transformers")
+METHODS = ("fdc", "palu")
+WINDOW = 6  # positions a query sees, its own included: far shorter than the prompts and generations below
+WINDOWED = {
+    "mistral": dict(sliding_window=WINDOW),
+    "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),  # layer 0 full, 1 windowed
+    "gemma2": dict(sliding_window=WINDOW),  # layer 0 windowed, 1 full; soft-capped logits (tiny_models.py)
+}
+
+
+def windowed_model(family: str, seed: int):
+    model = tiny_model(family, seed=seed, **WINDOWED[family])
+    artifact = calibration.calibrate(model, text="random", num_tokens=128, seq_len=32, seed=seed, sensitivity_tokens=64,
+                                     progress=False)
+    return model, artifact
+
+
+def generate(model, ids, mask=None, **kwargs):
+    settings = dict(max_new_tokens=16, do_sample=False, pad_token_id=0)
+    settings.update(kwargs)
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=mask, **settings)
+
+
+def test_layer_windows_follow_the_config():
+    mistral = tiny_model("mistral", **WINDOWED["mistral"]).config
+    qwen2 = tiny_model("qwen2", **WINDOWED["qwen2"]).config
+    assert [families.layer_window(mistral, layer) for layer in range(2)] == [WINDOW - 1, WINDOW - 1]
+    assert [families.layer_window(qwen2, layer) for layer in range(2)] == [-1, WINDOW - 1]
+    assert families.layer_window(tiny_model("qwen2").config, 1) == -1  # use_sliding_window off
+    assert families.layer_window(tiny_model("llama").config, 0) == -1
+    gemma2 = tiny_model("gemma2", **WINDOWED["gemma2"]).config
+    assert [families.layer_window(gemma2, layer) for layer in range(2)] == [WINDOW - 1, -1]
+    assert families.logit_softcap(gemma2) == 2.0 and families.logit_softcap(mistral) == 0.0
+
+
+@pytest.mark.parametrize("family", sorted(WINDOWED))
+@pytest.mark.parametrize("method", METHODS)
+def test_full_rank_matches_the_windowed_original(family, method):
+    """At full rank the compressed model computes what the original computes with its sliding-window mask: logits of
+    prompts three to five windows long, greedy tokens generated far past the window (transformers' own
+    sliding-window cache on the original's side), and a left-padded batch equal to each prompt alone."""
+    generator, rng, replay = case_generator(f"windowed_{family}_{method}", 0)
+    model, artifact = windowed_model(family, rng.randrange(1000))
+    ids = torch.randint(1, model.config.vocab_size, (2, rng.randrange(3 * WINDOW, 5 * WINDOW)), generator=generator)
+    with torch.no_grad():
+        expected_logits = model(input_ids=ids, use_cache=False).logits
+    expected_tokens = generate(model, ids)
+    lengths = [rng.randrange(2, 4 * WINDOW) for _ in range(3)]
+    width = max(lengths)
+    padded, mask = torch.zeros(3, width, dtype=torch.long), torch.zeros(3, width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        padded[row, width - length:] = torch.randint(1, model.config.vocab_size, (length,), generator=generator)
+        mask[row, width - length:] = 1
+    expected_padded = generate(model, padded, mask)
+
+    hf.compress(model, artifact, removal_rate=0.0, method=method)
+    with torch.no_grad():
+        actual_logits = model(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(actual_logits, expected_logits, rtol=1e-4,
+                               atol=1e-4 * expected_logits.abs().max().item(), msg=replay)
+    assert torch.equal(generate(model, ids), expected_tokens), replay
+    batched = generate(model, padded, mask)
+    assert torch.equal(batched, expected_padded), replay
+    for row, length in enumerate(lengths):
+        alone = generate(model, padded[row:row + 1, width - length:])[0, length:]
+        assert torch.equal(alone, batched[row, width: width + len(alone)]), f"row {row}: {replay}"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_windowed_layer_keeps_a_bounded_cache(method):
+    """Generating 24 windows' worth of tokens: a windowed layer's cache holds at most a few windows of rows per
+    request (it drops what its window no longer sees) while a full-attention layer's holds every token, and the
+    tokens are those of a cache that drops nothing."""
+    generator, rng, replay = case_generator(f"windowed_cache_{method}", 0)
+    model, artifact = windowed_model("qwen2", rng.randrange(1000))
+    hf.compress(model, artifact, compression=0.3, method=method)
+    ids = torch.randint(1, model.config.vocab_size, (2, 2 * WINDOW + 3), generator=generator)
+    steps = 24 * WINDOW
+    keyword = hf.cache_keyword(model)
+
+    def run(cache):
+        return generate(model, ids, max_new_tokens=steps, min_new_tokens=steps, **{keyword: cache})
+
+    cache = transformers.DynamicCache()
+    tokens = run(cache)
+    full, windowed = cache.layers
+    assert isinstance(full, CompressedKVLayer) and isinstance(windowed, CompressedKVLayer)
+    total = ids.shape[1] + steps - 1  # the last token is generated, not cached
+    assert full.host_lengths == [total, total]
+    assert all(length <= 2 * WINDOW + 3 for length in windowed.host_lengths), windowed.host_lengths
+    assert windowed.k_cache.shape[1] <= 2 * (2 * WINDOW + 3), "its buffers stopped growing"
+    ends = [first + length for first, length in zip(windowed.host_first_positions, windowed.host_lengths)]
+    assert ends == [total, total]
+    assert hf.kv_cache_nbytes(cache) < 1.5 * full.nbytes()
+
+    keeping = transformers.DynamicCache()  # layers that never drop a row; the ops still apply the window
+    keeping.layers[:] = [CompressedKVLayer(*layer.self_attn.cache_offsets()) for layer in model.get_decoder().layers]
+    assert torch.equal(run(keeping), tokens), replay
+    assert keeping.layers[1].host_lengths == [total, total]
+
+
+def test_a_static_cache_of_a_windowed_model_is_refused_by_name():
+    model, artifact = windowed_model("mistral", 0)
+    hf.compress(model, artifact, compression=0.2)
+    ids = torch.randint(1, model.config.vocab_size, (1, 9))
+    with pytest.raises(NotImplementedError, match="sliding-window layer.*use the dynamic cache"):
+        generate(model, ids, cache_implementation="static")
