@@ -3,8 +3,8 @@ form for every supported family, a fingerprint that ties an artifact to a model.
 
 Supported families: Llama, Mistral, Qwen2, Qwen3 (separate q/k/v projections, optional biases, Qwen3's per-head
 q/k norms before RoPE), Phi-3 (one fused ``qkv_proj``, optionally partial rotary) and Gemma 2; sliding windows
-(Mistral, Qwen2's ``use_sliding_window``, Gemma 2's local layers) and logit soft-capping (Gemma 2) per layer. Everything here reads the
-modules; nothing changes them.
+(Mistral, Qwen2's ``use_sliding_window``, Gemma 2's local layers) and logit soft-capping (Gemma 2) per layer.
+Everything here reads the modules; nothing changes them.
 """
 
 from __future__ import annotations
