@@ -15,11 +15,11 @@
 // and request b is cut into count = ceil((seqlen(b) - start(b)) / chunk_len(j)) chunks on a grid of that length from
 // base = start(b) rounded down to a multiple of kChunkAlign: chunk c covers [c == 0 ? start(b) : base + c * L,
 // c == count - 1 ? seqlen(b) : base + (c + 1) * L) with L = chunk_len(j). So every chunk but the first starts on a
-// multiple of kChunkAlign (a tensor-core key tile), the first is at most L keys and the last at most L + kChunkAlign
-// - 1 (the grid's offset from start(b)); without a window they are the chunks of length L from key 0, the last one
-// shorter. With few, long requests this splits them; with many short ones nothing is split. Chunk counts are bounded:
-// sum ceil(s/L) <= total / target + B*H_kv <= kChunksPerWorker * N + B*H_kv, the plan's capacity (s the visible
-// keys).
+// multiple of kChunkAlign (a tensor-core key tile); the first has at most L keys, the last at most L plus the grid's
+// offset start(b) - base (< kChunkAlign). Without a window these are the chunks of length L from key 0, the last one
+// shorter. With few, long requests this splits them; with many short ones nothing is split. Chunk counts are bounded,
+// s being a request's visible keys: sum ceil(s/L) <= total / target + B*H_kv <= kChunksPerWorker * N + B*H_kv, the
+// plan's capacity.
 //
 // Assignment: tasks sorted by cost descending (ties: enumeration order b, j, chunk), each given in turn to the
 // least-loaded worker (ties: lowest worker index): greedy LPT, makespan <= (4/3 - 1/(3N)) of the optimal schedule's
