@@ -85,6 +85,7 @@ void run_task(const int32_t* record, const Problem& pb, const T* q, int64_t q_ld
     }
     for (int64_t i = 0; i < group; ++i) {
       float* si = scores + i * kTaskKeyBlock;
+      if (pb.softcap > 0.f) soft_cap_scores(si, n, 1.f, pb.softcap);  // the queries carry the scale
       const float factor = softmax[i].rescale_for(max_of(si, n));
       if (factor != 1.f) scale_in_place(ws.acc.get() + i * dv, dv, factor);
       softmax[i].sum += exp_and_sum(si, n, 1.f, softmax[i].max);
@@ -101,7 +102,8 @@ void run_task(const int32_t* record, const Problem& pb, const T* q, int64_t q_ld
   finish_task(record, pb, ws.acc.get(), softmax.data(), out, out_ld);
 }
 
-// Merges the partials of every split (request, KV head) by log-sum-exp into the output.
+// Merges the partials of every split (request, KV head) by log-sum-exp into the output, times each query head's
+// sink_factor of the merged log-sum-exp when it has a sink.
 template <typename T>
 void merge_splits(const Problem& pb, int64_t batch, T* out, int64_t out_ld) {
   const checks::HostLayout& layout = *pb.layout;
@@ -118,7 +120,11 @@ void merge_splits(const Problem& pb, int64_t batch, T* out, int64_t out_ld) {
       weight.resize(count);
       for (int64_t i = 0; i < group; ++i) {
         for (int64_t s = 0; s < count; ++s) lse[s] = pb.partial_lse[(first + s) * group + i];
-        merge_weights(lse.data(), static_cast<int32_t>(count), weight.data());
+        const float merged_lse = merge_weights(lse.data(), static_cast<int32_t>(count), weight.data());
+        if (pb.sinks != nullptr) {
+          const float sink = sink_factor(merged_lse, pb.sinks[j * group + i]);
+          for (int64_t s = 0; s < count; ++s) weight[s] *= sink;
+        }
         T* oi = out + b * out_ld + view.o_column(static_cast<int32_t>(j * group + i));
         for (int64_t c = 0; c < dv; ++c) {
           float sum = 0.f;
@@ -131,30 +137,37 @@ void merge_splits(const Problem& pb, int64_t batch, T* out, int64_t out_ld) {
   });
 }
 
-// A plan from the caller must describe exactly these lengths: every record in range, chunks numbered within their
-// (request, head), and the keys of each (request, head) covered in total exactly once.
-void check_plan_records(const char* op, const DecodePlanView& plan, const std::vector<int32_t>& seqlens) {
+// A plan from the caller must describe exactly these lengths and this window: every record within its request's
+// visible keys [decode_window_start(length, window_left), length), chunks numbered within their (request, head), and
+// the visible keys of each (request, head) covered in total exactly once.
+void check_plan_records(const char* op, const DecodePlanView& plan, const std::vector<int32_t>& seqlens,
+                        int64_t window_left) {
   const int64_t hkv = plan.num_kv_heads(), pairs = int64_t(plan.batch()) * hkv;
   const int32_t* split = plan.split_offsets();
   const int32_t* workers = plan.worker_offsets();
   FDC_CHECK(split[0] == 0 && split[pairs] == plan.num_tasks() && plan.num_tasks() <= plan.capacity() &&
                 workers[0] == 0 && workers[plan.num_workers()] == plan.num_tasks(),
             op, "plan is corrupt: its task counts disagree");
+  std::vector<int64_t> first_visible(plan.batch());
+  for (int64_t b = 0; b < plan.batch(); ++b) first_visible[b] = decode_window_start(seqlens[b], window_left);
   std::vector<int64_t> covered(pairs, 0);
   for (int64_t r = 0; r < plan.num_tasks(); ++r) {
     const int32_t* rec = plan.records() + r * kDecodeRecordFields;
     FDC_CHECK(rec[0] >= 0 && rec[0] < pairs, op, "plan record ", r, " names (request, head) ", rec[0],
               " outside the batch");
     const int64_t b = rec[0] / hkv;
-    FDC_CHECK(rec[1] >= 0 && rec[1] < split[rec[0] + 1] - split[rec[0]] && rec[2] >= 0 && rec[2] < rec[3] &&
-                  rec[3] <= seqlens[b],
+    FDC_CHECK(rec[1] >= 0 && rec[1] < split[rec[0] + 1] - split[rec[0]] && rec[2] >= first_visible[b] &&
+                  rec[2] < rec[3] && rec[3] <= seqlens[b],
               op, "plan record ", r, " (keys ", rec[2], "..", rec[3], " of request ", b, " of length ", seqlens[b],
-              ") does not fit cache_seqlens: make the plan from the same cache_seqlens");
+              ") is not within its visible keys ", first_visible[b], "..", seqlens[b], " (window_left ", window_left,
+              "): make the plan from the same cache_seqlens and window_left");
     covered[rec[0]] += rec[3] - rec[2];
   }
   for (int64_t bj = 0; bj < pairs; ++bj) {
-    FDC_CHECK(covered[bj] == seqlens[bj / hkv], op, "plan covers ", covered[bj], " keys of request ", bj / hkv,
-              " but cache_seqlens says ", seqlens[bj / hkv], ": make the plan from the same cache_seqlens");
+    const int64_t b = bj / hkv, visible = seqlens[b] - first_visible[b];
+    FDC_CHECK(covered[bj] == visible, op, "plan covers ", covered[bj], " keys of request ", b, " but it sees ", visible,
+              " (cache_seqlens ", seqlens[b], ", window_left ", window_left,
+              "): make the plan from the same cache_seqlens and window_left");
   }
 }
 
@@ -172,8 +185,6 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
   const checks::HostLayout& layout = inputs.layout;
   const checks::AttentionVariant variant =
       checks::check_attention_variant(op, window_left, softcap, sinks, q, layout.num_heads());
-  FDC_CHECK(variant.window_left == kNoWindow && variant.softcap == 0.f && !variant.sinks.defined(), op,
-            "window_left, softcap and sinks are not implemented yet");
   const checks::CacheShape& cache = inputs.cache;
   const int64_t batch = inputs.batch;
   const checks::PagedCache& paged = cache.paged;
@@ -196,7 +207,7 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
     checks::check_plan_tensor(op, *plan, q, kDecodeHeader);
     schedule = *plan;
     checks::check_decode_plan_header(op, schedule.data_ptr<int32_t>(), schedule.size(0), batch, layout);
-    check_plan_records(op, DecodePlanView{schedule.data_ptr<int32_t>()}, seqlens);
+    check_plan_records(op, DecodePlanView{schedule.data_ptr<int32_t>()}, seqlens, window_left);
   } else if (!by_pieces) {
     schedule = decode_plan_cpu(cache_seqlens, qk_offsets, v_offsets, group, std::nullopt, window_left);
   }
@@ -209,20 +220,30 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
     if (seqlens[b] == 0) out[b].zero_();
   }
   const int64_t max_v_dim = layout.max_v_dim(), hkv = layout.num_kv_heads();
+  const ReadAhead way =
+      read_ahead_for(op, block_table.has_value(), q.scalar_type() == at::kBFloat16 && isa == CpuIsa::kAvx512Bf16);
+  // A windowed request's first piece of a paged cache starts on the kernel's block (within its page) that holds the
+  // window's first key, whose earlier keys it masks; a contiguous one starts exactly there (cut_rows).
+  const int64_t edge =
+      block_table ? std::min(paged.page_size, paged_block_keys(way, paged.page_size, q.element_size())) : 1;
   std::vector<int32_t> piece_splits;
-  const std::vector<RowPiece> pieces =
-      by_pieces ? cut_rows(seqlens, hkv, at::get_num_threads(), block_table ? paged.page_size : 1, piece_splits)
-                : std::vector<RowPiece>{};
+  const std::vector<RowPiece> pieces = by_pieces ? cut_rows(seqlens, window_left, hkv, at::get_num_threads(),
+                                                            block_table ? paged.page_size : 1, edge, piece_splits)
+                                                 : std::vector<RowPiece>{};
   const DecodePlanView view{by_pieces ? nullptr : schedule.data_ptr<int32_t>()};
   const int64_t slots = by_pieces ? piece_splits.back() : view.num_tasks();
   // Only split (request, KV head) pairs write and read their slots here.
   const std::unique_ptr<float[]> partial_out = uninitialized_floats(slots * group * max_v_dim);
   const std::unique_ptr<float[]> partial_lse = uninitialized_floats(slots * group);
   const int32_t* splits = by_pieces ? piece_splits.data() : view.split_offsets();  // (B * H_kv + 1)
-  const Problem pb{&layout, static_cast<float>(scale), splits, partial_out.get(), partial_lse.get(), max_v_dim};
-
-  const ReadAhead way =
-      read_ahead_for(op, block_table.has_value(), q.scalar_type() == at::kBFloat16 && isa == CpuIsa::kAvx512Bf16);
+  const Problem pb{.layout = &layout,
+                   .scale = static_cast<float>(scale),
+                   .split_offsets = splits,
+                   .partial_out = partial_out.get(),
+                   .partial_lse = partial_lse.get(),
+                   .max_v_dim = max_v_dim,
+                   .softcap = variant.softcap,
+                   .sinks = variant.sink_logits()};
 
   FDC_DISPATCH_FLOAT_TYPES(q.scalar_type(), "fdc::decode_attention", [&] {
     const int32_t* bt = block_table ? table.data_ptr<int32_t>() : nullptr;

@@ -53,7 +53,7 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
   float* scores = ws.scores.data();
 
   const auto block_keys = [&](const RowPiece& of) {
-    return kc.paged() ? paged_block_keys<T>(way, kc.page_size)
+    return kc.paged() ? paged_block_keys(way, kc.page_size, int64_t(sizeof(T)))
                       : contiguous_block_rows(way, (qk_width + v_width) * int64_t(sizeof(T)), of.t1 - of.t0);
   };
   const int64_t rows = block_keys(piece);
@@ -101,6 +101,9 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
       }
     }
     avx512::PrefetchStream stream = way == ReadAhead::kStream ? next_bytes.stream() : avx512::PrefetchStream{};
+    // Keys before the sliding window that this block reads (its first block's, cut_rows): fewer than the block holds,
+    // so its largest score is finite, and their -inf scores give weights of exactly 0.
+    const int64_t masked = std::max<int64_t>(0, piece.visible - t0);
     for (int64_t j = 0; j < hkv; ++j) {
       if (way == ReadAhead::kPrefetchL2) {
         if (kc.paged()) {
@@ -151,6 +154,9 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
       uint16_t* const weights = ws.weights_bf16.data();
       for (int64_t i = 0; i < group; ++i) {
         float* si = scores + i * kMaxBlockKeys;
+        // The scores stay divided by pb.scale, which the exps multiply in.
+        if (pb.softcap > 0.f) soft_cap_scores(si + masked, n - masked, pb.scale, pb.softcap);
+        if (masked > 0) std::fill(si, si + masked, -INFINITY);
         const float factor = softmax[i].rescale_for(avx512::max_of(si, n) * pb.scale);
         if (factor != 1.f) avx512::scale_in_place(acc + i * dv, dv, factor);
         // Where the value products take bf16 weights, the exps are rounded as they are made (exp2_for_bf16, one

@@ -9,6 +9,7 @@
 #include "checks.h"
 #include "cpu/cpu_common.h"
 #include "cpu/vec_math.h"
+#include "fdc/attention_variant.h"
 #include "fdc/softmax_merge.h"
 
 // Internal linkage, as when this was part of decode_attention.cpp (the only file that includes it): the compiler may
@@ -109,10 +110,13 @@ struct Problem {
   float* partial_out;            // (num_tasks, G, max_v_dim) for split requests
   float* partial_lse;            // (num_tasks, G)
   int64_t max_v_dim;
+  float softcap;       // logit soft-capping of the scaled scores, 0 for none (fdc/attention_variant.h)
+  const float* sinks;  // (H_kv * G) sink logits, one per query head; nullptr for none
 };
 
-// Writes one task's result: the normalised output of each of the G query heads, or, when its request is split
-// into chunks, the (output, log-sum-exp) partial for merge_splits. acc (G, d_v) holds the unnormalised sums.
+// Writes one task's result: the normalised output of each of the G query heads (times its sink's sink_factor, when it
+// has one), or, when its request is split into chunks, the (output, log-sum-exp) partial for merge_splits, which
+// applies the sink after the merge. acc (G, d_v) holds the unnormalised sums.
 template <typename T>
 void finish_task(const int32_t* record, const Problem& pb, const float* acc, const OnlineSoftmax* softmax, T* out,
                  int64_t out_ld) {
@@ -131,8 +135,9 @@ void finish_task(const int32_t* record, const Problem& pb, const float* acc, con
       for (int64_t c = 0; c < dv; ++c) po[c] = acc[i * dv + c] * inv;
       pb.partial_lse[slot * group + i] = softmax[i].lse();
     } else {
+      const float normalise = pb.sinks == nullptr ? inv : inv * sink_factor(softmax[i].lse(), pb.sinks[j * group + i]);
       T* oi = out + b * out_ld + view.o_column(static_cast<int32_t>(j * group + i));
-      for (int64_t c = 0; c < dv; ++c) oi[c] = static_cast<T>(acc[i * dv + c] * inv);
+      for (int64_t c = 0; c < dv; ++c) oi[c] = static_cast<T>(acc[i * dv + c] * normalise);
     }
   }
 }

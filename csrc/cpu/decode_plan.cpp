@@ -13,7 +13,6 @@ at::Tensor decode_plan_cpu(const at::Tensor& cache_seqlens, const at::Tensor& qk
                            int64_t group, std::optional<int64_t> num_workers, int64_t window_left) {
   const char* op = "decode_plan";
   checks::check_window(op, window_left);
-  FDC_CHECK(window_left == kNoWindow, op, "window_left is not implemented yet");
   const checks::HostLayout layout = checks::read_layout(op, qk_offsets, &v_offsets, group);
   checks::check_int32_vector(op, "cache_seqlens", cache_seqlens, -1);
   const int64_t batch = cache_seqlens.size(0);
@@ -24,7 +23,7 @@ at::Tensor decode_plan_cpu(const at::Tensor& cache_seqlens, const at::Tensor& qk
   at::Tensor plan = at::empty({decode_plan_size(batch, hkv, workers)}, cache_seqlens.options().device(at::kCPU));
   std::vector<int64_t> workspace(ceil_div(decode_plan_workspace_bytes(batch, hkv, workers), 8));
   const Status status = build_decode_plan(seqlens.data(), static_cast<int32_t>(batch), layout.view(), workers,
-                                          plan.data_ptr<int32_t>(), workspace.data());
+                                          plan.data_ptr<int32_t>(), workspace.data(), window_left);
   FDC_CHECK(status == Status::kOk, op, "planner failed: ", status_message(status));
   return plan;
 }

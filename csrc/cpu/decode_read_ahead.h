@@ -67,9 +67,9 @@ int64_t contiguous_block_rows(ReadAhead way, int64_t row_bytes, int64_t piece_ro
 // The measurements: bench/results/ops/README.md, "CPU decode".
 constexpr int64_t kStreamPagedBlockKeys = 64;
 
-template <typename T>
-int64_t paged_block_keys(ReadAhead way, int64_t page_size) {
-  if (way == ReadAhead::kPrefetchL2) return 256 / int64_t(sizeof(T));
+// element_bytes: the cache's sizeof(T) (known outside the kernels' dtype dispatch too, for cut_rows).
+inline int64_t paged_block_keys(ReadAhead way, int64_t page_size, int64_t element_bytes) {
+  if (way == ReadAhead::kPrefetchL2) return 256 / element_bytes;
   if (way == ReadAhead::kLoads) return kMaxPagedBlockKeys;
   return page_size < kStreamPagedBlockKeys ? kStreamPagedBlockKeys / page_size * page_size
                                            : std::min(page_size, kMaxPagedBlockKeys);

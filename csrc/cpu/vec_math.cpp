@@ -42,6 +42,28 @@ constexpr int64_t kLanes = 16;
   return underflow ? 0.f : p * scale;
 }
 
+// tanh(y) to about 3 ulp, branch-free so that a loop over it vectorises. Below |y| = 0.55 its Taylor series to y^15
+// (the next term is under 2^-24 relative there); above, 1 - 2 / (exp(2|y|) + 1), whose subtraction loses little
+// once tanh >= 0.5. 0.55 gave the smallest worst-case error of the thresholds tried (0.3 to 0.625: 2.7 ulp against
+// tanh in double). Infinite y gives +-1 (exp_approx saturates), NaN stays NaN (it fails the comparison and reaches
+// exp_approx).
+[[gnu::always_inline]] inline float tanh_approx(float y) {
+  constexpr float kSeriesBelow = 0.55f;
+  const float a = y < 0.f ? -y : y;
+  const float a2 = a * a;
+  float p = -929569.f / 638512875.f;
+  p = p * a2 + 21844.f / 6081075.f;
+  p = p * a2 - 1382.f / 155925.f;
+  p = p * a2 + 62.f / 2835.f;
+  p = p * a2 - 17.f / 315.f;
+  p = p * a2 + 2.f / 15.f;
+  p = p * a2 - 1.f / 3.f;
+  const float series = a + a * a2 * p;
+  const float exponential = 1.f - 2.f / (exp_approx(2.f * a) + 1.f);
+  const float t = a < kSeriesBelow ? series : exponential;
+  return y < 0.f ? -t : t;
+}
+
 }  // namespace
 
 CpuIsa cpu_isa(const char* op) {
@@ -104,6 +126,11 @@ FDC_CPU_SIMD float exp_and_sum(float* x, int64_t n, float scale, float shift) {
   float sum = 0.f;
   for (int64_t l = 0; l < kLanes; ++l) sum += lanes[l];
   return sum;
+}
+
+FDC_CPU_SIMD void soft_cap_scores(float* x, int64_t n, float scale, float softcap) {
+  const float into = scale / softcap, back = softcap / scale;
+  for (int64_t i = 0; i < n; ++i) x[i] = back * tanh_approx(x[i] * into);
 }
 
 FDC_CPU_SIMD void scale_in_place(float* x, int64_t n, float factor) {

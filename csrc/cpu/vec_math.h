@@ -16,6 +16,11 @@ float max_of(const float* x, int64_t n);
 // normal float's log give exactly 0 (so a -inf score contributes nothing).
 float exp_and_sum(float* x, int64_t n, float scale, float shift);
 
+// Logit soft-capping (fdc/attention_variant.h) of scores stored divided by the softmax scale: x[i] = softcap *
+// tanh(x[i] * scale / softcap) / scale for i < n (scale = 1 for scores already scaled). tanh to about 3 ulp; a NaN
+// score stays NaN. softcap > 0.
+void soft_cap_scores(float* x, int64_t n, float scale, float softcap);
+
 // x[i] *= factor for i < n.
 void scale_in_place(float* x, int64_t n, float factor);
 

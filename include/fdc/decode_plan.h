@@ -4,13 +4,22 @@
 // read of the chunk's K/V rows, which is what a memory-bound decode pays for. Cost: (kv_end - kv_start) * d_sum(j),
 // d_sum = d_qk + d_v + 1.
 //
-// Chunking. Let total = sum over (b, j) of seqlen(b) * d_sum(j) and N the worker count. A task whose cost exceeds
-// target = ceil(total / (kChunksPerWorker * N)) would stretch the makespan past the ideal total / N, so each KV head
-// gets a chunk length
+// Visible keys. With a sliding window (window_left >= 0, fdc/attention_variant.h) request b's query sees keys
+// [start(b), seqlen(b)), start(b) = decode_window_start(seqlen(b), window_left); without one (kNoWindow) start(b) = 0.
+// The tasks cover exactly those keys: keys outside the window are neither read nor costed.
+//
+// Chunking. Let total = sum over (b, j) of (seqlen(b) - start(b)) * d_sum(j) and N the worker count. A task whose
+// cost exceeds target = ceil(total / (kChunksPerWorker * N)) would stretch the makespan past the ideal total / N, so
+// each KV head gets a chunk length
 //     chunk_len(j) = max(kMinChunk, round_up(ceil(target / d_sum(j)), kChunkAlign))
-// and request b is cut into ceil(seqlen(b) / chunk_len(j)) chunks of that length (the last one shorter). With few,
-// long requests this splits them; with many short ones nothing is split. Chunk counts are bounded:
-// sum ceil(s/L) <= total / target + B*H_kv <= kChunksPerWorker * N + B*H_kv, the plan's capacity.
+// and request b is cut into count = ceil((seqlen(b) - start(b)) / chunk_len(j)) chunks on a grid of that length from
+// base = start(b) rounded down to a multiple of kChunkAlign: chunk c covers [c == 0 ? start(b) : base + c * L,
+// c == count - 1 ? seqlen(b) : base + (c + 1) * L) with L = chunk_len(j). So every chunk but the first starts on a
+// multiple of kChunkAlign (a tensor-core key tile); the first has at most L keys, the last at most L plus the grid's
+// offset start(b) - base (< kChunkAlign). Without a window these are the chunks of length L from key 0, the last one
+// shorter. With few, long requests this splits them; with many short ones nothing is split. Chunk counts are bounded,
+// s being a request's visible keys: sum ceil(s/L) <= total / target + B*H_kv <= kChunksPerWorker * N + B*H_kv, the
+// plan's capacity.
 //
 // Assignment: tasks sorted by cost descending (ties: enumeration order b, j, chunk), each given in turn to the
 // least-loaded worker (ties: lowest worker index): greedy LPT, makespan <= (4/3 - 1/(3N)) of the optimal schedule's
@@ -33,6 +42,7 @@
 // (softmax_merge.h).
 #pragma once
 
+#include "fdc/attention_variant.h"
 #include "fdc/common.h"
 #include "fdc/head_layout.h"
 #include "fdc/lpt.h"
@@ -94,9 +104,11 @@ struct DecodePlanView {
 };
 
 // Builds the plan into plan[decode_plan_size(B, H_kv, N)]. seqlens[B] are the cache lengths; workspace holds
-// decode_plan_workspace_bytes(B, H_kv, N) bytes, 8-byte aligned.
+// decode_plan_workspace_bytes(B, H_kv, N) bytes, 8-byte aligned; window_left is the attention's sliding window
+// (kNoWindow for none; the caller has checked it is >= kNoWindow).
 FDC_HOST_DEVICE inline Status build_decode_plan(const int32_t* seqlens, int32_t batch, HeadLayoutView layout,
-                                                int32_t num_workers, int32_t* plan, void* workspace) {
+                                                int32_t num_workers, int32_t* plan, void* workspace,
+                                                int64_t window_left) {
   if (batch < 0 || num_workers <= 0 || layout.group <= 0) return Status::kBadArgument;
   const int32_t hkv = layout.num_kv_heads;
   const int64_t cap = decode_plan_capacity(batch, hkv, num_workers);
@@ -113,7 +125,8 @@ FDC_HOST_DEVICE inline Status build_decode_plan(const int32_t* seqlens, int32_t 
   int64_t total = 0;
   for (int32_t b = 0; b < batch; ++b) {
     if (seqlens[b] < 0) return Status::kBadSeqlens;
-    for (int32_t j = 0; j < hkv; ++j) total += int64_t(seqlens[b]) * layout.d_sum(j);
+    const int64_t visible = seqlens[b] - decode_window_start(seqlens[b], window_left);
+    for (int32_t j = 0; j < hkv; ++j) total += visible * layout.d_sum(j);
   }
   const int64_t target = decode_chunk_target(total, num_workers);
 
@@ -131,14 +144,16 @@ FDC_HOST_DEVICE inline Status build_decode_plan(const int32_t* seqlens, int32_t 
   int32_t n = 0;
   split_offsets[0] = 0;
   for (int32_t b = 0; b < batch; ++b) {
+    const int64_t length = seqlens[b], first = decode_window_start(length, window_left);
+    const int64_t base = first - first % kChunkAlign;
     for (int32_t j = 0; j < hkv; ++j) {
       const int64_t d_sum = layout.d_sum(j);
       const int64_t chunk_len = decode_chunk_len(target, d_sum);
-      const int64_t chunks = ceil_div(seqlens[b], chunk_len);
+      const int64_t chunks = ceil_div(length - first, chunk_len);
       if (n + chunks > cap) return Status::kCapacityExceeded;
       for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t start = c * chunk_len;
-        const int64_t end = min64(seqlens[b], start + chunk_len);
+        const int64_t start = c == 0 ? first : base + c * chunk_len;
+        const int64_t end = c == chunks - 1 ? length : base + (c + 1) * chunk_len;
         int32_t* r = task_records + int64_t(n) * kDecodeRecordFields;
         r[0] = b * hkv + j;
         r[1] = static_cast<int32_t>(c);

@@ -111,38 +111,71 @@ void check_lpt_bounds(const std::vector<int64_t>& costs, int64_t makespan, int32
   }
 }
 
-void test_decode_plan(const Layout& layout, const std::vector<int32_t>& lens, int32_t workers) {
+// The first key a decode query sees, written plainly (fdc/attention_variant.h): the last window_left + 1 keys of a
+// windowed request, all of them otherwise.
+int64_t first_visible_key(int64_t length, int64_t window_left) {
+  return window_left < 0 ? 0 : std::max<int64_t>(0, length - 1 - window_left);
+}
+
+std::vector<int32_t> decode_plan_of(const Layout& layout, const std::vector<int32_t>& lens, int32_t workers,
+                                    int64_t window_left) {
+  const int32_t batch = static_cast<int32_t>(lens.size());
+  const int32_t hkv = layout.view().num_kv_heads;
+  std::vector<int32_t> plan(fdc::decode_plan_size(batch, hkv, workers), 12345);
+  std::vector<int64_t> ws(fdc::ceil_div(fdc::decode_plan_workspace_bytes(batch, hkv, workers), 8));
+  const fdc::Status status =
+      fdc::build_decode_plan(lens.data(), batch, layout.view(), workers, plan.data(), ws.data(), window_left);
+  CHECK(status == fdc::Status::kOk, "decode status %d (window_left %lld)", static_cast<int>(status),
+        static_cast<long long>(window_left));
+  return status == fdc::Status::kOk ? plan : std::vector<int32_t>{};
+}
+
+// The decode plan against its documented algorithm (fdc/decode_plan.h), recomputed plainly: the chunks of each
+// (request, KV head) on their grid and their records, coverage of exactly the visible keys, the capacity, the worker
+// loads of a plain LPT and LPT's bounds.
+void test_decode_plan(const Layout& layout, const std::vector<int32_t>& lens, int32_t workers,
+                      int64_t window_left = fdc::kNoWindow) {
   const int32_t batch = static_cast<int32_t>(lens.size());
   const fdc::HeadLayoutView view = layout.view();
   const int32_t hkv = view.num_kv_heads;
-  std::vector<int32_t> plan(fdc::decode_plan_size(batch, hkv, workers), 12345);
-  std::vector<int64_t> ws(fdc::ceil_div(fdc::decode_plan_workspace_bytes(batch, hkv, workers), 8));
-  const fdc::Status status = fdc::build_decode_plan(lens.data(), batch, view, workers, plan.data(), ws.data());
-  CHECK(status == fdc::Status::kOk, "decode status %d", static_cast<int>(status));
-  if (status != fdc::Status::kOk) return;
+  const std::vector<int32_t> plan = decode_plan_of(layout, lens, workers, window_left);
+  if (plan.empty()) return;
   const fdc::DecodePlanView p{plan.data()};
   CHECK(p.num_tasks() <= p.capacity(), "tasks %d > capacity %d", p.num_tasks(), p.capacity());
 
-  // The documented chunking, recomputed: total cost, target, chunk length per KV head.
+  // The documented chunking, recomputed: total cost of the visible keys, target, chunk length per KV head, chunks on
+  // a 16-aligned grid from the first visible key.
   int64_t total = 0;
   for (int32_t b = 0; b < batch; ++b)
-    for (int32_t j = 0; j < hkv; ++j) total += int64_t(lens[b]) * view.d_sum(j);
+    for (int32_t j = 0; j < hkv; ++j) total += (lens[b] - first_visible_key(lens[b], window_left)) * view.d_sum(j);
   const int64_t target = std::max<int64_t>(1, (total + 3 * workers - 1) / (3 * workers));
   std::vector<int64_t> costs;
+  std::map<std::tuple<int32_t, int32_t>, std::pair<int32_t, int32_t>> expected_chunks;  // (pair, chunk) -> keys
   for (int32_t b = 0; b < batch; ++b) {
+    const int64_t first = first_visible_key(lens[b], window_left), base = first / 16 * 16;
     for (int32_t j = 0; j < hkv; ++j) {
       const int64_t need = (target + view.d_sum(j) - 1) / view.d_sum(j);
       const int64_t chunk = std::max<int64_t>(256, (need + 15) / 16 * 16);
-      const int64_t count = (lens[b] + chunk - 1) / chunk;
+      const int64_t count = (lens[b] - first + chunk - 1) / chunk;
       CHECK(p.split_offsets()[b * hkv + j + 1] - p.split_offsets()[b * hkv + j] == count,
             "request %d head %d: %d chunks, expected %lld", b, j,
             p.split_offsets()[b * hkv + j + 1] - p.split_offsets()[b * hkv + j], static_cast<long long>(count));
-      for (int64_t c = 0; c < count; ++c)
-        costs.push_back((std::min<int64_t>(lens[b], (c + 1) * chunk) - c * chunk) * view.d_sum(j));
+      for (int64_t c = 0; c < count; ++c) {
+        const int64_t start = c == 0 ? first : base + c * chunk;
+        const int64_t end = c == count - 1 ? lens[b] : base + (c + 1) * chunk;
+        CHECK(start < end && end - start <= chunk + 15 && (c == 0 || start % 16 == 0),
+              "request %d head %d chunk %lld: keys [%lld, %lld)", b, j, static_cast<long long>(c),
+              static_cast<long long>(start), static_cast<long long>(end));
+        expected_chunks[{b * hkv + j, int32_t(c)}] = {int32_t(start), int32_t(end)};
+        costs.push_back((end - start) * view.d_sum(j));
+      }
     }
   }
+  CHECK(int64_t(expected_chunks.size()) == p.num_tasks(), "%d tasks, expected %zu", p.num_tasks(),
+        expected_chunks.size());
 
-  // Coverage: every (request, head, key) exactly once; records per worker in non-increasing cost.
+  // Coverage: every (request, head) visible key exactly once, no other key; each record the expected chunk; records
+  // per worker in non-increasing cost.
   std::vector<std::vector<int>> seen(batch * hkv);
   for (int32_t b = 0; b < batch; ++b)
     for (int32_t j = 0; j < hkv; ++j) seen[b * hkv + j].assign(lens[b], 0);
@@ -152,6 +185,9 @@ void test_decode_plan(const Layout& layout, const std::vector<int32_t>& lens, in
     for (int32_t r = p.worker_offsets()[w]; r < p.worker_offsets()[w + 1]; ++r) {
       const int32_t* rec = p.records() + 4 * r;
       const int32_t bj = rec[0];
+      const auto expected = expected_chunks.find({bj, rec[1]});
+      CHECK(expected != expected_chunks.end() && expected->second == std::make_pair(rec[2], rec[3]),
+            "record (%d, %d, %d, %d) is not a chunk of the documented chunking", rec[0], rec[1], rec[2], rec[3]);
       const int64_t cost = int64_t(rec[3] - rec[2]) * view.d_sum(bj % hkv);
       CHECK(cost <= previous, "worker %d runs a costlier task after a cheaper one", w);
       previous = cost;
@@ -159,8 +195,12 @@ void test_decode_plan(const Layout& layout, const std::vector<int32_t>& lens, in
       for (int32_t t = rec[2]; t < rec[3]; ++t) ++seen[bj][t];
     }
   }
-  for (const auto& keys : seen)
-    for (int count : keys) CHECK(count == 1, "a key covered %d times", count);
+  for (int32_t bj = 0; bj < batch * hkv; ++bj) {
+    const int64_t first = first_visible_key(lens[bj / hkv], window_left);
+    for (int64_t t = 0; t < lens[bj / hkv]; ++t)
+      CHECK(seen[bj][t] == (t >= first ? 1 : 0), "key %lld of request %d (visible from %lld) covered %d times",
+            static_cast<long long>(t), bj / hkv, static_cast<long long>(first), seen[bj][t]);
+  }
 
   // The same loads as a plain LPT over the same tasks, and LPT's bounds.
   const std::vector<int64_t> expected = naive_lpt_loads(costs, workers);
@@ -408,7 +448,9 @@ int test_device_formulation(const Layout& layout, const std::vector<int32_t>& le
   const int32_t hkv = static_cast<int32_t>(layout.qk.size()) - 1;
   std::vector<int32_t> host(fdc::decode_plan_size(batch, hkv, workers), 12345);
   std::vector<int64_t> ws(fdc::ceil_div(fdc::decode_plan_workspace_bytes(batch, hkv, workers), 8));
-  const fdc::Status status = fdc::build_decode_plan(lens.data(), batch, layout.view(), workers, host.data(), ws.data());
+  // Without a window: the device formulation above (decode_plan_device.h's decode_task) has none.
+  const fdc::Status status =
+      fdc::build_decode_plan(lens.data(), batch, layout.view(), workers, host.data(), ws.data(), fdc::kNoWindow);
   CHECK(status == fdc::Status::kOk, "decode status %d", static_cast<int>(status));
   int rebases = 0;
   const std::vector<int32_t> device = device_formulation_plan(layout, lens, workers, &rebases);
@@ -537,29 +579,40 @@ void test_decode_shared_memory() {
 
 }  // namespace
 
-// cut_rows: every request covered exactly, in order, by pieces of one length (each request's last shorter), that
-// length the smallest multiple of the quantum reaching both kMinPieceRows and the requests' keys over
+// cut_rows: every request's keys from its first piece's start to its end covered exactly, in order, by pieces on a
+// grid of one length from its window's page (base = s - s % quantum, s its first visible key): the first starting at
+// the last multiple of `edge` past base at or before s, with visible = s, the others on the grid with visible = t0;
+// that length the smallest multiple of the quantum reaching both kMinPieceRows and the keys from base over
 // kPiecesPerThread pieces per thread; split_offsets counts each (request, KV head)'s pieces.
-void test_cut_rows(const std::vector<int32_t>& lens, int64_t hkv, int64_t threads, int64_t quantum) {
+void test_cut_rows(const std::vector<int32_t>& lens, int64_t hkv, int64_t threads, int64_t quantum,
+                   int64_t window_left = fdc::kNoWindow, int64_t edge = 1) {
   std::vector<int32_t> splits;
-  const std::vector<fdc::RowPiece> pieces = fdc::cut_rows(lens, hkv, threads, quantum, splits);
+  const std::vector<fdc::RowPiece> pieces = fdc::cut_rows(lens, window_left, hkv, threads, quantum, edge, splits);
   int64_t total = 0;
-  for (int32_t len : lens) total += len;
+  for (int32_t len : lens) total += len - first_visible_key(len, window_left) / quantum * quantum;
   int64_t length = quantum;
   while (length < fdc::kMinPieceRows || length * fdc::kPiecesPerThread * threads < total) length += quantum;
   CHECK(int64_t(splits.size()) == int64_t(lens.size()) * hkv + 1 && splits[0] == 0, "split_offsets size");
   size_t next = 0;
   for (int64_t b = 0; b < int64_t(lens.size()); ++b) {
-    int64_t t = 0, index = 0;
+    const int64_t visible = first_visible_key(lens[b], window_left), base = visible / quantum * quantum;
+    const int64_t first = base + (visible - base) / edge * edge;
+    int64_t t = first, index = 0;
     while (next < pieces.size() && pieces[next].b == b) {
       const fdc::RowPiece& p = pieces[next++];
-      CHECK(p.t0 == t && p.index == index && p.t1 > p.t0, "request %lld: piece %lld is [%lld, %lld)", (long long)b,
-            (long long)index, (long long)p.t0, (long long)p.t1);
-      CHECK(p.t1 - p.t0 == length || p.t1 == lens[b], "request %lld: a piece of %lld keys, not %lld", (long long)b,
-            (long long)(p.t1 - p.t0), (long long)length);
+      CHECK(p.t0 == t && p.index == index && p.t1 > p.t0 && p.visible == std::max(p.t0, visible),
+            "request %lld: piece %lld is [%lld, %lld) visible from %lld", (long long)b, (long long)index,
+            (long long)p.t0, (long long)p.t1, (long long)p.visible);
+      CHECK(p.t1 == lens[b] || (p.t1 - base) % length == 0, "request %lld: a piece ends at %lld, off its grid",
+            (long long)b, (long long)p.t1);
+      CHECK(p.t1 - p.t0 <= length && (p.t1 - p.t0 == length || p.t1 == lens[b] || index == 0),
+            "request %lld: a piece of %lld keys, not %lld", (long long)b, (long long)(p.t1 - p.t0), (long long)length);
+      CHECK(p.visible - p.t0 < edge, "request %lld: %lld keys masked in a block of %lld", (long long)b,
+            (long long)(p.visible - p.t0), (long long)edge);
       t = p.t1, ++index;
     }
-    CHECK(t == lens[b], "request %lld: pieces end at %lld of %d keys", (long long)b, (long long)t, lens[b]);
+    CHECK(t == std::max<int64_t>(first, lens[b]), "request %lld: pieces end at %lld of %d keys", (long long)b,
+          (long long)t, lens[b]);
     for (int64_t j = 0; j < hkv; ++j)
       CHECK(splits[b * hkv + j + 1] - splits[b * hkv + j] == index, "request %lld head %lld: %d slots for %lld pieces",
             (long long)b, (long long)j, splits[b * hkv + j + 1] - splits[b * hkv + j], (long long)index);
@@ -567,6 +620,32 @@ void test_cut_rows(const std::vector<int32_t>& lens, int64_t hkv, int64_t thread
   CHECK(next == pieces.size(), "pieces of no request");
   CHECK(int64_t(pieces.size()) <= fdc::kPiecesPerThread * threads + int64_t(lens.size()), "%zu pieces for %lld threads",
         pieces.size(), (long long)threads);
+}
+
+// Windowed decode plans at their edges: windows shorter and longer than the request, window_left 0, starts off the
+// 16-key grid, lengths 0 and 1; without a window the plan is the one of a window longer than every request.
+void test_windowed_decode_plans(std::mt19937& rng) {
+  const Layout fixed{{0, 64, 80}, {0, 32, 96}, 2};
+  const std::vector<int32_t> lens = {100000, 3, 1, 7, 0, 2, 4096, 257};
+  const int64_t windows[] = {0, 1, 2, 6, 15, 16, 17, 255, 256, 1000, 4095, 4096, 99998, 99999, 100000, INT32_MAX};
+  for (const int64_t window : windows) {
+    for (const int32_t workers : {1, 3, 16, 64}) test_decode_plan(fixed, lens, workers, window);
+  }
+  test_decode_plan(fixed, {1}, 2, 0);
+  test_decode_plan(fixed, {0}, 2, 0);
+  test_decode_plan(fixed, {0, 1, 0}, 5, 3);
+  for (const int32_t workers : {1, 7, 40}) {
+    CHECK(decode_plan_of(fixed, lens, workers, fdc::kNoWindow) == decode_plan_of(fixed, lens, workers, 99999),
+          "a window as long as the longest request changes the plan (%d workers)", workers);
+  }
+  std::uniform_int_distribution<int> batch_size(0, 9), workers(1, 64);
+  for (int trial = 0; trial < 600; ++trial) {  // capacity never exceeded, chunks as documented
+    const Layout layout = random_layout(rng);
+    std::vector<int32_t> cache(batch_size(rng));
+    for (auto& len : cache) len = rng() % 4 == 0 ? int32_t(rng() % 70000) : int32_t(rng() % 700);
+    const int64_t windows[] = {fdc::kNoWindow, 0, int64_t(rng() % 40), int64_t(rng() % 3000), int64_t(rng() % 70000)};
+    test_decode_plan(layout, cache, workers(rng), windows[rng() % 5]);
+  }
 }
 
 int main(int argc, char** argv) {
@@ -580,11 +659,16 @@ int main(int argc, char** argv) {
   test_cut_rows({0, 0}, 2, 4, 16);
   test_cut_rows({8192}, 3, 2, 1);  // SmolLM2's one long request on 2 threads
   test_cut_rows({100000, 3, 0, 257}, 8, 16, 128);
+  test_cut_rows({8192, 1000, 1, 0}, 3, 2, 1, 1023);       // a window on a contiguous cache starts exactly
+  test_cut_rows({8192, 1000, 1, 0}, 3, 2, 16, 1023, 16);  // 16-key pages: pieces start on the window's page
+  test_cut_rows({8192, 1000, 1, 0}, 3, 2, 256, 0, 64);    // pages longer than a block: on its block of the page
   for (int trial = 0; trial < 300; ++trial) {
     std::vector<int32_t> lens(rng() % 12);
     for (auto& len : lens) len = rng() % 3 == 0 ? int32_t(rng() % 40000) : int32_t(rng() % 600);
-    const int64_t quanta[] = {1, 16, 32, 128};
-    test_cut_rows(lens, 1 + rng() % 8, 1 + rng() % 64, quanta[rng() % 4]);
+    const int64_t quanta[] = {1, 16, 32, 100, 128, 256};
+    const int64_t quantum = quanta[rng() % 6];
+    const int64_t windows[] = {fdc::kNoWindow, 0, int64_t(rng() % 50), int64_t(rng() % 5000)};
+    test_cut_rows(lens, 1 + rng() % 8, 1 + rng() % 64, quantum, windows[rng() % 4], 1 + rng() % quantum);
   }
 
   const Layout fixed{{0, 64, 80}, {0, 32, 96}, 2};
@@ -592,6 +676,7 @@ int main(int argc, char** argv) {
   test_decode_plan(fixed, {0, 0, 0}, 3);                 // only empty requests
   test_decode_plan(fixed, {100000, 3, 1, 7, 0, 2}, 16);  // one huge request among short ones
   test_decode_plan(fixed, {5000}, 1);                    // one worker
+  test_windowed_decode_plans(rng);
   test_device_keys(rng);
   test_device_formulation(fixed, {}, 4);
   test_device_formulation(fixed, {0, 0, 0}, 3);
