@@ -9,9 +9,9 @@
 //
 // Variants (fdc/attention_variant.h): a sliding window is the plan's (its tasks cover the visible keys only, so no
 // key before the window is read beyond the up to 7 lead keys of the first tile on a paged cache, which are masked);
-// soft-capping applies to each score as it is written; a sink scales each query head's normalised output by
-// sink_factor of its log-sum-exp, in the attention kernel for an unsplit request and in the combine kernel, after
-// the merge, for a split one.
+// soft-capping applies to each score as it is written, before the mask; a sink scales each query head's normalised
+// output by sink_factor of its log-sum-exp, in the attention kernel for an unsplit request and in the combine kernel,
+// after the merge, for a split one.
 //
 // Shared-memory tiles are token-major ([key][dim]). Contiguous caches are token-major already; paged caches store
 // pages dim-major ((num_pages, width, page_size), head_layout.h), so their tiles arrive dim-major and are transposed

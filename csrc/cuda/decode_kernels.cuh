@@ -219,6 +219,7 @@ __device__ void run_pass(const DecodeArgs<T>& a, int64_t b, int j, int64_t kv_st
   // kChunkAlign, a multiple of P, except a sliding window's first chunk; its lead keys, before the window, lie in the
   // first key's page (page_size is a multiple of P) and are loaded but masked: scores -inf, no value sums.
   const int64_t tiles_start = (kPaged && a.page_size % P == 0) ? kv_start - kv_start % P : kv_start;
+  int masked = static_cast<int>(kv_start - tiles_start);  // lead keys of the current tile: 0 past the first
 
   // Two stages: the next tile's copy is issued before waiting for the current one. One (paged caches only): it is
   // issued into the stage just emptied into the compute tile, and overlaps the tile's compute only.
@@ -227,7 +228,6 @@ __device__ void run_pass(const DecodeArgs<T>& a, int64_t b, int j, int64_t kv_st
   int s = 0;
   for (int64_t t0 = tiles_start; t0 < kv_end; t0 += kTile) {
     const int n = static_cast<int>(min64(kTile, kv_end - t0));
-    const int masked = static_cast<int>(max64(0, kv_start - t0));  // lead keys of the tile: 0 past the first tile
     const bool more = t0 + kTile < kv_end;
     if (double_buffered && more) {
       issue(s ^ 1, t0 + kTile);
@@ -338,6 +338,7 @@ __device__ void run_pass(const DecodeArgs<T>& a, int64_t b, int j, int64_t kv_st
     }
     __syncthreads();  // the tiles just read are the next issue's or transpose's target
     if (double_buffered) s ^= 1;
+    masked = 0;
   }
 
   // Reduce the key groups' accumulators through shared memory (the staging and compute tiles are free now: every
@@ -372,9 +373,12 @@ __device__ void run_pass(const DecodeArgs<T>& a, int64_t b, int j, int64_t kv_st
   __syncthreads();  // shared memory is reused by the next pass or task
 }
 
-// One CTA per plan worker; blockIdx.x is the worker.
+// One CTA per plan worker; blockIdx.x is the worker. The launch bound's 1 (CTA per SM) costs nothing: workers are the
+// SM count by default and a CTA's shared memory leaves room for few more. Without it ptxas aimed at more CTAs per SM,
+// capped registers at 64 to 96 and spilled (ptxas -v on sm_80 and sm_90, with and without the attention variants:
+// up to 52 bytes); with it, no instantiation spills.
 template <typename T, int kHeads, bool kPaged>
-__global__ void __launch_bounds__(kThreads) decode_attention_kernel(const __grid_constant__ DecodeArgs<T> a) {
+__global__ void __launch_bounds__(kThreads, 1) decode_attention_kernel(const __grid_constant__ DecodeArgs<T> a) {
   extern __shared__ __align__(16) char smem[];
   if (!plan_is_usable(a)) return;  // the combine kernel writes NaN everywhere
   const DecodePlanView plan{a.plan};
