@@ -4,7 +4,9 @@ every slot and page that must not be read, non-contiguous queries, sequences of 
 request among many short ones, G from 1 to 8 and 16, explicit plans for 1, 3 and 132 workers, a decode step captured
 in a CUDA graph and replayed over changed lengths and cache contents (one layer, and a whole SmolLM2-shaped model:
 append_kv, decode_plan and decode_attention in 30 layers), a negative length (NaN output, status in the plan)
-(opcheck on CUDA inputs: tests/test_opcheck.py).
+(opcheck on CUDA inputs: tests/test_opcheck.py); and the attention variants (sliding windows, soft-capping, sinks):
+split and unsplit requests, NaN keys and unmapped pages before the window, windowed plans equal to the host
+planner's, a plan for another window (NaN), and a windowed step captured in a CUDA graph.
 
 CUDA conventions of the ops: qk_offsets/v_offsets stay int32 CPU tensors; cache_seqlens, block_table, cu_seqlens and
 plans live on the GPU; the default worker count is the number of SMs; plan entry [7] is the planner's status (0: ok).
@@ -34,6 +36,7 @@ from conftest import (
     to_pages,
 )
 from fdc_ops import ops, reference
+from fdc_ops.plans import DecodePlan
 
 skip_without_cuda_kernels("decode_plan", "decode_attention")
 
@@ -424,3 +427,232 @@ def test_smollm2_shaped_decode_step_in_a_graph(paged):
         expected = reference.decode_attention_ref(*args, block_table=block_table)
         torch_lowp = reference.decode_attention_ref(*args, block_table=block_table, compute_dtype=dtype)
         assert_close_to_reference(graph_outs[0].cpu(), expected, torch_lowp, f"layer 0 vs the reference, {what}")
+
+
+# ------------------------------------------------------------------------------ sliding window, soft-capping, sinks
+
+
+def _random_variant(rng, gen, layout: Layout, longest: int) -> dict:
+    """window_left, softcap and sinks (a CPU tensor), each on or off: windows of 0 keys, whose start falls on, before
+    and after a 16-key (kChunkAlign) boundary, shorter and longer than a chunk, past the longest request; caps small
+    enough to matter; sinks from far below to far above the scores."""
+    variant = {}
+    if rng.random() < 0.75:
+        variant["window_left"] = rng.choice([0, 1, 7, 15, 16, 17, 100, 255, 256, 1000, max(0, longest - 1),
+                                             longest + 50, rng.randint(0, max(1, longest))])
+    if rng.random() < 0.5:
+        variant["softcap"] = rng.choice([0.5, 5.0, 30.0])
+    if rng.random() < 0.5:
+        variant["sinks"] = torch.randn(layout.num_kv_heads * layout.group, generator=gen) * rng.choice([1.0, 5.0, 20.0])
+    return variant
+
+
+def _on_device(variant: dict) -> dict:
+    return {name: value.to(DEVICE) if name == "sinks" else value for name, value in variant.items()}
+
+
+def _shown(variant: dict) -> dict:
+    return {name: (value if name != "sinks" else "on") for name, value in variant.items()}
+
+
+def _window_start(length: int, window_left: int) -> int:
+    """The first key a decode query sees (include/fdc/attention_variant.h decode_window_start)."""
+    return 0 if window_left < 0 or length == 0 else max(0, length - 1 - window_left)
+
+
+def _poison_outside_window(inputs: DecodeInputs, window_left: int, page_size: int, drop_pages: bool):
+    """Keys before each request's window become NaN (at most a packet of them is loaded on a paged cache, and masked),
+    and with drop_pages the block-table entries of pages wholly before the window's first page become -1, as an
+    engine that frees them would leave them: neither may change the output."""
+    for b, length in enumerate(inputs.lengths):
+        first = _window_start(length, window_left)
+        if inputs.block_table is None:
+            inputs.k_cache[b, :first] = float("nan")
+            inputs.v_cache[b, :first] = float("nan")
+            continue
+        for logical in range(-(-first // page_size)):  # tokens [logical * page_size, ...) of page block_table[b, ...]
+            page = int(inputs.block_table[b, logical])
+            if page >= 0:  # not dropped by a wider window before
+                slots = slice(0, min(page_size, first - logical * page_size))
+                inputs.k_cache[page, :, slots] = float("nan")
+                inputs.v_cache[page, :, slots] = float("nan")
+        if drop_pages:
+            inputs.block_table[b, :first // page_size] = -1
+    inputs.k_dev, inputs.v_dev = inputs.k_cache.to(DEVICE), inputs.v_cache.to(DEVICE)
+    if inputs.block_table is not None:
+        inputs.block_table_dev = inputs.block_table.to(DEVICE)
+
+
+def _run_variant(inputs: DecodeInputs, variant: dict, plan=None) -> torch.Tensor:
+    lo = inputs.layout
+    return ops.decode_attention(inputs.q_dev, inputs.k_dev, inputs.v_dev, inputs.seqlens_dev, lo.qk_offsets,
+                                lo.v_offsets, lo.group, inputs.scale, plan, inputs.block_table_dev,
+                                **_on_device(variant))
+
+
+def _check_variant(inputs: DecodeInputs, out: torch.Tensor, variant: dict, what: str):
+    """out (from the GPU) against the float64 reference of the variant (which reads only the window's keys)."""
+    args = inputs.cpu_args()
+    expected = reference.decode_attention_ref(*args, block_table=inputs.block_table, **variant)
+    torch_lowp = reference.decode_attention_ref(*args, block_table=inputs.block_table, **variant,
+                                                compute_dtype=inputs.dtype)
+    assert_close_to_reference(out.cpu(), expected, torch_lowp, f"{what} (cuda vs float64 reference)")
+
+
+def _windowed_plan(inputs: DecodeInputs, window_left: int, num_workers=None) -> torch.Tensor:
+    """The device planner's plan with a window, checked against the host planner's (integer for integer) and
+    against the windowed chunking the attention kernel validates (first chunk at the window's start, later ones on
+    16-key boundaries, the last at the length)."""
+    lo = inputs.layout
+    plan = ops.decode_plan(inputs.seqlens_dev, lo.qk_offsets, lo.v_offsets, lo.group, num_workers,
+                           window_left=window_left)
+    cpu = ops.decode_plan(inputs.seqlens, lo.qk_offsets, lo.v_offsets, lo.group, num_workers or NUM_SMS,
+                          window_left=window_left)
+    assert torch.equal(plan.cpu(), cpu), f"window {window_left}: cuda plan differs from the cpu plan"
+    decoded = DecodePlan.from_tensor(plan)
+    for pair, chunk, start, end in decoded.records:
+        length = inputs.lengths[pair // lo.num_kv_heads]
+        chunks = decoded.split_offsets[pair + 1] - decoded.split_offsets[pair]
+        assert (start == _window_start(length, window_left)) if chunk == 0 else (start % 16 == 0), (pair, chunk, start)
+        assert chunk != chunks - 1 or end == length, (pair, chunk, end, length)
+    return plan
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("case", range(CASES))
+def test_decode_variants_cuda(case, paged):
+    """Random layouts, dtypes, lengths and variants; keys outside the window NaN-poisoned (and on a paged cache, now
+    and then, the pages wholly before the window unmapped); the plan made inside the op or given."""
+    gen, rng, replay = case_generator(f"cuda decode variants paged={paged}", case)
+    layout = random_layout(rng, max_group=16)
+    dtype = rng.choice(DTYPES)
+    lengths = random_lengths(rng, rng.randint(1, 6), choices=(0, 1, 5, 16, 17, 64, 65, 300, 700, 2049))
+    if rng.random() < 0.3:
+        lengths[0] = rng.choice([5000, 5003])  # split into chunks over many SMs, the window's edge in one of them
+    page_size = rng.choice([1, 3, 4, 8, 16, 64, 100])
+    inputs = DecodeInputs(gen, rng, layout, dtype, lengths, paged, page_size, extra_capacity=rng.randint(0, 20))
+    variant = _random_variant(rng, gen, layout, max(lengths))
+    window_left = variant.get("window_left", -1)
+    _poison_outside_window(inputs, window_left, page_size, drop_pages=paged and rng.random() < 0.5)
+    what = f"cuda decode variants paged={paged} G={layout.group} {dtype} lengths={lengths} {_shown(variant)} {replay}"
+    plan = None
+    if rng.random() < 0.5:
+        plan = _windowed_plan(inputs, window_left, rng.choice([None, 1, 3, 8, 40, NUM_SMS]))
+    _check_variant(inputs, _run_variant(inputs, variant, plan), variant, what)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_variants_split_and_unsplit(dtype, paged):
+    """A window of thousands of keys that starts off a 16-key boundary, split into many chunks (sinks then join after
+    the merge, with the merged log-sum-exp) beside requests of one chunk (sinks in the attention kernel), with a cap
+    and sinks large enough to move every output; plans for 1 worker (nothing split) and 132 workers."""
+    gen, rng, replay = case_generator(f"cuda decode variants split {dtype} paged={paged}", 0)
+    layout = random_layout(rng, max_kv_heads=4, max_group=8)
+    lengths = [20000 + rng.randint(0, 15), 1, 17, 300, 0, 4096]
+    page_size = rng.choice([16, 64])
+    inputs = DecodeInputs(gen, rng, layout, dtype, lengths, paged, page_size)
+    sinks = torch.randn(layout.num_kv_heads * layout.group, generator=gen) * 3
+    for window_left in (5000 + rng.randint(1, 15), 16 * 300, 300, 0):  # narrowing: each poisons more keys
+        variant = dict(window_left=window_left, softcap=rng.choice([2.0, 20.0]), sinks=sinks)
+        _poison_outside_window(inputs, window_left, page_size, drop_pages=paged)
+        for workers in (1, 132):
+            what = f"cuda decode split window={window_left} workers={workers} {dtype} paged={paged} {replay}"
+            plan = _windowed_plan(inputs, window_left, workers)
+            chunks = DecodePlan.from_tensor(plan).split_offsets
+            assert workers == 1 or chunks[layout.num_kv_heads] > layout.num_kv_heads or window_left < 1000, what
+            _check_variant(inputs, _run_variant(inputs, variant, plan), variant, what)
+        _check_variant(inputs, _run_variant(inputs, variant), variant, f"{what} (plan made inside the op)")
+
+
+def test_softcap_and_sinks_without_window():
+    """Soft-capping alone and sinks alone on the unwindowed plan, on both cache kinds and every dtype; a cap so small
+    that every score is near it, and sinks far above the scores (outputs near 0)."""
+    gen, rng, replay = case_generator("cuda decode softcap sinks", 0)
+    layout = random_layout(rng, max_kv_heads=4, max_group=8)
+    for dtype in DTYPES:
+        for paged in (False, True):
+            inputs = DecodeInputs(gen, rng, layout, dtype, [1, 700, 5000, 33], paged, 16)
+            heads = layout.num_kv_heads * layout.group
+            for variant in (dict(softcap=0.5), dict(softcap=50.0), dict(sinks=torch.randn(heads, generator=gen)),
+                            dict(sinks=torch.full((heads,), 30.0)), dict(sinks=torch.full((heads,), -30.0))):
+                what = f"cuda decode {_shown(variant)} {dtype} paged={paged} {replay}"
+                _check_variant(inputs, _run_variant(inputs, variant), variant, what)
+
+
+def test_plan_for_another_window_gives_nan():
+    """A plan covers the keys its window makes visible: with another window, the requests whose window starts
+    elsewhere come back NaN (the CPU op refuses such a plan), the others are right."""
+    gen, rng, replay = case_generator("cuda decode plan window", 0)
+    layout = random_layout(rng)
+    inputs = DecodeInputs(gen, rng, layout, torch.float32, [300, 40, 0, 900], False)
+    lo = layout
+    unwindowed = ops.decode_plan(inputs.seqlens_dev, lo.qk_offsets, lo.v_offsets, lo.group)
+    out = _run_variant(inputs, dict(window_left=100), unwindowed).cpu()
+    assert torch.isnan(out[0]).all() and torch.isnan(out[3]).all(), f"requests 0 and 3 must be NaN {replay}"
+    expected = reference.decode_attention_ref(*inputs.cpu_args(), window_left=100)
+    torch.testing.assert_close(out[[1, 2]].double(), expected[[1, 2]], rtol=1e-4, atol=1e-5, msg=replay)
+    windowed = ops.decode_plan(inputs.seqlens_dev, lo.qk_offsets, lo.v_offsets, lo.group, window_left=100)
+    out = _run_variant(inputs, {}, windowed).cpu()
+    assert torch.isnan(out[0]).all() and torch.isnan(out[3]).all(), f"windowed plan, no window {replay}"
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_cuda_graph_replay_windowed(paged):
+    """decode_plan + decode_attention with a window, a cap and sinks captured once; between replays the lengths (so
+    the window starts, aligned and not), cache contents and queries change in place, and every replay matches the
+    float64 reference on the new contents."""
+    gen, rng, replay = case_generator(f"cuda graph windowed paged={paged}", 0)
+    layout = random_layout(rng, max_kv_heads=6, max_group=8)
+    dtype = rng.choice(DTYPES)
+    batch, capacity, page_size = 5, 6000, 16
+    window_left = 1000 + rng.randint(0, 15)
+    sinks = torch.randn(layout.num_kv_heads * layout.group, generator=gen) * 2
+    variant = dict(window_left=window_left, softcap=10.0, sinks=sinks)
+    first = [capacity, 0, 1, 300, 2000]
+    inputs = DecodeInputs(gen, rng, layout, dtype, first, paged, page_size)
+    if paged:  # every request owns pages for the full capacity, so any later length fits the captured table
+        table, num_pages = random_block_table([capacity] * batch, capacity, page_size, rng)
+        inputs.block_table, inputs.block_table_dev = table, table.to(DEVICE)
+        inputs.k_dev = torch.full((num_pages, layout.qk_width, page_size), float("nan"), dtype=dtype, device=DEVICE)
+        inputs.v_dev = torch.full((num_pages, layout.v_width, page_size), float("nan"), dtype=dtype, device=DEVICE)
+    q_static = inputs.q_dev
+    device_variant = _on_device(variant)
+
+    def step():
+        plan = ops.decode_plan(inputs.seqlens_dev, layout.qk_offsets, layout.v_offsets, layout.group,
+                               window_left=window_left)
+        return ops.decode_attention(q_static, inputs.k_dev, inputs.v_dev, inputs.seqlens_dev, layout.qk_offsets,
+                                    layout.v_offsets, layout.group, inputs.scale, plan, inputs.block_table_dev,
+                                    **device_variant)
+
+    def refill(lengths):
+        """New lengths and cache contents, NaN outside the window, written in place into the captured tensors."""
+        k = torch.full((batch, capacity, layout.qk_width), float("nan"), dtype=dtype)
+        v = torch.full((batch, capacity, layout.v_width), float("nan"), dtype=dtype)
+        for b, length in enumerate(lengths):
+            first_key = _window_start(length, window_left)
+            k[b, first_key:length] = randn((length - first_key, layout.qk_width), dtype, gen)
+            v[b, first_key:length] = randn((length - first_key, layout.v_width), dtype, gen)
+        if paged:
+            k = to_pages(k, lengths, inputs.block_table, inputs.k_dev.shape[0], page_size)
+            v = to_pages(v, lengths, inputs.block_table, inputs.v_dev.shape[0], page_size)
+        inputs.k_cache, inputs.v_cache = k, v
+        inputs.k_dev.copy_(k)
+        inputs.v_dev.copy_(v)
+        inputs.lengths = lengths
+        inputs.seqlens = torch.tensor(lengths, dtype=torch.int32)
+        inputs.seqlens_dev.copy_(inputs.seqlens)
+        inputs.q = randn((batch, layout.group * layout.qk_width), dtype, gen)
+        q_static.copy_(inputs.q)
+
+    refill(first)
+    graph, out = capture_graph(step)
+    for replay_index, lengths in enumerate([first, [1, 4096, 0, 17, 999], [window_left + 1, window_left + 2, 0, 16,
+                                                                           capacity - 1],
+                                            [rng.randint(0, capacity) for _ in range(batch)]]):
+        refill(lengths)
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_variant(inputs, out.clone(), variant,
+                       f"cuda graph windowed replay {replay_index} lengths={lengths} paged={paged} {dtype} {replay}")

@@ -1,6 +1,6 @@
 """The device decode planner (csrc/cuda/decode_plan.cu) against the host one: the same plan integer for integer on
-fresh random configurations, inside a replayed CUDA graph, and the status entry for negative lengths. Needs a GPU
-and a build with the CUDA kernels; skipped otherwise."""
+fresh random configurations, with and without a sliding window, inside a replayed CUDA graph, and the status entry
+for negative lengths. Needs a GPU and a build with the CUDA kernels; skipped otherwise."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from conftest import capture_graph, case_generator, random_layout, random_lengths, skip_without_cuda_kernels
 from fdc_ops import ops
-from fdc_ops.plans import DECODE_HEADER, Status
+from fdc_ops.plans import DECODE_HEADER, DecodePlan, Status
 
 skip_without_cuda_kernels("decode_plan")
 
@@ -19,11 +19,13 @@ CASES = int(os.environ.get("FDC_CUDA_CASES", 200))
 WORKER_COUNTS = (1, 7, 132, 264)
 
 
-def plans(lengths: list[int], layout, workers: int) -> tuple[torch.Tensor, torch.Tensor]:
+def plans(lengths: list[int], layout, workers: int, window_left: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """The CPU plan and the CUDA plan (copied back) of the same inputs."""
     seqlens = torch.tensor(lengths, dtype=torch.int32)
-    cpu = ops.decode_plan(seqlens, layout.qk_offsets, layout.v_offsets, layout.group, num_workers=workers)
-    cuda = ops.decode_plan(seqlens.cuda(), layout.qk_offsets, layout.v_offsets, layout.group, num_workers=workers)
+    cpu = ops.decode_plan(seqlens, layout.qk_offsets, layout.v_offsets, layout.group, num_workers=workers,
+                          window_left=window_left)
+    cuda = ops.decode_plan(seqlens.cuda(), layout.qk_offsets, layout.v_offsets, layout.group, num_workers=workers,
+                           window_left=window_left)
     assert cuda.device.type == "cuda" and cuda.dtype == torch.int32
     return cpu, cuda.cpu()
 
@@ -108,6 +110,90 @@ def test_cuda_plan_in_a_replayed_graph():
         cpu = ops.decode_plan(torch.tensor(new, dtype=torch.int32), layout.qk_offsets, layout.v_offsets,
                               layout.group, num_workers=workers)
         assert_same_plan(cpu, plan.cpu(), f"replay {round_} {replay}")
+
+
+# Windows whose start falls on, before and after a 16-key (kChunkAlign) boundary, shorter and longer than a chunk.
+WINDOWS = (0, 1, 14, 15, 16, 17, 255, 256, 257, 271, 1000, 5000, 99_999)
+
+
+def _window_start(length: int, window_left: int) -> int:
+    return 0 if window_left < 0 or length == 0 else max(0, length - 1 - window_left)
+
+
+def assert_windowed_chunks(plan: torch.Tensor, lengths: list[int], window_left: int, what: str):
+    """What the attention kernels check record by record: each request's chunks cover exactly its window, the first
+    starting at the window's start, the others on 16-key boundaries, the last ending at its length."""
+    decoded = DecodePlan.from_tensor(plan)
+    covered = [0] * (decoded.batch * decoded.num_kv_heads)
+    for pair, chunk, start, end in decoded.records:
+        length = lengths[pair // decoded.num_kv_heads]
+        chunks = decoded.split_offsets[pair + 1] - decoded.split_offsets[pair]
+        first = _window_start(length, window_left)
+        assert (start == first) if chunk == 0 else (start > first and start % 16 == 0), f"{what}: record {pair, chunk}"
+        assert chunk != chunks - 1 or end == length, f"{what}: record {pair, chunk} ends at {end} of {length}"
+        covered[pair] += end - start
+    for pair, keys in enumerate(covered):
+        length = lengths[pair // decoded.num_kv_heads]
+        assert keys == length - _window_start(length, window_left), f"{what}: pair {pair} covers {keys} keys"
+
+
+@pytest.mark.parametrize("case", range(CASES))
+def test_cuda_windowed_plan_equals_cpu_plan(case):
+    _, rng, replay = case_generator("cuda_decode_plan_windowed", case)
+    layout = random_layout(rng)
+    batch = rng.choice([0, 1, 2, 5, 33, rng.randint(1, 256), 256])
+    lengths = random_lengths(rng, batch, choices=(0, 0, 1, 2, 15, 16, 17, 255, 256, 257, 1000, 4096, 30000))
+    if batch and rng.random() < 0.3:
+        lengths[rng.randrange(batch)] = 100_000
+    window_left = rng.choice(WINDOWS + (rng.randint(0, 40_000),))
+    workers = rng.choice(WORKER_COUNTS)
+    cpu, cuda = plans(lengths, layout, workers, window_left)
+    what = f"B={batch} H_kv={layout.num_kv_heads} N={workers} window={window_left} {replay}"
+    assert_same_plan(cpu, cuda, what)
+    assert_windowed_chunks(cuda, lengths, window_left, what)
+
+
+@pytest.mark.parametrize("window_left", WINDOWS)
+def test_cuda_windowed_plan_edge_cases(window_left):
+    _, rng, replay = case_generator("cuda_decode_plan_windowed_edges", window_left)
+    layout = random_layout(rng)
+    cases = {
+        "only empty requests": [0] * 9,
+        "one 100K request among short ones": [1, 0, 7, 100_000, 100_003] + [rng.randint(0, 300) for _ in range(200)],
+        "lengths around the window": [window_left + d for d in (0, 1, 2, 15, 16, 17)],
+        "lengths near INT32_MAX": [2**31 - 7] * 8,
+    }
+    for what, lengths in cases.items():
+        for workers in (1, 132, 1024):
+            cpu, cuda = plans(lengths, layout, workers, window_left)
+            assert_same_plan(cpu, cuda, f"{what}, N={workers}, window={window_left} {replay}")
+            assert_windowed_chunks(cuda, lengths, window_left, f"{what}, N={workers}, window={window_left} {replay}")
+
+
+def test_cuda_windowed_plan_in_a_replayed_graph():
+    """The window travels in the planner's kernel parameters: a captured windowed plan, replayed over new lengths,
+    is the CPU planner's windowed plan of those lengths."""
+    _, rng, replay = case_generator("cuda_decode_plan_windowed_graph", 0)
+    layout = random_layout(rng)
+    batch, workers, window_left = 48, 132, 1000 + rng.randint(0, 15)
+    seqlens = torch.tensor(random_lengths(rng, batch), dtype=torch.int32, device="cuda")
+
+    def step():
+        return ops.decode_plan(seqlens, layout.qk_offsets, layout.v_offsets, layout.group, num_workers=workers,
+                               window_left=window_left)
+
+    graph, plan = capture_graph(step)
+    for round_ in range(4):
+        new = random_lengths(rng, batch, choices=(0, 1, 16, 300, 1001, 1017, 5000))
+        if round_ == 3:
+            new[0] = 100_000
+        seqlens.copy_(torch.tensor(new, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        cpu = ops.decode_plan(torch.tensor(new, dtype=torch.int32), layout.qk_offsets, layout.v_offsets,
+                              layout.group, num_workers=workers, window_left=window_left)
+        assert_same_plan(cpu, plan.cpu(), f"replay {round_} window={window_left} {replay}")
+        assert_windowed_chunks(plan, new, window_left, f"replay {round_} {replay}")
 
 
 @pytest.mark.parametrize("position", [0, 5, 99])

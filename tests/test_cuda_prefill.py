@@ -5,8 +5,9 @@ sequences (and rows of q outside them must come back zero), non-contiguous q/k/v
 8 up to 256 (layouts mixing 8- and 256-wide heads), one 16K causal sequence per dtype, explicit plans for 1, 5 and 132
 workers and row blocks of 16, 64 and 128 (equal integer for integer to the CPU planner's), hand-built unbalanced
 plans (no row-block rescaling, no last-round split, everything on one worker, one record per head) giving the same
-result (opcheck on CUDA inputs: tests/test_opcheck.py), and bad input on CUDA raising errors that name the op and
-argument.
+result (opcheck on CUDA inputs: tests/test_opcheck.py), bad input on CUDA raising errors that name the op and
+argument, and the attention variants (sliding windows, soft-capping, sinks) over random configurations, extreme
+widths, a windowed 16K sequence, and windowed plans equal to the CPU planner's.
 
 CUDA conventions of the ops: q/k/v, cu_seqlens_q/k and plans live on the GPU; qk_offsets/v_offsets stay int32 CPU
 tensors; the CUDA prefill_plan runs the host planner on the boundaries copied to the host, so its plan equals the CPU
@@ -60,11 +61,13 @@ def _rows(lengths: list[int], lead: int, tail: int, width: int, dtype, gen) -> t
 
 
 class PrefillInputs:
-    """One prefill problem on the CPU (for the reference and the CPU op) and on the GPU."""
+    """One prefill problem on the CPU (for the reference and the CPU op) and on the GPU; `variant` holds the
+    attention variants the op and the reference are given (window_left, softcap, sinks as a CPU tensor)."""
 
     def __init__(self, gen, rng, layout: Layout, dtype, lengths_q: list[int], lengths_k: list[int], causal: bool,
-                 strided: bool = True, poison: bool = True):
+                 strided: bool = True, poison: bool = True, variant: dict | None = None):
         self.layout, self.dtype, self.causal = layout, dtype, causal
+        self.variant = variant or {}
         self.lengths_q, self.lengths_k = lengths_q, lengths_k
         lead_q, tail_q = (rng.choice([0, 0, 1, 5]), rng.choice([0, 0, 3, 17])) if poison else (0, 0)
         lead_k, tail_k = (rng.choice([0, 0, 2]), rng.choice([0, 0, 4])) if poison else (0, 0)
@@ -82,8 +85,9 @@ class PrefillInputs:
 
     def describe(self) -> str:
         lo = self.layout
+        shown = {name: (value if name != "sinks" else "on") for name, value in self.variant.items()}
         return (f"G={lo.group} qk={lo.qk_dims} v={lo.v_dims} {self.dtype} causal={self.causal} "
-                f"q lengths={self.lengths_q} k lengths={self.lengths_k}")
+                f"q lengths={self.lengths_q} k lengths={self.lengths_k}" + (f" {shown}" if shown else ""))
 
     def cpu_args(self):
         lo = self.layout
@@ -93,19 +97,20 @@ class PrefillInputs:
     def plan_cuda(self, num_workers=None, row_block=ops.DEFAULT_ROW_BLOCK) -> torch.Tensor:
         lo = self.layout
         plan = ops.prefill_plan(self.cu_q_dev, self.cu_k_dev, lo.qk_offsets, lo.v_offsets, lo.group, self.causal,
-                                num_workers, row_block)
+                                num_workers, row_block, window_left=self.variant.get("window_left", -1))
         assert plan.device.type == "cuda" and plan.dtype == torch.int32, f"plan on {plan.device}, {plan.dtype}"
         return plan
 
     def plan_cpu(self, num_workers, row_block=ops.DEFAULT_ROW_BLOCK) -> torch.Tensor:
         lo = self.layout
         return ops.prefill_plan(self.cu_q, self.cu_k, lo.qk_offsets, lo.v_offsets, lo.group, self.causal,
-                                num_workers, row_block)
+                                num_workers, row_block, window_left=self.variant.get("window_left", -1))
 
     def run_cuda(self, plan=None) -> torch.Tensor:
         lo = self.layout
+        variant = {name: value.to(DEVICE) if name == "sinks" else value for name, value in self.variant.items()}
         out = ops.prefill_attention(self.q_dev, self.k_dev, self.v_dev, self.cu_q_dev, self.cu_k_dev, lo.qk_offsets,
-                                    lo.v_offsets, lo.group, self.scale, self.causal, plan)
+                                    lo.v_offsets, lo.group, self.scale, self.causal, plan, **variant)
         assert out.device.type == "cuda" and out.dtype == self.dtype, f"output on {out.device}, {out.dtype}"
         assert out.shape == (self.q.shape[0], lo.group * lo.v_width), f"output shape {tuple(out.shape)}"
         return out
@@ -120,8 +125,8 @@ class PrefillInputs:
         """(float64 reference, torch's own result at the input precision), computed once per problem."""
         if self._references is None:
             args = self.cpu_args()
-            self._references = (reference.prefill_attention_ref(*args),
-                                reference.prefill_attention_ref(*args, compute_dtype=self.dtype))
+            self._references = (reference.prefill_attention_ref(*args, **self.variant),
+                                reference.prefill_attention_ref(*args, **self.variant, compute_dtype=self.dtype))
         return self._references
 
     def check(self, out: torch.Tensor, what: str, against_cpu: bool = True):
@@ -131,7 +136,8 @@ class PrefillInputs:
         expected, torch_lowp = self.references()
         assert_close_to_reference(out, expected, torch_lowp, f"{what} (cuda vs float64 reference)")
         if against_cpu:
-            assert_close_to_cpu(out, ops.prefill_attention(*self.cpu_args()), expected, torch_lowp, what)
+            cpu = ops.prefill_attention(*self.cpu_args(), **self.variant)
+            assert_close_to_cpu(out, cpu, expected, torch_lowp, what)
 
 
 def assert_same_plan(cpu: torch.Tensor, cuda: torch.Tensor, what: str):
@@ -259,14 +265,104 @@ def test_empty_batch_and_no_rows():
             assert torch.equal(out, torch.zeros_like(out)), f"lengths {lengths}: rows outside sequences {replay}"
 
 
+# ------------------------------------------------------------------------------ sliding window, soft-capping, sinks
+
+
+def _random_variant(rng, gen, layout: Layout, longest: int) -> dict:
+    """window_left, softcap and sinks (a CPU tensor), each on or off: windows of 0 keys, shorter than, equal to and
+    just around a key tile (32 or 64 keys) and a row tile (64 rows), near and past the longest sequence; caps small
+    enough to matter; sinks from far below to far above the scores."""
+    variant = {}
+    if rng.random() < 0.75:
+        variant["window_left"] = rng.choice([0, 1, 7, 31, 32, 33, 63, 64, 65, 200, max(0, longest - 1), longest + 50])
+    if rng.random() < 0.5:
+        variant["softcap"] = rng.choice([0.5, 5.0, 30.0])
+    if rng.random() < 0.5:
+        variant["sinks"] = torch.randn(layout.num_kv_heads * layout.group, generator=gen) * rng.choice([1.0, 5.0, 20.0])
+    return variant
+
+
+@pytest.mark.parametrize("case", range(CASES))
+def test_prefill_variants_cuda(case):
+    """Random layouts, dtypes, lengths and variants, causal or not; the plan made inside the op, or given: made for
+    the same window (equal to the CPU planner's) or for none (it only balances the work: same result)."""
+    gen, rng, replay = case_generator("cuda prefill variants", case)
+    layout = random_layout(rng)
+    dtype = rng.choice(DTYPES)
+    inputs = _random_problem(gen, rng, layout, dtype, causal=rng.random() < 0.7)
+    inputs.variant = _random_variant(rng, gen, layout, max(inputs.lengths_k))
+    what = f"cuda prefill variants {inputs.describe()} {replay}"
+    plan = None
+    if rng.random() < 0.5:
+        workers, row_block = rng.choice([1, 5, 40, NUM_SMS]), rng.choice([16, 64, 128])
+        if rng.random() < 0.7:
+            plan = inputs.plan_cuda(workers, row_block)
+            assert_same_plan(inputs.plan_cpu(workers, row_block), plan, what)
+        else:
+            lo = inputs.layout
+            plan = ops.prefill_plan(inputs.cu_q_dev, inputs.cu_k_dev, lo.qk_offsets, lo.v_offsets, lo.group,
+                                    inputs.causal, workers, row_block)
+    inputs.check(inputs.run_cuda(plan), what, against_cpu=False)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_variants_extreme_widths(dtype, causal):
+    """Windows whose edges cut key tiles of the 64, 128 and 256 buckets (8- and 256-wide heads side by side), with a
+    cap and sinks, over sequences with more keys than queries (a prefix of cached keys) and fewer."""
+    gen, rng, replay = case_generator(f"cuda prefill variant widths {dtype} causal={causal}", 0)
+    layout = Layout([8, 256, 8, 128], [256, 8, 8, 64], rng.choice([1, 2, 4]))
+    heads = layout.num_kv_heads * layout.group
+    for window_left in (0, 37, 64, 300):
+        variant = dict(window_left=window_left, softcap=rng.choice([1.0, 20.0]),
+                       sinks=torch.randn(heads, generator=gen) * 4)
+        inputs = PrefillInputs(gen, rng, layout, dtype, [257, 0, 1, 600, 33], [257, 5, 1, 900, 20], causal,
+                               variant=variant)
+        inputs.check(inputs.run_cuda(), f"cuda prefill {inputs.describe()} {replay}", against_cpu=False)
+
+
+def test_softcap_and_sinks_alone():
+    """Soft-capping alone and sinks alone, causal or not, every dtype: a cap so small that every score is near it,
+    sinks far above the scores (outputs near 0) and far below (outputs as without)."""
+    gen, rng, replay = case_generator("cuda prefill softcap sinks", 0)
+    layout = random_layout(rng, max_kv_heads=3, max_group=4)
+    heads = layout.num_kv_heads * layout.group
+    for dtype in DTYPES:
+        for causal in (False, True):
+            for variant in (dict(softcap=0.5), dict(softcap=50.0), dict(sinks=torch.randn(heads, generator=gen)),
+                            dict(sinks=torch.full((heads,), 30.0)), dict(sinks=torch.full((heads,), -30.0))):
+                inputs = PrefillInputs(gen, rng, layout, dtype, [100, 1, 0, 300], [140, 1, 3, 300], causal,
+                                       variant=variant)
+                inputs.check(inputs.run_cuda(), f"cuda prefill {inputs.describe()} {replay}", against_cpu=False)
+
+
+def test_windowed_plans_follow_the_window():
+    """The CUDA planner caches plans per window too: the same boundaries planned with alternating windows give the
+    CPU planner's plan for each window every time."""
+    gen, rng, replay = case_generator("cuda prefill plan windows", 0)
+    layout = random_layout(rng, max_kv_heads=4, max_group=4)
+    cu = offsets([2000, 1, 700])
+    for step, window_left in enumerate([-1, 100, 100, -1, 0, 1999, 100]):
+        for causal in (False, True):
+            plan = ops.prefill_plan(cu.to(DEVICE), cu.to(DEVICE), layout.qk_offsets, layout.v_offsets, layout.group,
+                                    causal, 7, window_left=window_left)
+            cpu = ops.prefill_plan(cu, cu, layout.qk_offsets, layout.v_offsets, layout.group, causal, 7,
+                                   window_left=window_left)
+            assert_same_plan(cpu, plan, f"step {step} window {window_left} causal={causal} {replay}")
+
+
 # -------------------------------------------------------------------------------------------------- long sequences
 
 
 def _reference_on_device(inputs: PrefillInputs, compute_dtype: torch.dtype, chunk: int = 2048) -> torch.Tensor:
-    """prefill_attention_ref's semantics computed on the GPU in row chunks (a 16K x 16K float64 score matrix per head
-    would not fit the CPU reference's time budget): float64 for the oracle, or the input dtype for torch's own
-    error at that precision. Checked against fdc_ops.reference by test_device_reference_matches_reference."""
+    """prefill_attention_ref's semantics (with inputs.variant) computed on the GPU in row chunks (a 16K x 16K float64
+    score matrix per head would not fit the CPU reference's time budget): float64 for the oracle, or the input dtype
+    for torch's own error at that precision. Checked against fdc_ops.reference by
+    test_device_reference_matches_reference."""
     lo = inputs.layout
+    window_left = inputs.variant.get("window_left", -1)
+    softcap = inputs.variant.get("softcap", 0.0)
+    sinks = inputs.variant.get("sinks")
     q, k, v = (t.to(DEVICE, compute_dtype) for t in (inputs.q, inputs.k, inputs.v))
     qk_off, v_off = lo.qk_offsets.tolist(), lo.v_offsets.tolist()
     cu_q, cu_k = inputs.cu_q.tolist(), inputs.cu_k.tolist()
@@ -284,12 +380,22 @@ def _reference_on_device(inputs: PrefillInputs, compute_dtype: torch.dtype, chun
                 cols = slice(lo.group * qk_off[j], lo.group * qk_off[j] + lo.group * dq)
                 queries = q[cu_q[b] + r0:cu_q[b] + r1, cols].reshape(r1 - r0, lo.group, dq).transpose(0, 1)
                 scores = inputs.scale * (queries @ keys.T)  # (G, rows, s_k)
+                if softcap > 0:
+                    scores = softcap * torch.tanh(scores / softcap)
                 visible = None
-                if inputs.causal:
-                    rows = torch.arange(r0, r1, device=DEVICE)[:, None]
-                    visible = torch.arange(s_k, device=DEVICE)[None, :] <= rows + (s_k - s_q)
+                if inputs.causal or window_left >= 0:
+                    positions = torch.arange(r0, r1, device=DEVICE)[:, None] + (s_k - s_q)
+                    key_index = torch.arange(s_k, device=DEVICE)[None, :]
+                    visible = torch.ones((r1 - r0, s_k), dtype=torch.bool, device=DEVICE)
+                    if inputs.causal:
+                        visible &= key_index <= positions
+                    if window_left >= 0:
+                        visible &= key_index >= positions - window_left
                     scores = scores.masked_fill(~visible, float("-inf"))
-                weights = torch.softmax(scores, dim=-1)
+                if sinks is not None:  # one more logit per row, with no value: its weights are dropped
+                    head_sinks = sinks[j * lo.group:(j + 1) * lo.group].to(DEVICE, compute_dtype)
+                    scores = torch.cat([scores, head_sinks[:, None, None].expand(-1, r1 - r0, 1)], dim=-1)
+                weights = torch.softmax(scores, dim=-1)[..., :s_k]
                 if visible is not None:
                     weights = torch.where(visible.any(dim=1)[None, :, None], weights, torch.zeros_like(weights))
                 result = (weights @ values).transpose(0, 1).reshape(r1 - r0, lo.group * dv)
@@ -298,12 +404,17 @@ def _reference_on_device(inputs: PrefillInputs, compute_dtype: torch.dtype, chun
 
 
 def test_device_reference_matches_reference():
-    """The chunked device reference of the long-sequence test computes what fdc_ops.reference does."""
+    """The chunked device reference of the long-sequence tests computes what fdc_ops.reference does, with and
+    without the attention variants."""
     gen, rng, replay = case_generator("cuda prefill device reference", 0)
-    for causal in (False, True):
+    for causal, with_variant in ((False, False), (True, False), (False, True), (True, True)):
         layout = random_layout(rng, max_kv_heads=3, max_group=4)
         inputs = _random_problem(gen, rng, layout, torch.float32, causal, batch=4)
-        expected = reference.prefill_attention_ref(*inputs.cpu_args())
+        if with_variant:
+            heads = layout.num_kv_heads * layout.group
+            inputs.variant = dict(window_left=rng.choice([0, 5, 40]), softcap=2.0,
+                                  sinks=torch.randn(heads, generator=gen) * 3)
+        expected = reference.prefill_attention_ref(*inputs.cpu_args(), **inputs.variant)
         ours = _reference_on_device(inputs, torch.float64, chunk=48).cpu()
         torch.testing.assert_close(ours, expected, rtol=1e-10, atol=1e-12, msg=f"{inputs.describe()} {replay}")
 
@@ -317,6 +428,27 @@ def test_long_sequence(dtype):
     s = 16384 + rng.randint(1, 15)
     inputs = PrefillInputs(gen, rng, layout, dtype, [s, 37], [s + rng.randint(0, 40), 37], causal=True)
     what = f"cuda prefill long {inputs.describe()} {replay}"
+    plan = inputs.plan_cuda()
+    assert_same_plan(inputs.plan_cpu(NUM_SMS), plan, what)
+    out = inputs.run_cuda(plan).cpu()
+    inputs.check_outside_rows(out, what)
+    expected = _reference_on_device(inputs, torch.float64).cpu()
+    torch_lowp = _reference_on_device(inputs, dtype).cpu()
+    assert_close_to_reference(out, expected, torch_lowp, f"{what} (cuda vs float64 reference)")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_long_sequence_windowed(dtype):
+    """16K causal queries under a window of about a thousand keys (Mistral's and Gemma's local layers), with a cap and
+    sinks: each row tile reads only the key tiles its rows' windows reach, the planner balances by the keys seen."""
+    gen, rng, replay = case_generator(f"cuda prefill long windowed {dtype}", 0)
+    layout = random_layout(rng, max_kv_heads=3, max_group=4)
+    s = 16384 + rng.randint(1, 15)
+    variant = dict(window_left=1000 + rng.randint(0, 63), softcap=30.0,
+                   sinks=torch.randn(layout.num_kv_heads * layout.group, generator=gen) * 2)
+    inputs = PrefillInputs(gen, rng, layout, dtype, [s, 37], [s + rng.randint(0, 40), 37], causal=True,
+                           variant=variant)
+    what = f"cuda prefill long windowed {inputs.describe()} {replay}"
     plan = inputs.plan_cuda()
     assert_same_plan(inputs.plan_cpu(NUM_SMS), plan, what)
     out = inputs.run_cuda(plan).cpu()

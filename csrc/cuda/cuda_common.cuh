@@ -62,7 +62,7 @@ int64_t allow_all_shared_memory(Kernel kernel) {
 inline int num_sms() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
 
 // A prefill plan for boundaries already read on the host, on the host and on the device; both are cached per
-// (boundaries, layout, group, causal, workers, row block, device) and must not be changed by the caller.
+// (boundaries, layout, group, causal, workers, row block, window, device) and must not be changed by the caller.
 struct PrefillPlans {
   at::Tensor host;    // int32 plan on the CPU
   at::Tensor device;  // the same plan on the device
@@ -70,7 +70,7 @@ struct PrefillPlans {
 
 PrefillPlans cached_prefill_plan(const std::vector<int32_t>& cu_q, const std::vector<int32_t>& cu_k,
                                  const at::Tensor& qk_offsets, const at::Tensor& v_offsets, int64_t group, bool causal,
-                                 int64_t workers, int64_t row_block, at::Device device);
+                                 int64_t workers, int64_t row_block, int64_t window_left, at::Device device);
 
 at::Tensor prefill_plan_cuda(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                              const at::Tensor& qk_offsets, const at::Tensor& v_offsets, int64_t group, bool causal,

@@ -7,6 +7,12 @@
 // heads. Per tile: scores for every (query head, key) from the tile in shared memory, an online-softmax update in
 // fp32, and the probability-weighted value rows accumulated in registers.
 //
+// Variants (fdc/attention_variant.h): a sliding window is the plan's (its tasks cover the visible keys only, so no
+// key before the window is read beyond the up to 7 lead keys of the first tile on a paged cache, which are masked);
+// soft-capping applies to each score as it is written, before the mask; a sink scales each query head's normalised
+// output by sink_factor of its log-sum-exp, in the attention kernel for an unsplit request and in the combine kernel,
+// after the merge, for a split one.
+//
 // Shared-memory tiles are token-major ([key][dim]). Contiguous caches are token-major already; paged caches store
 // pages dim-major ((num_pages, width, page_size), head_layout.h), so their tiles arrive dim-major and are transposed
 // in shared memory before use: one compute path for both layouts.
@@ -72,7 +78,12 @@ __global__ void __launch_bounds__(kThreads) decode_combine_kernel(const __grid_c
         value += weight * a.partial_out[((int64_t(first) + s) * a.group + h) * a.max_v_dim + c];
       }
     }
-    out[e] = from_float<T>(poisoned ? NAN : (weight_sum > 0.f ? value / weight_sum : 0.f));
+    float merged = weight_sum > 0.f ? value / weight_sum : 0.f;
+    // The merged log-sum-exp is lse_max + log(weight_sum); with no key seen, merged is 0 and stays 0.
+    if (a.sinks != nullptr && weight_sum > 0.f) {
+      merged *= sink_factor(lse_max + logf(weight_sum), a.sinks[int64_t(j) * a.group + h]);
+    }
+    out[e] = from_float<T>(poisoned ? NAN : merged);
   }
 }
 
@@ -101,8 +112,6 @@ at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
   const checks::HostLayout& layout = inputs.layout;
   const checks::AttentionVariant variant =
       checks::check_attention_variant(op, window_left, softcap, sinks, q, layout.num_heads());
-  FDC_CHECK(variant.window_left == kNoWindow && variant.softcap == 0.f && !variant.sinks.defined(), op,
-            "window_left, softcap and sinks are not implemented yet");
   const checks::CacheShape& cache = inputs.cache;
   const int64_t batch = inputs.batch;
   checks::check_int32_vector(op, "cache_seqlens", cache_seqlens, batch);
@@ -168,6 +177,9 @@ at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
     args.plan_capacity = static_cast<int32_t>(plan_capacity);
     args.max_v_dim = max_v_dim;
     args.scale = static_cast<float>(scale);
+    args.window_left = variant.window_left;
+    args.softcap = variant.softcap;
+    args.sinks = variant.sink_logits();
     args.max_qk_dim = max_qk_dim;
     // Query heads per pass (groups over 16 take several passes) and staging tiles, as many as the device's shared
     // memory allows: fdc/decode_tiles.h.

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "cuda/cuda_common.cuh"
+#include "fdc/attention_variant.h"
 #include "fdc/decode_plan.h"
 #include "fdc/decode_tiles.h"
 
@@ -51,6 +52,7 @@ struct DecodeArgs {
   T* out;                        // (B, G * W_v), row stride out_stride
   float* partial_out;            // (capacity, G, max_v_dim): normalised outputs of the chunks of split requests
   float* partial_lse;            // (capacity, G): their log-sum-exps
+  const float* sinks;            // (H_kv * G) sink logits, one per query head j * G + i, or nullptr for none
   int64_t q_stride, out_stride;
   int64_t k_stride0, k_stride1;  // contiguous: between requests, between rows; paged: between pages (stride1 unused)
   int64_t v_stride0, v_stride1;
@@ -59,6 +61,10 @@ struct DecodeArgs {
   int32_t batch, num_kv_heads, group, num_workers, plan_capacity, max_v_dim;
   int32_t max_qk_dim;  // the widest qk head: the row length of the scaled queries in shared memory
   float scale;
+  // The attention variants (fdc/attention_variant.h), uniform over the launch: every use is a branch on them that
+  // all threads take the same way, and without them the kernel does what it did before they existed.
+  int64_t window_left;  // kNoWindow, or the keys before its own position the query sees
+  float softcap;        // 0, or the cap of the scaled scores
   // Shared-memory carve-up, in elements of T (fdc/decode_tiles.h): `stages` staging tiles (2, or 1 for a paged
   // cache), then (paged) one token-major compute tile.
   int32_t stages, stage_elems, compute_elems;
@@ -105,7 +111,7 @@ __device__ bool load_tile(const DecodeArgs<T>& a, const T* cache, int64_t stride
     constexpr int kRow = staged_row<T>();
     const int key_packets = (n + P - 1) / P;
     if (a.page_size % P == 0) {
-      // A packet of P tokens starting at a multiple of P (chunks and tiles start at multiples of 16 keys) never
+      // A packet of P tokens starting at a multiple of P (tiles start at multiples of P keys: run_pass) never
       // crosses a page, so its tail past n stays inside a valid page; those slots may hold anything (NaN-poisoned
       // or stale) and are dropped by transpose_tile, which copies keys below n only.
       for (int e = threadIdx.x; e < dim * key_packets; e += kThreads) {
@@ -208,12 +214,19 @@ __device__ void run_pass(const DecodeArgs<T>& a, int64_t b, int j, int64_t kv_st
     cp_async_commit();
   };
 
+  // Tiles start at the chunk's first key, except on a paged cache read in packets, whose tiles must start on a
+  // packet (load_tile): there they start at the first key rounded down to one. Chunks start on multiples of
+  // kChunkAlign, a multiple of P, except a sliding window's first chunk; its lead keys, before the window, lie in the
+  // first key's page (page_size is a multiple of P) and are loaded but masked: scores -inf, no value sums.
+  const int64_t tiles_start = (kPaged && a.page_size % P == 0) ? kv_start - kv_start % P : kv_start;
+  int masked = static_cast<int>(kv_start - tiles_start);  // lead keys of the current tile: 0 past the first
+
   // Two stages: the next tile's copy is issued before waiting for the current one. One (paged caches only): it is
   // issued into the stage just emptied into the compute tile, and overlaps the tile's compute only.
   const bool double_buffered = !kPaged || a.stages == 2;
-  issue(0, kv_start);
+  issue(0, tiles_start);
   int s = 0;
-  for (int64_t t0 = kv_start; t0 < kv_end; t0 += kTile) {
+  for (int64_t t0 = tiles_start; t0 < kv_end; t0 += kTile) {
     const int n = static_cast<int>(min64(kTile, kv_end - t0));
     const bool more = t0 + kTile < kv_end;
     if (double_buffered && more) {
@@ -260,8 +273,13 @@ __device__ void run_pass(const DecodeArgs<T>& a, int64_t b, int j, int64_t kv_st
           dot[i] += __shfl_xor_sync(0xffffffffu, dot[i], lane_mask);
       }
       if (part == 0) {
+        if (a.softcap > 0.f) {
 #pragma unroll
-        for (int i = 0; i < kHeads; ++i) s_scores[i * kTile + key] = key < n ? dot[i] : -INFINITY;
+          for (int i = 0; i < kHeads; ++i) dot[i] = soft_cap(dot[i], a.softcap);
+        }
+        const bool visible = key >= masked && key < n;
+#pragma unroll
+        for (int i = 0; i < kHeads; ++i) s_scores[i * kTile + key] = visible ? dot[i] : -INFINITY;
       }
     }
     __syncthreads();
@@ -276,7 +294,7 @@ __device__ void run_pass(const DecodeArgs<T>& a, int64_t b, int j, int64_t kv_st
 #pragma unroll
         for (int m = 16; m > 0; m /= 2) tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, m));
         const float old_max = state->max[i];
-        const float new_max = fmaxf(old_max, tile_max);  // finite: the tile has n >= 1 real keys
+        const float new_max = fmaxf(old_max, tile_max);  // finite: every tile has a visible key
         float tile_sum = 0.f;
         for (int k = lane; k < kTile; k += 32) {
           const float p = k < n ? __expf(si[k] - new_max) : 0.f;
@@ -307,7 +325,7 @@ __device__ void run_pass(const DecodeArgs<T>& a, int64_t b, int j, int64_t kv_st
           acc[i][1] *= state->factor[i];
         }
       }
-      for (int k = key_group; k < n; k += key_groups) {
+      for (int k = masked + key_group; k < n; k += key_groups) {
         const float v0 = to_float(v_tile[k * ldv + 2 * pair]);
         const float v1 = to_float(v_tile[k * ldv + 2 * pair + 1]);
 #pragma unroll
@@ -320,6 +338,7 @@ __device__ void run_pass(const DecodeArgs<T>& a, int64_t b, int j, int64_t kv_st
     }
     __syncthreads();  // the tiles just read are the next issue's or transpose's target
     if (double_buffered) s ^= 1;
+    masked = 0;
   }
 
   // Reduce the key groups' accumulators through shared memory (the staging and compute tiles are free now: every
@@ -339,24 +358,27 @@ __device__ void run_pass(const DecodeArgs<T>& a, int64_t b, int j, int64_t kv_st
     float total = 0.f;
     for (int g = 0; g < key_groups; ++g) total += reduce[(g * kHeads + i) * dv + c];
     const float sum = state->sum[i];
-    const float value = !valid ? NAN : (sum > 0.f ? total / sum : 0.f);
+    float value = !valid ? NAN : (sum > 0.f ? total / sum : 0.f);
     const int h = head0 + i;
+    auto lse = [&] { return sum > 0.f ? state->max[i] + logf(sum) : -INFINITY; };
     if (split) {
+      // Sinks join after the merge (decode_combine_kernel), with the lse of all the request's keys.
       a.partial_out[(int64_t(split_slot) * group + h) * a.max_v_dim + c] = value;
-      if (c == 0) {
-        const float lse = sum > 0.f ? state->max[i] + logf(sum) : -INFINITY;
-        a.partial_lse[int64_t(split_slot) * group + h] = valid ? lse : NAN;
-      }
+      if (c == 0) a.partial_lse[int64_t(split_slot) * group + h] = valid ? lse() : NAN;
     } else {
+      if (a.sinks != nullptr) value *= sink_factor(lse(), a.sinks[int64_t(j) * group + h]);
       a.out[b * a.out_stride + int64_t(group) * v_col + int64_t(h) * dv + c] = from_float<T>(value);
     }
   }
   __syncthreads();  // shared memory is reused by the next pass or task
 }
 
-// One CTA per plan worker; blockIdx.x is the worker.
+// One CTA per plan worker; blockIdx.x is the worker. The launch bound's 1 (CTA per SM) costs nothing: workers are the
+// SM count by default and a CTA's shared memory leaves room for few more. Without it ptxas aimed at more CTAs per SM,
+// capped registers at 64 to 96 and spilled (ptxas -v on sm_80 and sm_90, with and without the attention variants:
+// up to 52 bytes); with it, no instantiation spills.
 template <typename T, int kHeads, bool kPaged>
-__global__ void __launch_bounds__(kThreads) decode_attention_kernel(const __grid_constant__ DecodeArgs<T> a) {
+__global__ void __launch_bounds__(kThreads, 1) decode_attention_kernel(const __grid_constant__ DecodeArgs<T> a) {
   extern __shared__ __align__(16) char smem[];
   if (!plan_is_usable(a)) return;  // the combine kernel writes NaN everywhere
   const DecodePlanView plan{a.plan};
@@ -374,14 +396,17 @@ __global__ void __launch_bounds__(kThreads) decode_attention_kernel(const __grid
     const int j = bj % a.num_kv_heads;
     const int chunks = split[bj + 1] - split[bj];
     const int64_t length = a.cache_seqlens[b];
-    // Chunks start at multiples of kChunkAlign keys (the planner's rule), which the 16-byte paged loads rely on.
+    // Chunks after the first start at multiples of kChunkAlign keys (the planner's rule, decode_chunk_keys), which
+    // the 16-byte paged loads rely on; the first starts where the query's window does (key 0 without a window).
     const bool is_split = chunks > 1;
     const int slot = split[bj] + chunk;
-    // A plan made for other lengths of this batch is caught where it matters without a host read: its first chunk
-    // must start at key 0 and its last end at the request's length (a stale plan would silently drop keys).
-    const bool in_range = chunk >= 0 && chunk < chunks && rec[2] >= 0 && rec[2] % kChunkAlign == 0 && rec[2] < rec[3] &&
-                          rec[3] <= length && rec[3] <= a.capacity && (chunk != 0 || rec[2] == 0) &&
-                          (chunk != chunks - 1 || rec[3] == length) &&
+    const int64_t first_key = decode_window_start(length, a.window_left);
+    // A plan made for other lengths of this batch, or for another window, is caught where it matters without a host
+    // read: its first chunk must start at the window's first key and its last end at the request's length (a stale
+    // plan would silently drop keys, or attend to keys outside the window).
+    const bool starts_ok = chunk == 0 ? rec[2] == first_key : (rec[2] > first_key && rec[2] % kChunkAlign == 0);
+    const bool in_range = chunk >= 0 && chunk < chunks && starts_ok && rec[2] < rec[3] && rec[3] <= length &&
+                          rec[3] <= a.capacity && (chunk != chunks - 1 || rec[3] == length) &&
                           (!is_split || (slot >= 0 && slot < a.plan_capacity));
     if (!in_range) {
       // Nothing is read; the outputs this record was to produce become NaN.

@@ -6,8 +6,9 @@
 // One CTA of kThreads threads runs seven phases separated by block barriers. A grid-wide version would need a
 // cooperative launch or a kernel per phase for its barriers, for a problem of a few thousand tasks, most of whose
 // time is the sequential phase 5 anyway; one CTA leaves the rest of the GPU free.
-//   1. total cost: a block reduction of the cache lengths (total = sum_b seqlen(b) * sum_j d_sum(j)) that also
-//      detects negative lengths. O(B / kThreads) per thread.
+//   1. total cost: a block reduction of the keys each request's query sees (its cache length, or the last
+//      window_left + 1 keys with a sliding window: total = sum_b visible(b) * sum_j d_sum(j)) that also detects
+//      negative lengths. O(B / kThreads) per thread.
 //   2. split_offsets: each pair (b, j) writes its chunk count, then an in-place block scan in tiles of kThreads
 //      pairs. O(B * H_kv / kThreads) per thread.
 //   3. task keys: one thread per task finds its pair by binary search over split_offsets and packs (cost, index);
@@ -49,6 +50,7 @@ struct DecodePlanParams {
   int32_t* plan;            // (decode_plan_size(B, H_kv, N)) the output
   uint8_t* global_scratch;  // (decode_plan_scratch_bytes(capacity)) bytes, or null: scratch in dynamic shared memory
   int64_t d_sum_total;      // sum over KV heads of d_sum(j)
+  int64_t window_left;      // the sliding window (kNoWindow: none); a kernel parameter, so graph replays keep it
   int32_t batch;
   int32_t num_kv_heads;
   int32_t num_workers;
@@ -227,25 +229,26 @@ __global__ void __launch_bounds__(kThreads) decode_plan_kernel(const __grid_cons
   int32_t* records = worker_offsets + workers + 1;
 
   // Phase 1: total cost, and negative lengths (which the host planner rejects) turned into a status.
-  int64_t length_sum = 0;
+  int64_t visible_sum = 0;
   int negative = 0;
   for (int32_t b = threadIdx.x; b < batch; b += kThreads) {
     const int32_t s = params.seqlens[b];
     negative |= s < 0;
-    length_sum += s;
+    visible_sum += decode_visible_keys(s, params.window_left);
   }
   if (__syncthreads_or(negative)) {
     write_failed_plan(params, Status::kBadSeqlens);
     return;
   }
-  int64_t length_total;
-  block_inclusive_scan(length_sum, warp_totals, &length_total);
-  const int64_t target = decode_chunk_target(length_total * params.d_sum_total, workers);
+  int64_t visible_total;
+  block_inclusive_scan(visible_sum, warp_totals, &visible_total);
+  const int64_t target = decode_chunk_target(visible_total * params.d_sum_total, workers);
 
   // Phase 2: chunk counts, scanned in place into split_offsets.
   for (int32_t p = threadIdx.x; p < pairs; p += kThreads) {
     const int64_t chunk_len = decode_chunk_len(target, params.d_sum[p % hkv]);
-    split_offsets[p + 1] = static_cast<int32_t>(ceil_div(params.seqlens[p / hkv], chunk_len));
+    split_offsets[p + 1] =
+        static_cast<int32_t>(decode_chunk_count(params.seqlens[p / hkv], params.window_left, chunk_len));
   }
   if (threadIdx.x == 0) split_offsets[0] = 0;
   __syncthreads();
@@ -270,9 +273,11 @@ __global__ void __launch_bounds__(kThreads) decode_plan_kernel(const __grid_cons
   // Phase 3: one key per task, padding keys up to a power of two.
   const int32_t sort_size = n > 0 ? static_cast<int32_t>(next_pow2(n)) : 0;
   for (int32_t t = threadIdx.x; t < sort_size; t += kThreads) {
-    keys[t] =
-        t < n ? pack_task_key(decode_task(t, split_offsets, params.seqlens, batch, hkv, params.d_sum, target).cost, t)
-              : kPaddingTaskKey;
+    keys[t] = t < n ? pack_task_key(decode_task(t, split_offsets, params.seqlens, batch, hkv, params.d_sum, target,
+                                                params.window_left)
+                                        .cost,
+                                    t)
+                    : kPaddingTaskKey;
   }
   __syncthreads();
 
@@ -295,8 +300,8 @@ __global__ void __launch_bounds__(kThreads) decode_plan_kernel(const __grid_cons
 
   // Phase 7: records in worker order, each worker's in assignment order; -1 past the last task.
   for (int32_t i = threadIdx.x; i < n; i += kThreads) {
-    const DecodeTask task =
-        decode_task(task_key_index(keys[i]), split_offsets, params.seqlens, batch, hkv, params.d_sum, target);
+    const DecodeTask task = decode_task(task_key_index(keys[i]), split_offsets, params.seqlens, batch, hkv,
+                                        params.d_sum, target, params.window_left);
     const int32_t slot = worker_offsets[placement[2 * i]] + placement[2 * i + 1];
     int32_t* record = records + int64_t(kDecodeRecordFields) * slot;
     record[0] = task.pair;
@@ -332,7 +337,6 @@ at::Tensor decode_plan_cuda(const at::Tensor& cache_seqlens, const at::Tensor& q
                             int64_t group, std::optional<int64_t> num_workers, int64_t window_left) {
   const char* op = "decode_plan";
   checks::check_window(op, window_left);
-  FDC_CHECK(window_left == kNoWindow, op, "window_left is not implemented yet");
   const checks::HostLayout layout = checks::read_layout(op, qk_offsets, &v_offsets, group);
   checks::check_int32_vector(op, "cache_seqlens", cache_seqlens, -1);
   checks::check_cuda_tensor(op, "cache_seqlens", cache_seqlens);
@@ -355,6 +359,7 @@ at::Tensor decode_plan_cuda(const at::Tensor& cache_seqlens, const at::Tensor& q
   params.num_workers = workers;
   params.group = layout.group;
   params.capacity = static_cast<int32_t>(capacity);
+  params.window_left = window_left;
   const HeadLayoutView view = layout.view();
   params.d_sum_total = 0;
   for (int32_t j = 0; j < hkv; ++j) {

@@ -16,6 +16,11 @@
 // registers, and for every key tile of kKeys keys (K and V rows streamed into shared memory by cp.async, the next
 // tile in flight while this one is computed): S = Q K^T (fp32), causal / length mask, online softmax in fp32 with
 // exp2, P converted to the input dtype in registers, O += P V with V fragments by ldmatrix.trans.
+//
+// Variants (fdc/attention_variant.h): with a sliding window a base tile's key loop starts at its first row's window
+// (earlier key tiles are never loaded) and each row masks the keys outside its own window, so only tiles at the
+// window's edge are partly masked; soft-capping applies to the scores before the mask; a sink scales each row's
+// normalised output by sink_factor of the row's log-sum-exp.
 #include <torch/library.h>
 
 #include <algorithm>
@@ -27,7 +32,9 @@
 namespace fdc::cuda {
 namespace {
 
+using prefill::first_key_seen;
 using prefill::keys_seen;
+using prefill::kLog2e;
 using prefill::kMaxKvHeads;
 using prefill::kThreads;
 using prefill::kWarps;
@@ -35,6 +42,7 @@ using prefill::launch_mma;
 using prefill::PrefillArgs;
 using prefill::read_record;
 using prefill::RecordView;
+using prefill::row_normaliser;
 
 // Float32 path: exact fp32 arithmetic on CUDA cores (tensor cores would round the inputs to tf32). One warp per
 // query row; the lanes take 32 keys at a time, so K rows are read by independent lanes and V rows by the warp.
@@ -48,20 +56,21 @@ __global__ void __launch_bounds__(kThreads) prefill_fp32_kernel(const __grid_con
     const RecordView r = read_record(a, plan.records() + int64_t(ri) * kPrefillRecordFields);
     for (int row = r.row_start + warp; row < r.row_end; row += kWarps) {
       const int keys_end = keys_seen(r, row + 1, a.causal);
-      if (keys_end == 0) continue;
+      const int keys_begin = first_key_seen(r, row, a.window_left);
+      if (keys_end <= keys_begin) continue;
       const float* q = a.q + (r.q_row0 + row) * a.q_stride + r.q_col;
       float acc[kColsPerLane];
 #pragma unroll
       for (int c = 0; c < kColsPerLane; ++c) acc[c] = 0.f;
       float row_max = -INFINITY, row_sum = 0.f;
-      for (int k0 = 0; k0 < keys_end; k0 += 32) {
+      for (int k0 = keys_begin; k0 < keys_end; k0 += 32) {
         const int key = k0 + lane;
         float score = -INFINITY;
         if (key < keys_end) {
           const float* k_row = a.k + (r.k_row0 + key) * a.k_stride + r.k_col;
           float dot = 0.f;
           for (int c = 0; c < r.dq; ++c) dot += q[c] * k_row[c];
-          score = dot * a.scale_log2;
+          score = a.softcap > 0.f ? soft_cap(dot * a.scale, a.softcap) * kLog2e : dot * a.scale_log2;
         }
         float tile_max = score;
 #pragma unroll
@@ -87,9 +96,10 @@ __global__ void __launch_bounds__(kThreads) prefill_fp32_kernel(const __grid_con
         }
       }
       float* out = a.out + (r.q_row0 + row) * a.out_stride + r.o_col;
+      const float inv = row_normaliser(row_max, row_sum, a.sinks, r.h);
 #pragma unroll
       for (int c = 0; c < kColsPerLane; ++c) {
-        if (lane + 32 * c < r.dv) out[lane + 32 * c] = acc[c] / row_sum;
+        if (lane + 32 * c < r.dv) out[lane + 32 * c] = acc[c] * inv;
       }
     }
   }
@@ -140,8 +150,6 @@ at::Tensor prefill_attention_cuda(const at::Tensor& q, const at::Tensor& k, cons
   const checks::HostLayout layout = checks::check_prefill_inputs(op, q, k, v, qk_offsets, v_offsets, group, scale);
   const checks::AttentionVariant variant =
       checks::check_attention_variant(op, window_left, softcap, sinks, q, layout.num_heads());
-  FDC_CHECK(variant.window_left == kNoWindow && variant.softcap == 0.f && !variant.sinks.defined(), op,
-            "window_left, softcap and sinks are not implemented yet");
   checks::check_int32_vector(op, "cu_seqlens_q", cu_seqlens_q, -1);
   checks::check_same_device(op, "cu_seqlens_q", cu_seqlens_q, "q", q);
   checks::check_same_device(op, "cu_seqlens_k", cu_seqlens_k, "q", q);
@@ -163,8 +171,8 @@ at::Tensor prefill_attention_cuda(const at::Tensor& q, const at::Tensor& k, cons
     checks::check_prefill_plan_header(op, host_plan.data_ptr<int32_t>(), host_plan.size(0), batch, layout, causal);
     checks::check_prefill_plan_records(op, PrefillPlanView{host_plan.data_ptr<int32_t>()}, cu_q);
   } else {
-    const PrefillPlans plans =
-        cached_prefill_plan(cu_q, cu_k, qk_offsets, v_offsets, group, causal, num_sms(), kDefaultRowBlock, q.device());
+    const PrefillPlans plans = cached_prefill_plan(cu_q, cu_k, qk_offsets, v_offsets, group, causal, num_sms(),
+                                                   kDefaultRowBlock, window_left, q.device());
     schedule = plans.device;
     host_plan = plans.host;
     // The cache may drop this plan while the kernel below still reads it; its memory must not be handed out on the
@@ -201,6 +209,10 @@ at::Tensor prefill_attention_cuda(const at::Tensor& q, const at::Tensor& k, cons
     args.v_stride = vc.stride(0);
     args.out_stride = out.stride(0);
     args.scale_log2 = static_cast<float>(scale * M_LOG2E);
+    args.scale = static_cast<float>(scale);
+    args.softcap = variant.softcap;
+    args.sinks = variant.sink_logits();
+    args.window_left = static_cast<int32_t>(variant.window_left);
     args.group = static_cast<int32_t>(group);
     args.num_kv_heads = static_cast<int32_t>(hkv);
     args.causal = causal;

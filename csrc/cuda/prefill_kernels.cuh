@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "cuda/cuda_common.cuh"
+#include "fdc/attention_variant.h"
 #include "fdc/prefill_plan.h"
 
 namespace fdc::cuda::prefill {
@@ -19,6 +20,9 @@ constexpr int kRowsPerCta = 16 * kWarps;
 // The layout travels in the kernel parameters (no host-to-device copy per call); 256 KV heads keep them far
 // inside the 4 KiB parameter space.
 constexpr int kMaxKvHeads = 256;
+// Scores are exponentiated with exp2: natural-unit values (capped scores, log-sum-exps) convert by these.
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2 = 0.693147180559945309f;
 
 template <typename T>
 struct PrefillArgs {
@@ -31,6 +35,12 @@ struct PrefillArgs {
   T* out;               // (T_q, G * W_v), row stride out_stride, zero-initialised
   int64_t q_stride, k_stride, v_stride, out_stride;
   float scale_log2;  // softmax scale * log2(e): scores are exponentiated with exp2
+  // The attention variants (fdc/attention_variant.h), uniform over the launch: every use is a branch on them that
+  // all threads take the same way, and without them the kernels do what they did before they existed.
+  float scale;          // the softmax scale: soft-capping applies to the scaled scores in natural units
+  float softcap;        // 0, or the cap of the scaled scores
+  const float* sinks;   // (H) sink logits, one per query head, or nullptr for none
+  int32_t window_left;  // kNoWindow, or the keys before its own position a query row sees
   int32_t group;
   int32_t num_kv_heads;
   bool causal;
@@ -76,6 +86,20 @@ inline __device__ int32_t keys_seen(const RecordView& r, int32_t row1, bool caus
   if (!causal) return r.s_k;
   const int64_t end = int64_t(row1) + r.s_k - r.s_q;  // row row1 - 1 sees keys up to row1 - 1 + s_k - s_q
   return static_cast<int32_t>(end < 0 ? 0 : (end > r.s_k ? r.s_k : end));
+}
+
+// The first key row `row` sees: its sliding window's start (0 without a window). Windows move with the rows, so a
+// row range's first row has the range's first key.
+inline __device__ int32_t first_key_seen(const RecordView& r, int32_t row, int32_t window_left) {
+  return static_cast<int32_t>(window_start(int64_t(row) + r.s_k - r.s_q, window_left));
+}
+
+// A row's softmax normaliser: 1 / row_sum, times the sink's factor (fdc/attention_variant.h) when the op has sinks;
+// row_max and row_sum in exp2 units (row_sum = sum of exp2(score - row_max)). 0 for a row that saw no key.
+inline __device__ float row_normaliser(float row_max, float row_sum, const float* sinks, int32_t head) {
+  if (!(row_sum > 0.f)) return 0.f;
+  const float inv = 1.f / row_sum;
+  return sinks == nullptr ? inv : inv * sink_factor((row_max + log2f(row_sum)) * kLn2, sinks[head]);
 }
 
 // ------------------------------------------------------------------------------------------------------------------
@@ -176,8 +200,21 @@ __global__ void __launch_bounds__(kThreads) prefill_mma_kernel(const __grid_cons
     for (int row0 = r.row_start; row0 < r.row_end; row0 += kRowsPerCta) {
       const int row1 = min(r.row_end, row0 + kRowsPerCta);
       const int keys_end = keys_seen(r, row1, a.causal);
-      if (keys_end == 0) continue;           // no row of this tile sees a key: the zero output stands
+      // Key tiles before the first row's window hold no key any row of the tile sees: they are never loaded.
+      const int keys_begin = first_key_seen(r, row0, a.window_left);
+      if (keys_end <= keys_begin) continue;  // no row of this tile sees a key: the zero output stands
       const int my_row0 = row0 + 16 * warp;  // this warp's rows my_row0 + g and my_row0 + g + 8
+      // Rows g and g + 8 see keys [row_first, row_first + row_span): their window, up to the causal diagonal and
+      // keys_end. One unsigned compare per score tests both ends.
+      int row_first[2], row_span[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = my_row0 + g + 8 * half;
+        const int64_t diagonal_end = int64_t(row) + r.s_k - r.s_q + 1;
+        const int64_t end = a.causal ? min64(keys_end, max64(0, diagonal_end)) : keys_end;
+        row_first[half] = first_key_seen(r, row, a.window_left);
+        row_span[half] = static_cast<int>(max64(0, end - row_first[half]));
+      }
 
       // Q fragments, zero past the record's rows and past dq.
       uint32_t qf[B::kQkSteps][4];
@@ -221,9 +258,9 @@ __global__ void __launch_bounds__(kThreads) prefill_mma_kernel(const __grid_cons
         cp_async_commit();
       };
 
-      issue(0, 0);
+      issue(0, keys_begin);
       int stage = 0;
-      for (int k0 = 0; k0 < keys_end; k0 += B::kKeys, stage ^= 1) {
+      for (int k0 = keys_begin; k0 < keys_end; k0 += B::kKeys, stage ^= 1) {
         if (k0 + B::kKeys < keys_end) {
           issue(stage ^ 1, k0 + B::kKeys);
           cp_async_wait<1>();
@@ -250,17 +287,26 @@ __global__ void __launch_bounds__(kThreads) prefill_mma_kernel(const __grid_cons
           }
         }
 
-        // Mask (keys past the sequence, causal), then the online softmax of rows g and g + 8.
+        // Soft-capping (natural units), then the mask (keys past the sequence, causal, window) and the conversion
+        // to exp2 units, then the online softmax of rows g and g + 8.
+        if (a.softcap > 0.f) {
+#pragma unroll
+          for (int n = 0; n < B::kKeyTiles; ++n) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[n][e] = soft_cap(s[n][e] * a.scale, a.softcap);
+          }
+        }
+        const float to_log2 = a.softcap > 0.f ? kLog2e : a.scale_log2;
         float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int n = 0; n < B::kKeyTiles; ++n) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int key = k0 + 8 * n + 2 * t + (e & 1);
-            const int row = my_row0 + g + 8 * (e >> 1);
-            const bool visible = key < keys_end && (!a.causal || int64_t(key) <= int64_t(row) + r.s_k - r.s_q);
-            s[n][e] = visible ? s[n][e] * a.scale_log2 : -INFINITY;
-            tile_max[e >> 1] = fmaxf(tile_max[e >> 1], s[n][e]);
+            const int half = e >> 1;
+            const bool visible = unsigned(key - row_first[half]) < unsigned(row_span[half]);
+            s[n][e] = visible ? s[n][e] * to_log2 : -INFINITY;
+            tile_max[half] = fmaxf(tile_max[half], s[n][e]);
           }
         }
         float factor[2], base[2];
@@ -319,7 +365,7 @@ __global__ void __launch_bounds__(kThreads) prefill_mma_kernel(const __grid_cons
       for (int half = 0; half < 2; ++half) {
         const int row = my_row0 + g + 8 * half;
         if (row >= row1) continue;
-        const float inv = row_sum[half] > 0.f ? 1.f / row_sum[half] : 0.f;
+        const float inv = row_normaliser(row_max[half], row_sum[half], a.sinks, r.h);
         T* dst = a.out + (r.q_row0 + row) * a.out_stride + r.o_col + 2 * t;
 #pragma unroll
         for (int n = 0; n < B::kVTiles; ++n) {

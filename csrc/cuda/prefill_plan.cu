@@ -4,7 +4,7 @@
 // Why on the host: a prefill plan's size depends on the sequence lengths (its record count), so prefill cannot be
 // captured in a CUDA graph whatever builds the plan, and its attention op reads the boundaries on the host anyway
 // to validate them and the plan; the host planner is exact by construction and costs O(T log T) for T row blocks.
-// Plans are cached per (boundaries, layout, group, causal, workers, row block) and device, so repeated shapes
+// Plans are cached per (boundaries, layout, group, causal, workers, row block, window) and device, so repeated shapes
 // (benchmarks, a serving loop's fixed buckets) pay for neither the planning nor the copy.
 #include <torch/library.h>
 
@@ -25,8 +25,9 @@ namespace {
 // a plan of 64K tokens and 32 heads is about 0.5 MiB of device memory.
 constexpr size_t kCachedPlans = 64;
 
+// The boundaries, the layout, every planner argument (a window changes the costs, so the plan) and the device.
 using PlanKey = std::tuple<std::vector<int32_t>, std::vector<int32_t>, std::vector<int32_t>, std::vector<int32_t>,
-                           int64_t, bool, int64_t, int64_t, int64_t>;
+                           int64_t, bool, int64_t, int64_t, int64_t, int64_t>;
 
 class PlanCache {
  public:
@@ -70,14 +71,15 @@ at::Tensor host_tensor(const std::vector<int32_t>& values) {
 
 PrefillPlans cached_prefill_plan(const std::vector<int32_t>& cu_q, const std::vector<int32_t>& cu_k,
                                  const at::Tensor& qk_offsets, const at::Tensor& v_offsets, int64_t group, bool causal,
-                                 int64_t workers, int64_t row_block, at::Device device) {
+                                 int64_t workers, int64_t row_block, int64_t window_left, at::Device device) {
   const checks::HostLayout layout = checks::read_layout("prefill_plan", qk_offsets, &v_offsets, group);
-  PlanKey key{cu_q, cu_k, layout.qk_offsets, layout.v_offsets, group, causal, workers, row_block, device.index()};
+  PlanKey key(cu_q, cu_k, layout.qk_offsets, layout.v_offsets, group, causal, workers, row_block, window_left,
+              device.index());
   if (std::optional<PrefillPlans> cached = plan_cache().find(key)) return *cached;
   // The host planner validates everything (boundaries, layout, workers, row block) with the same messages.
   PrefillPlans plans;
   plans.host = cpu::prefill_plan_cpu(host_tensor(cu_q), host_tensor(cu_k), qk_offsets, v_offsets, group, causal,
-                                     workers, row_block, kNoWindow);
+                                     workers, row_block, window_left);
   plans.device = plans.host.to(device);
   plan_cache().insert(std::move(key), plans);
   return plans;
@@ -90,7 +92,6 @@ at::Tensor prefill_plan_cuda(const at::Tensor& cu_seqlens_q, const at::Tensor& c
                              std::optional<int64_t> num_workers, int64_t row_block, int64_t window_left) {
   const char* op = "prefill_plan";
   checks::check_window(op, window_left);
-  FDC_CHECK(window_left == kNoWindow, op, "window_left is not implemented yet");
   checks::read_layout(op, qk_offsets, &v_offsets, group);
   checks::check_int32_vector(op, "cu_seqlens_q", cu_seqlens_q, -1);
   checks::check_int32_vector(op, "cu_seqlens_k", cu_seqlens_k, -1);
@@ -99,7 +100,7 @@ at::Tensor prefill_plan_cuda(const at::Tensor& cu_seqlens_q, const at::Tensor& c
   const c10::cuda::CUDAGuard guard(cu_seqlens_q.device());
   // A copy: the caller owns what it gets back and may change it without touching the cached plan.
   return cached_prefill_plan(host_values(cu_seqlens_q), host_values(cu_seqlens_k), qk_offsets, v_offsets, group, causal,
-                             num_workers.value_or(num_sms()), row_block, cu_seqlens_q.device())
+                             num_workers.value_or(num_sms()), row_block, window_left, cu_seqlens_q.device())
       .device.clone();
 }
 

@@ -3,13 +3,15 @@
 // against the host planner of decode_plan.h.
 //
 // The device planner computes build_decode_plan()'s plan with a different formulation of the same algorithm:
-//   - tasks are enumerated in (b, j, chunk) order; task t of pair p = b * H_kv + j is chunk t - split_offsets[p];
+//   - tasks are enumerated in (b, j, chunk) order; task t of pair p = b * H_kv + j is chunk t - split_offsets[p],
+//     whose keys follow from the request's length, the window and the chunk length alone (decode_chunk_keys);
 //   - the stable sort by cost descending is an ascending sort of unique 64-bit keys (cost descending, then
 //     enumeration index ascending), which any sorting network reproduces exactly: the device uses a bitonic one;
 //   - the least-loaded worker (ties: lowest index) is the minimum of 64-bit worker keys (load, then worker index);
 //   - records are regrouped by worker through each task's rank among its worker's tasks.
 #pragma once
 
+#include "fdc/attention_variant.h"
 #include "fdc/common.h"
 #include "fdc/decode_plan.h"
 
@@ -106,6 +108,37 @@ FDC_HOST_DEVICE inline int32_t decode_task_pair(const int32_t* split_offsets, in
   return lo;
 }
 
+// Keys a decode query sees in a cache of `length` keys: [decode_window_start(length, window_left), length). A task's
+// cost counts only these, so the planner's total, and with it every chunk length, is the windowed work.
+FDC_HOST_DEVICE inline int64_t decode_visible_keys(int64_t length, int64_t window_left) {
+  return length - decode_window_start(length, window_left);
+}
+
+// Chunks of one (request, KV head) pair: ceil(visible keys / chunk_len), 0 for an empty request: decode_plan.h's
+// formula over the visible keys, so its capacity bound holds with the total counting visible keys.
+FDC_HOST_DEVICE inline int64_t decode_chunk_count(int64_t length, int64_t window_left, int64_t chunk_len) {
+  return ceil_div(decode_visible_keys(length, window_left), chunk_len);
+}
+
+struct KeyRange {
+  int64_t start;
+  int64_t end;
+};
+
+// Keys of chunk `chunk` of the `chunks` chunks of a request of `length` keys. With s the window start and
+// base = s rounded down to kChunkAlign, chunk c covers [c == 0 ? s : base + c * chunk_len, c == chunks - 1 ? length
+// : base + (c + 1) * chunk_len): every chunk but the first starts on a multiple of kChunkAlign (the tile and packet
+// alignment the kernels' loads rely on), the first starts where the window does, and the last ends at the length
+// (up to kChunkAlign - 1 keys longer than chunk_len when the window start was rounded down). Without a window
+// (s = 0) these are the chunks [c * chunk_len, min(length, (c + 1) * chunk_len)).
+FDC_HOST_DEVICE inline KeyRange decode_chunk_keys(int64_t length, int64_t window_left, int64_t chunk_len, int64_t chunk,
+                                                  int64_t chunks) {
+  const int64_t first = decode_window_start(length, window_left);
+  const int64_t base = first - first % kChunkAlign;
+  return KeyRange{chunk == 0 ? first : base + chunk * chunk_len,
+                  chunk == chunks - 1 ? length : base + (chunk + 1) * chunk_len};
+}
+
 // One task of the enumeration: its record (b * H_kv + j, chunk, kv_start, kv_end) and cost.
 struct DecodeTask {
   int32_t pair;
@@ -115,18 +148,19 @@ struct DecodeTask {
   int64_t cost;
 };
 
-// Task t, recomputed from the split offsets: d_sum(j) is d_sum[j], chunk lengths follow decode_chunk_len(target).
+// Task t, recomputed from the split offsets: d_sum(j) is d_sum[j], chunk lengths follow decode_chunk_len(target),
+// chunk bounds decode_chunk_keys() with the window of window_left (kNoWindow for none).
 FDC_HOST_DEVICE inline DecodeTask decode_task(int32_t t, const int32_t* split_offsets, const int32_t* seqlens,
-                                              int32_t batch, int32_t num_kv_heads, const int16_t* d_sum,
-                                              int64_t target) {
+                                              int32_t batch, int32_t num_kv_heads, const int16_t* d_sum, int64_t target,
+                                              int64_t window_left) {
   const int32_t pair = decode_task_pair(split_offsets, batch * num_kv_heads, t);
   const int32_t j = pair % num_kv_heads;
   const int64_t chunk = t - split_offsets[pair];
-  const int64_t chunk_len = decode_chunk_len(target, d_sum[j]);
-  const int64_t start = chunk * chunk_len;
-  const int64_t end = min64(seqlens[pair / num_kv_heads], start + chunk_len);
-  return DecodeTask{pair, static_cast<int32_t>(chunk), static_cast<int32_t>(start), static_cast<int32_t>(end),
-                    (end - start) * d_sum[j]};
+  const int64_t chunks = split_offsets[pair + 1] - split_offsets[pair];
+  const KeyRange keys =
+      decode_chunk_keys(seqlens[pair / num_kv_heads], window_left, decode_chunk_len(target, d_sum[j]), chunk, chunks);
+  return DecodeTask{pair, static_cast<int32_t>(chunk), static_cast<int32_t>(keys.start), static_cast<int32_t>(keys.end),
+                    (keys.end - keys.start) * d_sum[j]};
 }
 
 }  // namespace fdc
