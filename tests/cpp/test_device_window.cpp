@@ -93,9 +93,9 @@ void test_chunking(int64_t length, int64_t window_left, int64_t chunk_len) {
 
 // The device planner's algorithm (csrc/cuda/decode_plan.cu) run sequentially with its helpers: visible-key total,
 // chunk counts and their scan, task keys, the bitonic network, worker keys with rebasing, ranks per worker, records
-// recomputed from the split offsets.
+// recomputed from the split offsets. *rebases counts the load rebasings.
 std::vector<int32_t> device_plan(const Layout& layout, const std::vector<int32_t>& lens, int32_t workers,
-                                 int64_t window_left) {
+                                 int64_t window_left, int* rebases) {
   const fdc::HeadLayoutView view = layout.view();
   const int32_t batch = static_cast<int32_t>(lens.size());
   const int32_t hkv = view.num_kv_heads;
@@ -144,6 +144,7 @@ std::vector<int32_t> device_plan(const Layout& layout, const std::vector<int32_t
       placement[2 * w + 1] = 0;
     }
   }
+  *rebases = 0;
   for (int32_t i = first; i < n; ++i) {
     const uint64_t best = *std::min_element(worker_key.begin(), worker_key.end());
     const int32_t w = fdc::worker_key_index(best);
@@ -152,6 +153,7 @@ std::vector<int32_t> device_plan(const Layout& layout, const std::vector<int32_t
     placement[2 * i + 1] = count[w]++;
     const uint64_t base = fdc::worker_key_load(best);
     if (base >= fdc::kRebaseLoad) {
+      ++*rebases;
       for (uint64_t& key : worker_key) key -= base << fdc::kWorkerBits;
     }
   }
@@ -172,8 +174,8 @@ std::vector<int32_t> device_plan(const Layout& layout, const std::vector<int32_t
 
 // The device formulation gives the host planner's plan integer for integer, and the plan covers each request's
 // window exactly once: what the attention kernels check record by record (first chunk at the window start, later
-// ones on kChunkAlign, last at the length).
-void test_same_plan(const Layout& layout, const std::vector<int32_t>& lens, int32_t workers, int64_t window_left) {
+// ones on kChunkAlign, last at the length). Returns the device formulation's rebase count.
+int test_same_plan(const Layout& layout, const std::vector<int32_t>& lens, int32_t workers, int64_t window_left) {
   const int32_t batch = static_cast<int32_t>(lens.size());
   const int32_t hkv = static_cast<int32_t>(layout.qk.size()) - 1;
   std::vector<int32_t> host(fdc::decode_plan_size(batch, hkv, workers), 12345);
@@ -181,7 +183,8 @@ void test_same_plan(const Layout& layout, const std::vector<int32_t>& lens, int3
   const fdc::Status status =
       fdc::build_decode_plan(lens.data(), batch, layout.view(), workers, host.data(), ws.data(), window_left);
   CHECK(status == fdc::Status::kOk, "host planner status %d", static_cast<int>(status));
-  const std::vector<int32_t> device = device_plan(layout, lens, workers, window_left);
+  int rebases = 0;
+  const std::vector<int32_t> device = device_plan(layout, lens, workers, window_left, &rebases);
   size_t first_difference = 0;
   while (first_difference < host.size() && host[first_difference] == device[first_difference]) ++first_difference;
   CHECK(first_difference == host.size(),
@@ -204,6 +207,7 @@ void test_same_plan(const Layout& layout, const std::vector<int32_t>& lens, int3
   for (int32_t p = 0; p < batch * hkv; ++p)
     CHECK(covered[p] == fdc::decode_visible_keys(lens[p / hkv], window_left), "pair %d covers %lld keys", p,
           static_cast<long long>(covered[p]));
+  return rebases;
 }
 
 }  // namespace
@@ -234,10 +238,14 @@ int main(int argc, char** argv) {
     test_same_plan(fixed, {5000, 17, 4097}, 1, window);
   }
   {
-    // Lengths near INT32_MAX on one worker with a window of most of them: loads still pass kRebaseLoad.
+    // Lengths near INT32_MAX on one or two workers, without a window or with one of most of them: loads pass
+    // kRebaseLoad, so the rebasing path runs.
     const Layout wide{{0, 256, 512}, {0, 256, 512}, 1};
-    test_same_plan(wide, std::vector<int32_t>(6, INT32_MAX - 5), 1, INT32_MAX - 1000);
-    test_same_plan(wide, std::vector<int32_t>(6, INT32_MAX - 5), 2, 12345);
+    const std::vector<int32_t> huge(6, INT32_MAX - 5);
+    CHECK(test_same_plan(wide, huge, 1, fdc::kNoWindow) > 0, "the huge-length case did not rebase");
+    CHECK(test_same_plan(wide, huge, 2, fdc::kNoWindow) > 0, "the huge-length case did not rebase");
+    CHECK(test_same_plan(wide, huge, 1, INT32_MAX - 1000) > 0, "the huge windowed case did not rebase");
+    test_same_plan(wide, huge, 2, 12345);
   }
   const int32_t lens_pool[] = {0, 1, 2, 15, 16, 17, 64, 255, 256, 257, 1000, 4096, 30000};
   const int32_t device_workers[] = {1, 7, 132, 264, 1024};

@@ -362,107 +362,6 @@ void test_building_blocks(std::mt19937& rng) {
         "rescaling to a larger max");
 }
 
-// The device planner's formulation (include/fdc/decode_plan_device.h, csrc/cuda/decode_plan.cu) run sequentially
-// with the same helpers: chunk counts and their scan, task keys, the bitonic network, worker keys with rebasing,
-// ranks per worker, records recomputed from the split offsets. Returns the plan; *rebases counts load rebasings.
-std::vector<int32_t> device_formulation_plan(const Layout& layout, const std::vector<int32_t>& lens, int32_t workers,
-                                             int* rebases) {
-  const fdc::HeadLayoutView view = layout.view();
-  const int32_t batch = static_cast<int32_t>(lens.size());
-  const int32_t hkv = view.num_kv_heads;
-  const int32_t pairs = batch * hkv;
-  const int64_t capacity = fdc::decode_plan_capacity(batch, hkv, workers);
-  std::vector<int16_t> d_sum(hkv);
-  int64_t d_sum_total = 0, length_total = 0;
-  for (int32_t j = 0; j < hkv; ++j) {
-    d_sum[j] = static_cast<int16_t>(view.d_sum(j));
-    d_sum_total += d_sum[j];
-  }
-  for (int32_t s : lens) length_total += s;
-  const int64_t target = fdc::decode_chunk_target(length_total * d_sum_total, workers);
-
-  std::vector<int32_t> plan(fdc::decode_plan_size(batch, hkv, workers), 12345);
-  int32_t* split = plan.data() + fdc::kDecodeHeader;
-  int32_t* worker_offsets = split + pairs + 1;
-  int32_t* records = worker_offsets + workers + 1;
-  split[0] = 0;
-  for (int32_t p = 0; p < pairs; ++p)
-    split[p + 1] =
-        split[p] + static_cast<int32_t>(fdc::ceil_div(lens[p / hkv], fdc::decode_chunk_len(target, d_sum[p % hkv])));
-  const int32_t n = split[pairs];
-  CHECK(n <= capacity, "device formulation: %d tasks over capacity %lld", n, static_cast<long long>(capacity));
-  const int32_t header[fdc::kDecodeHeader] = {
-      fdc::kDecodePlanTag, batch, hkv, workers, static_cast<int32_t>(capacity), n, view.group, 0};
-  std::copy(header, header + fdc::kDecodeHeader, plan.begin());
-
-  const int64_t size = n > 0 ? fdc::next_pow2(n) : 0;
-  std::vector<uint64_t> keys(size, fdc::kPaddingTaskKey);
-  for (int32_t t = 0; t < n; ++t)
-    keys[t] = fdc::pack_task_key(fdc::decode_task(t, split, lens.data(), batch, hkv, d_sum.data(), target).cost, t);
-  for (int64_t span = 2; span <= size; span *= 2)
-    for (int64_t stride = span / 2; stride > 0; stride /= 2)
-      for (int64_t c = 0; c < size / 2; ++c) fdc::bitonic_compare_swap(keys.data(), c, stride, span);
-
-  std::vector<uint64_t> worker_key(workers);
-  std::vector<int32_t> count(workers, 0), placement(2 * int64_t(n));
-  const int32_t first = std::min(n, workers);
-  for (int32_t w = 0; w < workers; ++w) {
-    worker_key[w] = fdc::pack_worker_key(w < first ? fdc::task_key_cost(keys[w]) : 0, w);
-    if (w < first) {
-      count[w] = 1;
-      placement[2 * w] = w;
-      placement[2 * w + 1] = 0;
-    }
-  }
-  *rebases = 0;
-  for (int32_t i = first; i < n; ++i) {
-    const uint64_t best = *std::min_element(worker_key.begin(), worker_key.end());
-    const int32_t w = fdc::worker_key_index(best);
-    worker_key[w] += uint64_t(fdc::task_key_cost(keys[i])) << fdc::kWorkerBits;
-    placement[2 * i] = w;
-    placement[2 * i + 1] = count[w]++;
-    const uint64_t base = fdc::worker_key_load(best);
-    if (base >= fdc::kRebaseLoad) {
-      ++*rebases;
-      for (uint64_t& key : worker_key) key -= base << fdc::kWorkerBits;
-    }
-  }
-  worker_offsets[0] = 0;
-  for (int32_t w = 0; w < workers; ++w) worker_offsets[w + 1] = worker_offsets[w] + count[w];
-  for (int32_t i = 0; i < n; ++i) {
-    const fdc::DecodeTask task =
-        fdc::decode_task(fdc::task_key_index(keys[i]), split, lens.data(), batch, hkv, d_sum.data(), target);
-    int32_t* record = records + 4 * int64_t(worker_offsets[placement[2 * i]] + placement[2 * i + 1]);
-    record[0] = task.pair;
-    record[1] = task.chunk;
-    record[2] = task.kv_start;
-    record[3] = task.kv_end;
-  }
-  for (int64_t i = 4 * int64_t(n); i < 4 * capacity; ++i) records[i] = -1;
-  return plan;
-}
-
-// The device formulation gives the host planner's plan integer for integer. Returns the rebase count.
-int test_device_formulation(const Layout& layout, const std::vector<int32_t>& lens, int32_t workers) {
-  const int32_t batch = static_cast<int32_t>(lens.size());
-  const int32_t hkv = static_cast<int32_t>(layout.qk.size()) - 1;
-  std::vector<int32_t> host(fdc::decode_plan_size(batch, hkv, workers), 12345);
-  std::vector<int64_t> ws(fdc::ceil_div(fdc::decode_plan_workspace_bytes(batch, hkv, workers), 8));
-  // Without a window: the device formulation above (decode_plan_device.h's decode_task) has none.
-  const fdc::Status status =
-      fdc::build_decode_plan(lens.data(), batch, layout.view(), workers, host.data(), ws.data(), fdc::kNoWindow);
-  CHECK(status == fdc::Status::kOk, "decode status %d", static_cast<int>(status));
-  int rebases = 0;
-  const std::vector<int32_t> device = device_formulation_plan(layout, lens, workers, &rebases);
-  size_t first_difference = 0;
-  while (first_difference < host.size() && host[first_difference] == device[first_difference]) ++first_difference;
-  CHECK(first_difference == host.size(),
-        "device formulation differs from the host plan at entry %zu of %zu (B=%d, "
-        "H_kv=%d, N=%d)",
-        first_difference, host.size(), batch, hkv, workers);
-  return rebases;
-}
-
 // Task keys order by cost descending, then index ascending, and decode back; padding sorts last; worker keys order
 // by load, then index; the bitonic network sorts like std::sort.
 void test_device_keys(std::mt19937& rng) {
@@ -678,16 +577,6 @@ int main(int argc, char** argv) {
   test_decode_plan(fixed, {5000}, 1);                    // one worker
   test_windowed_decode_plans(rng);
   test_device_keys(rng);
-  test_device_formulation(fixed, {}, 4);
-  test_device_formulation(fixed, {0, 0, 0}, 3);
-  test_device_formulation(fixed, {100000, 3, 1, 7, 0, 2}, 16);
-  {
-    // Lengths near INT32_MAX on one worker: loads pass kRebaseLoad, so the rebasing path runs.
-    const Layout wide{{0, 256, 512}, {0, 256, 512}, 1};
-    const std::vector<int32_t> huge(6, INT32_MAX - 5);
-    CHECK(test_device_formulation(wide, huge, 1) > 0, "the huge-length case did not rebase");
-    CHECK(test_device_formulation(wide, huge, 2) > 0, "the huge-length case did not rebase");
-  }
   test_prefill_plan(fixed, {}, {}, true, 64, 4);
   test_prefill_plan(fixed, {0, 1, 17}, {0, 1, 17}, true, 64, 200);  // more workers than rows
   test_prefill_plan(fixed, {40, 300}, {10, 900}, true, 16, 7);      // s_q > s_k and s_q < s_k
@@ -715,11 +604,6 @@ int main(int argc, char** argv) {
     std::vector<int32_t> cache;
     for (int b = 0; b < batch; ++b) cache.push_back(lengths[rng() % 13]);
     test_decode_plan(layout, cache, workers(rng));
-    std::vector<int32_t> many(rng() % 300);
-    for (auto& s : many) s = coin(rng) ? lengths[rng() % 13] : lengths[rng() % 5];
-    if (!many.empty() && coin(rng)) many[rng() % many.size()] = 100000;
-    const int32_t device_workers[] = {1, 7, 132, 264, 1024};
-    test_device_formulation(layout, many, device_workers[rng() % 5]);
   }
   std::printf("%d failed checks\n", failures);
   return std::min(failures, 255);
