@@ -12,6 +12,12 @@
 // Packing each (sequence, KV head) once costs one pass over K and V and lets every product run with a fixed leading
 // dimension and a shape from a small set (rows rounded up to kRowQuantum, keys to kKeyQuantum), so the ukernel's
 // per-shape code generation happens a bounded number of times per process; no head is ever padded to another's width.
+//
+// The variants (include/fdc/attention_variant.h): a tile multiplies only the key blocks some row of it sees (from its
+// first row's window start to its last row's position, causal, or the last key), and each row's softmax runs over
+// its visible keys of a block, a range [lo, hi) (the window's edge cuts it from below as the causal edge does from
+// above; the other scores of the block get probability 0); soft-capping rewrites those scores before the softmax;
+// a sink scales each row's normalised output once at the end.
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
@@ -26,6 +32,7 @@
 #include "cpu/vec_avx512_rows.h"
 #include "cpu/vec_avx512_softmax.h"
 #include "cpu/vec_math.h"
+#include "fdc/attention_variant.h"
 #include "fdc/prefill_plan.h"
 #include "fdc/softmax_merge.h"
 
@@ -180,6 +187,16 @@ PackedKV<T> pack_kv(const at::Tensor& k, const at::Tensor& v, const std::vector<
   return packed;
 }
 
+// Logit soft-capping of n scores in place: s[i] = soft_cap(scale * s[i], softcap), computed as
+// softcap * (1 - 2 / (1 + exp(2y))) = softcap * tanh(y) for y = scale * s[i] / softcap, so that the exponentials run
+// vectorised (exp_and_sum; its sum is not needed). exp(2y) saturating gives tanh = +-1 as it should; the absolute error
+// is a few float32 ulps of softcap, as std::tanh's would be after rounding.
+void soft_cap_scores(float* s, int64_t n, float scale, float softcap, bool avx512) {
+  const float exp_scale = 2.f * scale / softcap;
+  avx512 ? avx512::exp_and_sum(s, n, exp_scale, 0.f) : exp_and_sum(s, n, exp_scale, 0.f);
+  for (int64_t i = 0; i < n; ++i) s[i] = softcap - 2.f * softcap / (1.f + s[i]);
+}
+
 // One worker's scratch: the tile's queries (when its rows are padded with zeros), fp32 scores, probabilities (a
 // separate bf16 buffer, or the scores themselves for float), fp32 accumulator, and the rows' softmax state.
 template <typename T>
@@ -202,18 +219,20 @@ struct TileTask {
 // packed keys and values, out (T_q, G * W_v) of type O (row stride out_ld).
 template <typename T, typename O>
 void run_row_tile(const TileTask& t, const T* q, int64_t q_ld, const PackedKV<T>& kv, const checks::HostLayout& layout,
-                  const HeadLayoutView& view, bool causal, float scale, bool avx512, O* out, int64_t out_ld,
-                  TileScratch<T>& ws) {
+                  const HeadLayoutView& view, bool causal, float scale, const checks::AttentionVariant& variant,
+                  bool avx512, O* out, int64_t out_ld, TileScratch<T>& ws) {
   constexpr bool kFloat = std::is_same_v<T, float>;
   const int64_t num_kv = layout.num_kv_heads();
   const int64_t j = t.h / layout.group;
   const int64_t dq = layout.qk_offsets[j + 1] - layout.qk_offsets[j];
   const int64_t dv = layout.v_offsets[j + 1] - layout.v_offsets[j];
   const int64_t dvp = PackedKV<T>::padded_v_width(dv);  // the accumulator's width
-  const int64_t shift = t.s_k - t.s_q;  // key i + shift is the last one row i sees (causal, bottom-right aligned)
+  const int64_t shift = t.s_k - t.s_q;                  // row i sits at position i + shift (bottom-right aligned)
+  // The tile's rows see keys [keys_begin, keys_end): window starts and causal ends grow with the row.
+  const int64_t keys_begin = window_start(t.a + shift, variant.window_left);
   const int64_t keys_end = causal ? std::clamp<int64_t>(t.a + t.m + shift, 0, t.s_k) : t.s_k;
   O* out_rows = out + (t.q_start + t.a) * out_ld + view.o_column(static_cast<int32_t>(t.h));
-  if (keys_end == 0) {  // no row of the tile sees a key
+  if (keys_end <= keys_begin) {  // no row of the tile sees a key
     for (int64_t r = 0; r < t.m; ++r) std::fill(out_rows + r * out_ld, out_rows + r * out_ld + dv, O(0));
     return;
   }
@@ -231,50 +250,68 @@ void run_row_tile(const TileTask& t, const T* q, int64_t q_ld, const PackedKV<T>
   std::fill(ws.softmax.begin(), ws.softmax.begin() + t.m, OnlineSoftmax{});
   if constexpr (!kFloat) std::fill(ws.probs.begin() + t.m * kKeyBlock, ws.probs.begin() + rows * kKeyBlock, T(0));
   T* probs = kFloat ? reinterpret_cast<T*>(ws.scores.data()) : ws.probs.data();
+  // Capped scores are rewritten already scaled, so the softmax then takes them with scale 1.
+  const bool capped = variant.softcap > 0.f;
+  const float score_scale = capped ? 1.f : scale;
 
-  for (int64_t c0 = 0, block = 0; c0 < keys_end; c0 += kKeyBlock, ++block) {
+  const int64_t first_block = keys_begin / kKeyBlock;  // the blocks before it lie wholly outside every row's window
+  for (int64_t block = first_block, c0 = first_block * kKeyBlock; c0 < keys_end; c0 += kKeyBlock, ++block) {
     const int64_t n = std::min(kKeyBlock, keys_end - c0);
     const int64_t cols = round_up(n, kKeyQuantum);
     cpublas::brgemm(rows, cols, dq, q_tile_ld, kKeyBlock, kKeyBlock, false, q_tile,
                     kv.k_block(t.b, j, num_kv, block, dq), ws.scores.data(), !kFloat);
     for (int64_t r = 0; r < t.m; ++r) {
-      float* s = ws.scores.data() + r * kKeyBlock;
-      T* p = probs + r * kKeyBlock;
+      T* p_row = probs + r * kKeyBlock;
+      // The row's visible keys of this block are [c0 + lo, c0 + hi).
+      const int64_t position = t.a + r + shift;
+      const int64_t lo = std::clamp<int64_t>(window_start(position, variant.window_left) - c0, 0, n);
+      const int64_t hi = causal ? std::clamp<int64_t>(position + 1 - c0, 0, n) : n;
+      if (hi <= lo) {  // none: the row's softmax state and accumulator are left as they are
+        std::fill(p_row, p_row + cols, T(0));
+        continue;
+      }
+      const int64_t visible = hi - lo;
+      float* s = ws.scores.data() + r * kKeyBlock + lo;
+      std::fill(p_row, p_row + lo, T(0));  // for float, p_row holds the scores: those before lo are never read
+      T* p = p_row + lo;
       float* acc = ws.acc.data() + r * dvp;
-      const int64_t visible = causal ? std::clamp<int64_t>(t.a + r + shift + 1 - c0, 0, n) : n;
+      if (capped) soft_cap_scores(s, visible, scale, variant.softcap, avx512);
       OnlineSoftmax& sm = ws.softmax[r];
       if constexpr (!kFloat) {
         // A row's first keys get a provisional reference, the largest of their first 16 scores.
-        if (sm.max == -INFINITY) sm.max = avx512::max_of(s, std::min(visible, avx512::kLanes)) * scale;
+        if (sm.max == -INFINITY) sm.max = avx512::max_of(s, std::min(visible, avx512::kLanes)) * score_scale;
         if (sm.max != -INFINITY) {  // one pass against the running reference; a second only if it must move
-          const float sum = avx512::exp_sum_to_bf16(s, visible, scale, sm.max, p);
+          const float sum = avx512::exp_sum_to_bf16(s, visible, score_scale, sm.max, p);
           if (sum <= kReferenceSumLimit) {
             sm.sum += sum;
-            std::fill(p + visible, p + cols, T(0));
+            std::fill(p + visible, p_row + cols, T(0));
             continue;
           }
         }
       }
-      const float factor = sm.rescale_for((avx512 ? avx512::max_of(s, visible) : max_of(s, visible)) * scale);
+      const float factor = sm.rescale_for((avx512 ? avx512::max_of(s, visible) : max_of(s, visible)) * score_scale);
       if (factor != 1.f) avx512 ? avx512::scale_in_place(acc, dv, factor) : scale_in_place(acc, dv, factor);
       if (sm.max == -INFINITY) {
-        std::fill(p, p + cols, T(0));
+        std::fill(p_row, p_row + cols, T(0));
         continue;
       }
       if constexpr (kFloat) {
-        sm.sum += avx512 ? avx512::exp_and_sum(s, visible, scale, sm.max) : exp_and_sum(s, visible, scale, sm.max);
+        sm.sum += avx512 ? avx512::exp_and_sum(s, visible, score_scale, sm.max)
+                         : exp_and_sum(s, visible, score_scale, sm.max);
       } else {
-        sm.sum += avx512::exp_sum_to_bf16(s, visible, scale, sm.max, p);
+        sm.sum += avx512::exp_sum_to_bf16(s, visible, score_scale, sm.max, p);
       }
-      std::fill(p + visible, p + cols, T(0));
+      std::fill(p + visible, p_row + cols, T(0));
     }
-    // The first block's product overwrites the accumulator (never zeroed: a rescale before it reads stale values
-    // that this product then replaces).
-    cpublas::brgemm(rows, dvp, cols, kKeyBlock, dvp, dvp, block > 0, probs, kv.v_block(t.b, j, num_kv, block, dvp),
-                    ws.acc.data(), !kFloat);
+    // The tile's first block's product overwrites the accumulator (never zeroed: a rescale before it reads stale
+    // values that this product then replaces; a row that sees none of this block gets zeros from it).
+    cpublas::brgemm(rows, dvp, cols, kKeyBlock, dvp, dvp, block > first_block, probs,
+                    kv.v_block(t.b, j, num_kv, block, dvp), ws.acc.data(), !kFloat);
   }
+  const float* sinks = variant.sink_logits();
   for (int64_t r = 0; r < t.m; ++r) {  // a row that saw no key has sum 0 and writes zeros
-    const float inv = ws.softmax[r].inverse_sum();
+    float inv = ws.softmax[r].inverse_sum();
+    if (sinks != nullptr) inv *= sink_factor(ws.softmax[r].lse(), sinks[t.h]);
     if constexpr (kFloat) {
       for (int64_t c = 0; c < dv; ++c) out_rows[r * out_ld + c] = static_cast<O>(ws.acc[r * dvp + c] * inv);
     } else {
@@ -287,7 +324,7 @@ void run_row_tile(const TileTask& t, const T* q, int64_t q_ld, const PackedKV<T>
 template <typename T, typename O>
 void run_plan(const PrefillPlanView& plan, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               const std::vector<int32_t>& cu_q, const std::vector<int32_t>& cu_k, const checks::HostLayout& layout,
-              bool causal, float scale, bool avx512, at::Tensor& out) {
+              bool causal, float scale, const checks::AttentionVariant& variant, bool avx512, at::Tensor& out) {
   const PackedKV<T> kv = pack_kv<T>(k, v, cu_k, layout);
   const HeadLayoutView view = layout.view();
   const T* q_data = q.data_ptr<T>();
@@ -301,8 +338,8 @@ void run_plan(const PrefillPlanView& plan, const at::Tensor& q, const at::Tensor
         TileTask t{b, rec[1], cu_q[b], cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b], 0, 0};
         for (t.a = rec[2]; t.a < rec[3]; t.a += kRowTile) {
           t.m = std::min<int64_t>(kRowTile, rec[3] - t.a);
-          run_row_tile<T, O>(t, q_data, q.stride(0), kv, layout, view, causal, scale, avx512, out_data, out.stride(0),
-                             ws);
+          run_row_tile<T, O>(t, q_data, q.stride(0), kv, layout, view, causal, scale, variant, avx512, out_data,
+                             out.stride(0), ws);
         }
       }
     }
@@ -322,8 +359,6 @@ at::Tensor prefill_attention_cpu(const at::Tensor& q, const at::Tensor& k, const
   const checks::HostLayout layout = checks::check_prefill_inputs(op, q, k, v, qk_offsets, v_offsets, group, scale);
   const checks::AttentionVariant variant =
       checks::check_attention_variant(op, window_left, softcap, sinks, q, layout.num_heads());
-  FDC_CHECK(variant.window_left == kNoWindow && variant.softcap == 0.f && !variant.sinks.defined(), op,
-            "window_left, softcap and sinks are not implemented yet");
   checks::check_int32_vector(op, "cu_seqlens_q", cu_seqlens_q, -1);
   const int64_t batch = cu_seqlens_q.size(0) - 1;
   const std::vector<int32_t> cu_q = checks::read_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, batch, q.size(0), "q");
@@ -350,8 +385,8 @@ at::Tensor prefill_attention_cpu(const at::Tensor& q, const at::Tensor& k, const
   const float fscale = static_cast<float>(scale);
   if (q.scalar_type() == at::kBFloat16 && isa == CpuIsa::kAvx512Bf16 && bf16_brgemm_runs()) {
     run_plan<c10::BFloat16, c10::BFloat16>(view, checks::unit_last_stride(q), checks::unit_last_stride(k),
-                                           checks::unit_last_stride(v), cu_q, cu_k, layout, causal, fscale, avx512,
-                                           out);
+                                           checks::unit_last_stride(v), cu_q, cu_k, layout, causal, fscale, variant,
+                                           avx512, out);
     return out;
   }
   // Float32 operands (float32 row-strided inputs are used in place).
@@ -359,7 +394,7 @@ at::Tensor prefill_attention_cpu(const at::Tensor& q, const at::Tensor& k, const
   const at::Tensor kf = checks::unit_last_stride(k.to(at::kFloat));
   const at::Tensor vf = checks::unit_last_stride(v.to(at::kFloat));
   FDC_DISPATCH_FLOAT_TYPES(q.scalar_type(), "fdc::prefill_attention", [&] {
-    run_plan<float, scalar_t>(view, qf, kf, vf, cu_q, cu_k, layout, causal, fscale, avx512, out);
+    run_plan<float, scalar_t>(view, qf, kf, vf, cu_q, cu_k, layout, causal, fscale, variant, avx512, out);
   });
   return out;
 }

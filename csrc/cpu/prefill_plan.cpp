@@ -14,7 +14,6 @@ at::Tensor prefill_plan_cpu(const at::Tensor& cu_seqlens_q, const at::Tensor& cu
                             std::optional<int64_t> num_workers, int64_t row_block, int64_t window_left) {
   const char* op = "prefill_plan";
   checks::check_window(op, window_left);
-  FDC_CHECK(window_left == kNoWindow, op, "window_left is not implemented yet");
   const checks::HostLayout layout = checks::read_layout(op, qk_offsets, &v_offsets, group);
   checks::check_int32_vector(op, "cu_seqlens_q", cu_seqlens_q, -1);
   const int64_t batch = cu_seqlens_q.size(0) - 1;
@@ -27,9 +26,9 @@ at::Tensor prefill_plan_cpu(const at::Tensor& cu_seqlens_q, const at::Tensor& cu
   const int64_t capacity = prefill_plan_capacity(cu_q[batch] - cu_q[0], batch, layout.num_heads());
   std::vector<int32_t> buffer(prefill_plan_size(workers, capacity));
   std::vector<int64_t> workspace(ceil_div(prefill_plan_workspace_bytes(capacity, workers), 8));
-  const Status status =
-      build_prefill_plan(cu_q.data(), cu_k.data(), static_cast<int32_t>(batch), layout.view(), causal,
-                         static_cast<int32_t>(row_block), workers, capacity, buffer.data(), workspace.data());
+  const Status status = build_prefill_plan(cu_q.data(), cu_k.data(), static_cast<int32_t>(batch), layout.view(), causal,
+                                           static_cast<int32_t>(row_block), workers, capacity, buffer.data(),
+                                           workspace.data(), window_left);
   FDC_CHECK(status == Status::kOk, op, "planner failed: ", status_message(status));
   const int64_t size = prefill_plan_size(workers, PrefillPlanView{buffer.data()}.num_records());
   at::Tensor plan = at::empty({size}, cu_seqlens_q.options().device(at::kCPU));

@@ -6,12 +6,17 @@
 //     rows(j) = max(16, round_down(row_block * d_sum_max / d_sum(j), 16))
 // (16 = the row tile of a tensor-core product; rounding down keeps no tile above the widest head's cost).
 //
-// Cost model. A row r of a sequence with s_q queries and s_k keys sees
-//     visible(r) = s_k                                  (non-causal)
-//     visible(r) = clamp(r + s_k - s_q + 1, 0, s_k)     (causal, aligned bottom-right as in FlashAttention)
-// keys, and costs d_sum(j) * visible(r): QK^T, softmax and PV over exactly the keys it sees (whole masked-out key
-// tiles are skipped by the kernels). A task costs the sum over its rows, in closed form, so under causal masking a
-// late row block of a long sequence costs up to twice its early neighbours and up to s_k / 16 times the first block.
+// Cost model. Row r of a sequence with s_q queries and s_k keys sits at position p = r + s_k - s_q (aligned
+// bottom-right as in FlashAttention) and sees the keys [lo(r), hi(r)) with
+//     hi(r) = s_k                                  (non-causal)
+//     hi(r) = clamp(p + 1, 0, s_k)                 (causal)
+//     lo(r) = 0                                    (no window: window_left = kNoWindow)
+//     lo(r) = clamp(p - window_left, 0, s_k)       (sliding window, include/fdc/attention_variant.h)
+// so visible(r) = hi(r) - lo(r) (never negative: p - window_left <= p + 1 and clamping keeps the order), and costs
+// d_sum(j) * visible(r): QK^T, softmax and PV over exactly the keys it sees (whole masked-out key tiles are skipped by
+// the kernels). A task costs the sum over its rows, in closed form, so under causal masking a late row block of a long
+// sequence costs up to twice its early neighbours and up to s_k / 16 times the first block; under a causal window the
+// row blocks past the window's length all cost the same.
 //
 // Assignment, with N workers and T tasks:
 //   1. Tasks sorted by cost, descending (ties: enumeration order b, h, block).
@@ -30,6 +35,7 @@
 //   records[R][4]           (b, h, row_start, row_end).
 #pragma once
 
+#include "fdc/attention_variant.h"
 #include "fdc/common.h"
 #include "fdc/head_layout.h"
 #include "fdc/lpt.h"
@@ -56,12 +62,9 @@ FDC_HOST_DEVICE inline int64_t prefill_plan_workspace_bytes(int64_t capacity, in
   return 8 * (capacity + num_workers) + 4 * (3 * capacity + num_workers + 2 * kPrefillRecordFields * capacity);
 }
 
-// Sum of visible(r) over rows [r0, r1) (see the file comment), in closed form.
-FDC_HOST_DEVICE inline int64_t visible_keys(int64_t r0, int64_t r1, int64_t s_q, int64_t s_k, bool causal) {
-  if (r1 <= r0 || s_k <= 0) return 0;
-  if (!causal) return (r1 - r0) * s_k;
-  const int64_t shift = s_k - s_q + 1;  // visible(r) = clamp(r + shift, 0, s_k)
-  // Rows with r + shift <= 0 see nothing, rows with r + shift >= s_k see everything, the rest see r + shift.
+// Sum of clamp(r + shift, 0, s_k) over rows [r0, r1), in closed form.
+FDC_HOST_DEVICE inline int64_t clamped_row_sum(int64_t r0, int64_t r1, int64_t shift, int64_t s_k) {
+  // Rows with r + shift <= 0 add nothing, rows with r + shift >= s_k add s_k, the rest add r + shift.
   const int64_t lin_lo = max64(r0, -shift + 1);
   const int64_t lin_hi = min64(r1, s_k - shift);  // exclusive
   int64_t sum = 0;
@@ -69,6 +72,16 @@ FDC_HOST_DEVICE inline int64_t visible_keys(int64_t r0, int64_t r1, int64_t s_q,
   const int64_t full_lo = max64(r0, s_k - shift);
   if (r1 > full_lo) sum += (r1 - full_lo) * s_k;
   return sum;
+}
+
+// Sum of visible(r) = hi(r) - lo(r) over rows [r0, r1) (see the file comment), in closed form.
+FDC_HOST_DEVICE inline int64_t visible_keys(int64_t r0, int64_t r1, int64_t s_q, int64_t s_k, bool causal,
+                                            int64_t window_left = kNoWindow) {
+  if (r1 <= r0 || s_k <= 0) return 0;
+  const int64_t shift = s_k - s_q;  // row r sits at position r + shift
+  const int64_t hi_sum = causal ? clamped_row_sum(r0, r1, shift + 1, s_k) : (r1 - r0) * s_k;
+  const int64_t lo_sum = window_left == kNoWindow ? 0 : clamped_row_sum(r0, r1, shift - window_left, s_k);
+  return hi_sum - lo_sum;
 }
 
 // Rows per task for KV head j's query heads (see the file comment).
@@ -93,12 +106,14 @@ struct PrefillPlanView {
 // Builds the plan into plan[prefill_plan_size(N, capacity)]; the plan proper is its first
 // prefill_plan_size(N, plan[4]) entries. cu_seqlens_q/k[B + 1] are the query/key sequence boundaries; capacity is
 // prefill_plan_capacity(cu_seqlens_q[B] - cu_seqlens_q[0], B, H) or more; workspace holds
-// prefill_plan_workspace_bytes(capacity, N) bytes, 8-byte aligned.
+// prefill_plan_workspace_bytes(capacity, N) bytes, 8-byte aligned. window_left (kNoWindow or in [0, 2^31)) only changes
+// the tasks' costs: the plan's format and its coverage of the rows are the same with or without it.
 FDC_HOST_DEVICE inline Status build_prefill_plan(const int32_t* cu_seqlens_q, const int32_t* cu_seqlens_k,
                                                  int32_t batch, HeadLayoutView layout, bool causal, int32_t row_block,
-                                                 int32_t num_workers, int64_t capacity, int32_t* plan,
-                                                 void* workspace) {
-  if (batch < 0 || num_workers <= 0 || layout.group <= 0 || row_block < kRowStep || row_block % kRowStep != 0)
+                                                 int32_t num_workers, int64_t capacity, int32_t* plan, void* workspace,
+                                                 int64_t window_left = kNoWindow) {
+  if (batch < 0 || num_workers <= 0 || layout.group <= 0 || row_block < kRowStep || row_block % kRowStep != 0 ||
+      window_left < kNoWindow || window_left > INT32_MAX)
     return Status::kBadArgument;
   for (int32_t b = 0; b < batch; ++b) {
     if (cu_seqlens_q[b + 1] < cu_seqlens_q[b] || cu_seqlens_k[b + 1] < cu_seqlens_k[b]) return Status::kBadSeqlens;
@@ -131,7 +146,7 @@ FDC_HOST_DEVICE inline Status build_prefill_plan(const int32_t* cu_seqlens_q, co
         r[1] = h;
         r[2] = static_cast<int32_t>(r0);
         r[3] = static_cast<int32_t>(r1);
-        cost[n] = layout.d_sum(j) * visible_keys(r0, r1, s_q, s_k, causal);
+        cost[n] = layout.d_sum(j) * visible_keys(r0, r1, s_q, s_k, causal, window_left);
         order[n] = n;
         ++n;
       }
@@ -168,10 +183,10 @@ FDC_HOST_DEVICE inline Status build_prefill_plan(const int32_t* cu_seqlens_q, co
     int64_t p0 = t[2];
     while (p0 < t[3]) {
       int64_t p1 = min64(t[3], p0 + kRowStep);
-      int64_t piece_cost = d_sum * visible_keys(p0, p1, s_q, s_k, causal);
+      int64_t piece_cost = d_sum * visible_keys(p0, p1, s_q, s_k, causal, window_left);
       while (p1 < t[3]) {
         const int64_t next = min64(t[3], p1 + kRowStep);
-        const int64_t step_cost = d_sum * visible_keys(p1, next, s_q, s_k, causal);
+        const int64_t step_cost = d_sum * visible_keys(p1, next, s_q, s_k, causal, window_left);
         if (piece_cost + step_cost > wl) break;
         piece_cost += step_cost;
         p1 = next;
