@@ -200,8 +200,11 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
 
   const CpuIsa isa = cpu_isa(op);
   // On AVX-512 every block of keys is read once for all KV heads (run_piece_avx512); a caller's plan is still checked
-  // against cache_seqlens, and decides the work of the portable kernels.
-  const bool by_pieces = isa != CpuIsa::kPortable;
+  // against cache_seqlens, and decides the work of the portable kernels. A sliding window over a paged cache takes
+  // the portable kernels: pieces start on a block of the window's first page, whose keys before the window would be
+  // read with weight 0, and a non-finite value there (a slot nobody wrote) would reach the output, while the
+  // portable tasks start at the window's first key.
+  const bool by_pieces = isa != CpuIsa::kPortable && !(block_table && window_left != kNoWindow);
   at::Tensor schedule;
   if (plan) {
     checks::check_plan_tensor(op, *plan, q, kDecodeHeader);
