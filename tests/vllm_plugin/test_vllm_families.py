@@ -106,7 +106,9 @@ def test_unsupported_attention_modules_are_refused_with_the_reason():
     assert unsupported(module(), "llama") is None
     assert unsupported(module(q_norm=object()), "qwen3") is None
     assert "model_type 'phi3' is not served by the plugin: vLLM's Phi-3 is a Llama" in unsupported(module(), "phi3")
-    assert "model_type 'gemma2' is not supported (sliding-window layers" in unsupported(module(), "gemma2")
+    assert "model_type 'gemma2' is not served by the plugin: the plugin's attention backend does not pass sliding " \
+        "windows" in unsupported(module(), "gemma2")
+    assert "model_type 'gemma3' is not supported (a second RoPE" in unsupported(module(), "gemma3")
     assert "sliding-window attention (4096 tokens)" in unsupported(module(sliding_window=4096), "mistral")
     assert "qwen3 attention module without per-head q/k norms" in unsupported(module(), "qwen3")
     assert "qwen2 attention module with per-head q/k norms" in unsupported(module(q_norm=object()), "qwen2")
