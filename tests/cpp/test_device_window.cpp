@@ -16,40 +16,14 @@
 #include "fdc/decode_plan_device.h"
 #include "fdc/head_layout.h"
 
+#include "test_support.h"
+
+using fdc_test::failures;
+using fdc_test::Layout;
+using fdc_test::random_layout;
+using fdc_test::seed;
+
 namespace {
-
-int failures = 0;
-unsigned seed = 0;
-
-#define CHECK(cond, ...)                                                                            \
-  do {                                                                                              \
-    if (!(cond)) {                                                                                  \
-      ++failures;                                                                                   \
-      std::fprintf(stderr, "%s:%d: CHECK(%s) failed (seed %u): ", __FILE__, __LINE__, #cond, seed); \
-      std::fprintf(stderr, __VA_ARGS__);                                                            \
-      std::fprintf(stderr, "\n");                                                                   \
-    }                                                                                               \
-  } while (0)
-
-struct Layout {
-  std::vector<int32_t> qk, v;  // offsets
-  int32_t group;
-  fdc::HeadLayoutView view() const { return {qk.data(), v.data(), static_cast<int32_t>(qk.size()) - 1, group}; }
-};
-
-Layout random_layout(std::mt19937& rng) {
-  std::uniform_int_distribution<int> heads(1, 8), group(1, 8), width(1, 32);
-  Layout layout;
-  const int hkv = heads(rng);
-  layout.group = group(rng);
-  layout.qk = {0};
-  layout.v = {0};
-  for (int j = 0; j < hkv; ++j) {
-    layout.qk.push_back(layout.qk.back() + 8 * width(rng));
-    layout.v.push_back(layout.v.back() + 8 * width(rng));
-  }
-  return layout;
-}
 
 // The windowed chunking as the specification states it, for one request of `length` keys and a chunk length:
 // s = the window start, base = s rounded down to kChunkAlign, ceil((length - s) / chunk_len) chunks, chunk c over

@@ -16,37 +16,14 @@
 #include "fdc/head_layout.h"
 #include "fdc/prefill_plan.h"
 
+#include "test_support.h"
+
+using fdc_test::failures;
+using fdc_test::Layout;
+using fdc_test::random_layout;
+using fdc_test::seed;
+
 namespace {
-
-int failures = 0;
-unsigned seed = 0;
-
-#define CHECK(cond, ...)                                                                            \
-  do {                                                                                              \
-    if (!(cond)) {                                                                                  \
-      ++failures;                                                                                   \
-      std::fprintf(stderr, "%s:%d: CHECK(%s) failed (seed %u): ", __FILE__, __LINE__, #cond, seed); \
-      std::fprintf(stderr, __VA_ARGS__);                                                            \
-      std::fprintf(stderr, "\n");                                                                   \
-    }                                                                                               \
-  } while (0)
-
-struct Layout {
-  std::vector<int32_t> qk, v;  // offsets
-  int32_t group;
-  fdc::HeadLayoutView view() const { return {qk.data(), v.data(), static_cast<int32_t>(qk.size()) - 1, group}; }
-};
-
-Layout random_layout(std::mt19937& rng) {
-  std::uniform_int_distribution<int> heads(1, 6), group(1, 6), width(1, 32);
-  Layout layout{{0}, {0}, group(rng)};
-  const int hkv = heads(rng);
-  for (int j = 0; j < hkv; ++j) {
-    layout.qk.push_back(layout.qk.back() + 8 * width(rng));
-    layout.v.push_back(layout.v.back() + 8 * width(rng));
-  }
-  return layout;
-}
 
 // Keys row r of a sequence (s_q queries, s_k keys) sees, counted one by one from the definition
 // (include/fdc/attention_variant.h): key t is visible when t <= p (causal only) and t >= p - window_left (window
@@ -212,7 +189,7 @@ int main(int argc, char** argv) {
   std::uniform_int_distribution<int> batch_size(0, 6), workers(1, 24), length(0, 700), window(0, 300);
   const int32_t row_blocks[] = {16, 64, 256};
   for (int trial = 0; trial < 120; ++trial) {
-    const Layout layout = random_layout(rng);
+    const Layout layout = random_layout(rng, 6, 6);
     std::vector<int32_t> lens_q(batch_size(rng)), lens_k(lens_q.size());
     for (size_t b = 0; b < lens_q.size(); ++b) {
       lens_q[b] = length(rng);
