@@ -9,7 +9,9 @@ What is measured (docs/design.md section 6):
   achieved bandwidth = bytes of compressed K/V the step needs (sum over requests of length x (qk width + v width) x
   element size) / time, as a share of the copy bandwidth measured beside it;
 - prefill: useful TFLOP/s = sum over query heads of 2 (d_qk + d_v) x visible keys (causal: s(s+1)/2 per sequence),
-  / time.
+  / time;
+- prefill over a cached prefix (phase "prefix"): new tokens after a prefix in a paged cache, the op reading the pages
+  against a gather into rows and the packed op (bench_prefix_prefill).
 Baselines: "SDPA padded" pads every head to the widest width of the layer; "SDPA per bucket" makes one call per bucket
 of KV heads that share a width max(d_qk, d_v), each padded only to its bucket's width (SDPA's fused CPU kernel takes
 one head size for Q, K and V, so a bucket of unequal d_qk and d_v would otherwise fall back to its unfused math path).
@@ -64,6 +66,7 @@ from bench_common import (
 )
 from fdc_ops import ops
 from fdc_ops.apps.provenance import device_name
+from fdc_ops.plans import visible_keys
 
 # Mean of the adaptive widths (bench_common.adaptive_dims): 51, ~40% of D, the regime the paper's removal rates give;
 # bench_decode.py's value, so both benchmarks measure the same layer.
@@ -208,6 +211,44 @@ def bench_prefill(lengths: list[int], causal: bool, qk_dims: list[int], v_dims: 
     return rows
 
 
+def bench_prefix_prefill(batch: int, prefix: int, chunk: int, page_size: int, qk_dims: list[int], v_dims: list[int],
+                         dtype: torch.dtype, device: torch.device, timer: Timer) -> list[OpRow]:
+    """A causal chunk of `chunk` new tokens per request after `prefix` cached ones, all in a paged cache of shuffled
+    pages (what a chunked prefill's later chunks and a prefix-cache hit run in the vLLM plugin): prefill_attention
+    reading the pages through the block table, against gathering each request's context into rows first and the
+    packed prefill over them (what the plugin's backend did before the op read pages)."""
+    qk_offsets, v_offsets = ops.prefix_sums(qk_dims), ops.prefix_sums(v_dims)
+    seq = prefix + chunk
+    pages_per_request = -(-seq // page_size)
+    num_pages = batch * pages_per_request
+    k_pages = torch.randn(num_pages, sum(qk_dims), page_size, dtype=dtype, device=device)
+    v_pages = torch.randn(num_pages, sum(v_dims), page_size, dtype=dtype, device=device)
+    table = torch.randperm(num_pages, device=device).view(batch, pages_per_request).to(torch.int32)
+    q = torch.randn(batch * chunk, GROUP * sum(qk_dims), dtype=dtype, device=device)
+    cu_q, cu_k = ops.prefix_sums([chunk] * batch).to(device), ops.prefix_sums([seq] * batch).to(device)
+    # The backend's gather: token t of request b is slot t % page_size of page table[b, t // page_size].
+    token = torch.arange(seq, device=device).repeat(batch)
+    request = torch.arange(batch, device=device).repeat_interleave(seq)
+    pages, slots = table.long()[request, token // page_size], token % page_size
+
+    def gathered():
+        k, v = k_pages[pages, :, slots], v_pages[pages, :, slots]  # (batch * seq, width)
+        return ops.prefill_attention(q, k, v, cu_q, cu_k, qk_offsets, v_offsets, GROUP, SCALE, True)
+
+    def paged():
+        return ops.prefill_attention(q, k_pages, v_pages, cu_q, cu_k, qk_offsets, v_offsets, GROUP, SCALE, True,
+                                     block_table=table)
+
+    gather_s, paged_s = map(median, timer.interleaved([gathered, paged]))
+    useful = float(2 * GROUP * sum(dq + dv for dq, dv in zip(qk_dims, v_dims))
+                   * batch * visible_keys(0, chunk, chunk, seq, True))
+    config = f"B={batch} prefix={prefix} chunk={chunk} page={page_size}"
+    return [OpRow("prefix", config, str(dtype), "gather + fdc prefill", gather_s * 1e3,
+                  useful / gather_s / 1e12, "TFLOP/s", 1.0),
+            OpRow("prefix", config, str(dtype), "fdc paged prefill", paged_s * 1e3, useful / paged_s / 1e12,
+                  "TFLOP/s", paged_s / gather_s, "< gather + prefill", verdict(paged_s < gather_s))]
+
+
 def width_buckets(qk_dims: list[int], v_dims: list[int]) -> list[tuple[int, int]]:
     """(number of KV heads, width) for each distinct max(d_qk, d_v) of the layout, narrowest first."""
     widths = [max(dq, dv) for dq, dv in zip(qk_dims, v_dims)]
@@ -217,28 +258,36 @@ def width_buckets(qk_dims: list[int], v_dims: list[int]) -> list[tuple[int, int]
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__, repeats_help="timed calls per measurement (median)", topic="ops")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32", "all"], default="all")
-    parser.add_argument("--phase", choices=["decode", "prefill", "all"], default="all",
-                        help="time only decode or only prefill (a full CPU run takes minutes)")
+    parser.add_argument("--phase", choices=["decode", "prefill", "prefix", "all"], default="all",
+                        help="time only decode, prefill or prefill over a paged cached prefix (a full CPU run takes "
+                             "minutes)")
     args = parser.parse_args(argv)
     device, repeats = setup(args)
     timer = Timer(device, repeats, warmup=WARMUP)
     dtypes = [torch.bfloat16, torch.float32] if args.dtype == "all" else [getattr(torch, args.dtype)]
+    # Prefix shapes: (requests, cached prefix, new tokens, page size); 128 is vLLM's CPU block size, 16 a GPU
+    # engine's, and a chunk of 256 after 4K is a chunked prefill's later chunk or a prefix hit's new suffix.
     if args.quick:
         decode_shapes, prefill_shapes, copy_mb = [(2, 1024)], [[256, 128]], 64
+        prefix_shapes = [(2, 300, 64, 16)]
     elif device.type == "cuda":
         decode_shapes, prefill_shapes, copy_mb = [(32, 8192)], [[1024] * 16, [4096] * 4, [16384]], 1024
+        prefix_shapes = [(16, 8192, 512, 16), (16, 8192, 512, 128)]
     else:
         decode_shapes, prefill_shapes, copy_mb = [(4, 8192), (8, 16384)], [[1024, 512, 2048, 512], [4096]], 1024
+        prefix_shapes = [(4, 4096, 256, 128), (4, 4096, 256, 16), (16, 1024, 64, 128)]
     qk_dims, v_dims = adaptive_dims(DIM_MEAN)
 
     copy_gbps = copy_bandwidth(device, copy_mb, timer)
     rows: list[OpRow] = []
     for dtype in dtypes:
-        for batch, context in decode_shapes if args.phase != "prefill" else []:
+        for batch, context in decode_shapes if args.phase in ("decode", "all") else []:
             rows += bench_decode(batch, context, qk_dims, v_dims, dtype, device, copy_mb, timer)
-        for lengths in prefill_shapes if args.phase != "decode" else []:
+        for lengths in prefill_shapes if args.phase in ("prefill", "all") else []:
             for causal in (True, False):
                 rows += bench_prefill(lengths, causal, qk_dims, v_dims, dtype, device, timer)
+        for batch, prefix, chunk, page_size in prefix_shapes if args.phase in ("prefix", "all") else []:
+            rows += bench_prefix_prefill(batch, prefix, chunk, page_size, qk_dims, v_dims, dtype, device, timer)
 
     name = device_name(device)
     commit, dirty = git_commit()

@@ -203,6 +203,16 @@ inline int32_t read_num_workers(const char* op, std::optional<int64_t> num_worke
   return static_cast<int32_t>(n);
 }
 
+// Block-table entries are read lazily by kernels; this checks the ones a request will touch, pages
+// [first_page, end_page) of its row `row` (request batch_index).
+inline void check_block_table_entries(const char* op, const int32_t* row, int64_t batch_index, int64_t first_page,
+                                      int64_t end_page, int64_t num_pages) {
+  for (int64_t p = first_page; p < end_page; ++p) {
+    FDC_CHECK(row[p] >= 0 && row[p] < num_pages, op, "block_table[", batch_index, "][", p, "] = ", row[p],
+              " is not a page index in [0, ", num_pages, ")");
+  }
+}
+
 // A paged cache: block_table int32 (B, max_pages), caches (num_pages, width, page_size) with contiguous pages.
 struct PagedCache {
   int64_t page_size = 0;
@@ -210,24 +220,26 @@ struct PagedCache {
   int64_t num_pages = 0;
 };
 
+// k_name and v_name: the caches' argument names in the op's messages.
 inline PagedCache check_paged(const char* op, const at::Tensor& block_table, const at::Tensor& k_cache,
-                              const at::Tensor& v_cache, int64_t batch, const HostLayout& layout) {
+                              const at::Tensor& v_cache, int64_t batch, const HostLayout& layout,
+                              const char* k_name = "k_cache", const char* v_name = "v_cache") {
   FDC_CHECK(block_table.scalar_type() == at::kInt, op, "block_table must be int32 but got ",
             dtype_name(block_table.scalar_type()));
   FDC_CHECK(block_table.dim() == 2 && block_table.size(0) == batch, op, "block_table must have shape (B=", batch,
             ", max_pages) but got ", block_table.sizes());
-  check_same_device(op, "block_table", block_table, "k_cache", k_cache);
-  FDC_CHECK(k_cache.dim() == 3 && k_cache.size(1) == layout.qk_width(), op, "k_cache must have shape (num_pages, ",
+  check_same_device(op, "block_table", block_table, k_name, k_cache);
+  FDC_CHECK(k_cache.dim() == 3 && k_cache.size(1) == layout.qk_width(), op, k_name, " must have shape (num_pages, ",
             layout.qk_width(), ", page_size) with a block_table but got ", k_cache.sizes());
   FDC_CHECK(v_cache.dim() == 3 && v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == layout.v_width() &&
                 v_cache.size(2) == k_cache.size(2),
-            op, "v_cache must have shape (", k_cache.size(0), ", ", layout.v_width(), ", ", k_cache.size(2),
+            op, v_name, " must have shape (", k_cache.size(0), ", ", layout.v_width(), ", ", k_cache.size(2),
             ") with a block_table but got ", v_cache.sizes());
-  FDC_CHECK(k_cache.size(2) >= 1, op, "page_size (k_cache.size(2)) must be at least 1 but got ", k_cache.size(2));
+  FDC_CHECK(k_cache.size(2) >= 1, op, "page_size (", k_name, ".size(2)) must be at least 1 but got ", k_cache.size(2));
   FDC_CHECK(k_cache.stride(2) == 1 && k_cache.stride(1) == k_cache.size(2) && v_cache.stride(2) == 1 &&
                 v_cache.stride(1) == v_cache.size(2),
-            op, "paged k_cache and v_cache must have contiguous pages but got strides ", k_cache.strides(), " and ",
-            v_cache.strides());
+            op, "paged ", k_name, " and ", v_name, " must have contiguous pages but got strides ", k_cache.strides(),
+            " and ", v_cache.strides());
   PagedCache paged;
   paged.page_size = k_cache.size(2);
   paged.max_pages = block_table.size(1);
@@ -266,25 +278,74 @@ inline CacheShape check_cache(const char* op, const at::Tensor& k_cache, const a
   return shape;
 }
 
-// prefill_attention's tensors: q (T_q, G * W_qk), k (T_k, W_qk), v (T_k, W_v) of one float dtype and device,
-// and the scale. Returns the validated layout; the boundaries are read by each backend (read_cu_seqlens).
-inline HostLayout check_prefill_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                       const at::Tensor& qk_offsets, const at::Tensor& v_offsets, int64_t group,
-                                       double scale) {
-  const HostLayout layout = read_layout(op, qk_offsets, &v_offsets, group);
+// A sliding window's width (include/fdc/attention_variant.h): -1 for none, else the keys a query sees before its own
+// position; int32 like every position the kernels and planners handle.
+inline void check_window(const char* op, int64_t window_left) {
+  FDC_CHECK(window_left >= kNoWindow && window_left <= INT32_MAX, op,
+            "window_left must be -1 (no window) or a key count in [0, 2**31) but got ", window_left);
+}
+
+// prefill_attention's inputs: q (T_q, G * W_qk) and keys and values of q's dtype and device, either packed rows
+// k (T_k, W_qk), v (T_k, W_v) or, with a block_table (B, max_pages), a paged cache k (num_pages, W_qk, page_size),
+// v (num_pages, W_v, page_size) holding each request's keys at positions [0, s_k) (check_paged); the boundaries
+// cu_seqlens_q and cu_seqlens_k (B + 1), read on the host; the scale. For a paged cache, every block-table entry of a
+// page holding a key some query sees (from the first query's window start on) must name a page of the pool.
+struct PrefillInputs {
+  HostLayout layout;
+  int64_t batch = 0;
+  std::vector<int32_t> cu_q, cu_k;
+  PagedCache paged;        // page_size 0 when k and v are packed rows
+  at::Tensor block_table;  // contiguous, on k's device; undefined when packed
+  bool is_paged() const { return paged.page_size > 0; }
+};
+
+// The first key of request b that some query of it sees: the first query's window start.
+inline int64_t prefill_first_key(int64_t s_q, int64_t s_k, int64_t window_left) {
+  return window_start(s_k - s_q, window_left);
+}
+
+inline PrefillInputs check_prefill_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                          const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                                          const at::Tensor& qk_offsets, const at::Tensor& v_offsets, int64_t group,
+                                          double scale, const std::optional<at::Tensor>& block_table,
+                                          int64_t window_left) {
+  PrefillInputs in;
+  check_window(op, window_left);  // the block-table entries checked below depend on it
+  in.layout = read_layout(op, qk_offsets, &v_offsets, group);
   check_float(op, "q", q, 2);
-  check_float(op, "k", k, 2);
-  check_float(op, "v", v, 2);
+  check_float(op, "k", k, block_table ? 3 : 2);
+  check_float(op, "v", v, block_table ? 3 : 2);
   check_same_dtype(op, "k", k, "q", q);
   check_same_dtype(op, "v", v, "q", q);
   check_same_device(op, "k", k, "q", q);
   check_same_device(op, "v", v, "q", q);
-  check_width(op, "q", q, group * layout.qk_width(), "group * qk_offsets[-1]");
-  check_width(op, "k", k, layout.qk_width(), "qk_offsets[-1]");
-  check_width(op, "v", v, layout.v_width(), "v_offsets[-1]");
-  FDC_CHECK(v.size(0) == k.size(0), op, "v must have the ", k.size(0), " rows of k but got shape ", v.sizes());
+  check_width(op, "q", q, group * in.layout.qk_width(), "group * qk_offsets[-1]");
   check_scale(op, scale);
-  return layout;
+  check_int32_vector(op, "cu_seqlens_q", cu_seqlens_q, -1);
+  in.batch = cu_seqlens_q.size(0) - 1;
+  in.cu_q = read_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, in.batch, q.size(0), "q");
+  if (!block_table) {
+    check_width(op, "k", k, in.layout.qk_width(), "qk_offsets[-1]");
+    check_width(op, "v", v, in.layout.v_width(), "v_offsets[-1]");
+    FDC_CHECK(v.size(0) == k.size(0), op, "v must have the ", k.size(0), " rows of k but got shape ", v.sizes());
+    in.cu_k = read_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, in.batch, k.size(0), "k");
+    return in;
+  }
+  in.paged = check_paged(op, *block_table, k, v, in.batch, in.layout, "k", "v");
+  const int64_t capacity = in.paged.max_pages * in.paged.page_size;
+  in.cu_k = read_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, in.batch, INT32_MAX, "a paged cache");
+  in.block_table = block_table->contiguous();
+  const at::Tensor table = on_cpu(in.block_table);
+  for (int64_t b = 0; b < in.batch; ++b) {
+    const int64_t s_q = in.cu_q[b + 1] - in.cu_q[b], s_k = in.cu_k[b + 1] - in.cu_k[b];
+    FDC_CHECK(s_k <= capacity, op, "request ", b, " has ", s_k, " keys (cu_seqlens_k) but its block_table row holds ",
+              capacity, " (", in.paged.max_pages, " pages of ", in.paged.page_size, ")");
+    if (s_q == 0 || s_k == 0) continue;
+    check_block_table_entries(op, table.data_ptr<int32_t>() + b * in.paged.max_pages, b,
+                              prefill_first_key(s_q, s_k, window_left) / in.paged.page_size,
+                              ceil_div(s_k, in.paged.page_size), in.paged.num_pages);
+  }
+  return in;
 }
 
 // decode_attention's tensors: q (B, G * W_qk) and a K/V cache pair of q's dtype and device (check_cache), and the
@@ -309,13 +370,6 @@ inline DecodeInputs check_decode_inputs(const char* op, const at::Tensor& q, con
   inputs.batch = q.size(0);
   inputs.cache = check_cache(op, k_cache, v_cache, block_table, inputs.batch, inputs.layout);
   return inputs;
-}
-
-// A sliding window's width (include/fdc/attention_variant.h): -1 for none, else the keys a query sees before its own
-// position; int32 like every position the kernels and planners handle.
-inline void check_window(const char* op, int64_t window_left) {
-  FDC_CHECK(window_left >= kNoWindow && window_left <= INT32_MAX, op,
-            "window_left must be -1 (no window) or a key count in [0, 2**31) but got ", window_left);
 }
 
 // The attention variants an attention op was given (include/fdc/attention_variant.h), validated.
@@ -447,15 +501,6 @@ inline int64_t check_rope_tables(const char* op, const at::Tensor& cos, const at
             cos.sizes());
   check_shape(op, "sin", sin, cos.sizes());
   return rotary_dim;
-}
-
-// Block-table entries are read lazily by kernels; this checks the ones a sequence of length seqlen will touch.
-inline void check_block_table_entries(const char* op, const int32_t* row, int64_t batch_index, int64_t pages_used,
-                                      int64_t num_pages) {
-  for (int64_t p = 0; p < pages_used; ++p) {
-    FDC_CHECK(row[p] >= 0 && row[p] < num_pages, op, "block_table[", batch_index, "][", p, "] = ", row[p],
-              " is not a page index in [0, ", num_pages, ")");
-  }
 }
 
 }  // namespace fdc::checks

@@ -21,7 +21,7 @@ TORCH_LIBRARY(fdc, m) {
   m.def(
       "prefill_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "Tensor qk_offsets, Tensor v_offsets, int group, float scale, bool causal, Tensor? plan=None, "
-      "int window_left=-1, float softcap=0.0, Tensor? sinks=None) -> Tensor");
+      "int window_left=-1, float softcap=0.0, Tensor? sinks=None, Tensor? block_table=None) -> Tensor");
   m.def(
       "decode_plan(Tensor cache_seqlens, Tensor qk_offsets, Tensor v_offsets, int group, int? num_workers=None, "
       "int window_left=-1) -> Tensor");

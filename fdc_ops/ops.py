@@ -193,14 +193,19 @@ def prefill_attention(
     window_left: int = -1,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Varlen attention over packed heads of different widths, GQA; sliding windows, soft-capping and sinks.
+    """Varlen attention over packed heads of different widths, GQA; sliding windows, soft-capping and sinks; keys
+    and values packed or read in place from a paged cache.
 
     Args:
         q: ``(T_q, G * qk_offsets[-1])`` compressed queries.
-        k: ``(T_k, qk_offsets[-1])`` compressed keys.
-        v: ``(T_k, v_offsets[-1])`` compressed values.
-        cu_seqlens_q, cu_seqlens_k: ``(B + 1,)`` int32 sequence boundaries in ``q`` and in ``k``/``v``.
+        k: ``(T_k, qk_offsets[-1])`` compressed keys, or with ``block_table`` a paged key cache
+            ``(num_pages, qk_offsets[-1], page_size)`` (the layout of :func:`decode_attention` and :func:`append_kv`).
+        v: ``(T_k, v_offsets[-1])`` compressed values, or with ``block_table`` ``(num_pages, v_offsets[-1], page_size)``.
+        cu_seqlens_q, cu_seqlens_k: ``(B + 1,)`` int32 sequence boundaries in ``q`` and in ``k``/``v``; with
+            ``block_table``, ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]`` is request ``b``'s key count ``s_k``, its keys
+            being positions ``0 .. s_k - 1`` of its pages (a cached prefix and this call's new rows, appended first).
         qk_offsets, v_offsets: ``(H_kv + 1,)`` int32 CPU prefix sums of the head widths.
         group: query heads per KV head.
         scale: softmax scale, ``1 / sqrt(original head dim)`` for FDC (not of the compressed width).
@@ -215,6 +220,10 @@ def prefill_attention(
         sinks: ``(H_kv * G,)`` float32 sink logits, one per query head ``h = j * G + i``, on ``q``'s device: each joins
             its head's softmax denominator (in the units of the scaled, capped scores) and adds nothing to the output;
             None for none.
+        block_table: ``(B, max_pages)`` int32 on ``k``'s device: position ``t`` of request ``b`` is slot
+            ``t % page_size`` of page ``block_table[b, t // page_size]``. Only the pages holding keys some query sees
+            are read (with a window, none before the first query's window), and only their entries must be pages of
+            the pool. None: ``k`` and ``v`` are packed rows.
 
     Returns:
         ``(T_q, G * v_offsets[-1])``, dtype of ``q``. Rows of ``q`` outside every sequence are zero.
@@ -236,7 +245,7 @@ def prefill_attention(
     """
     return torch.ops.fdc.prefill_attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group, scale, causal, plan, window_left, softcap,
-        sinks,
+        sinks, block_table,
     )
 
 
@@ -496,14 +505,21 @@ def _prefill_plan_fake(cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group,
 
 @torch.library.register_fake("fdc::prefill_attention")
 def _prefill_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group, scale, causal,
-                            plan=None, window_left=-1, softcap=0.0, sinks=None):
+                            plan=None, window_left=-1, softcap=0.0, sinks=None, block_table=None):
     op = "prefill_attention"
     _check_variant(op, q, qk_offsets, group, window_left, softcap, sinks)
-    _check_dims(op, q=(q, 2), k=(k, 2), v=(v, 2), cu_seqlens_q=(cu_seqlens_q, 1), cu_seqlens_k=(cu_seqlens_k, 1))
+    rank = 2 if block_table is None else 3
+    _check_dims(op, q=(q, 2), k=(k, rank), v=(v, rank), cu_seqlens_q=(cu_seqlens_q, 1),
+                cu_seqlens_k=(cu_seqlens_k, 1))
     _check(v.shape[0] == k.shape[0], op, f"v must have the {k.shape[0]} rows of k but got shape {tuple(v.shape)}")
     _check(cu_seqlens_k.shape[0] == cu_seqlens_q.shape[0], op,
            f"cu_seqlens_k must have length {cu_seqlens_q.shape[0]} but got {cu_seqlens_k.shape[0]}")
-    return q.new_empty((q.shape[0], group * v.shape[-1]))
+    if block_table is not None:
+        batch = cu_seqlens_q.shape[0] - 1
+        _check(block_table.dim() == 2 and block_table.shape[0] == batch, op,
+               f"block_table must have shape (B={batch}, max_pages) but got {tuple(block_table.shape)}")
+    v_width = v.shape[1] if block_table is not None else v.shape[-1]
+    return q.new_empty((q.shape[0], group * v_width))
 
 
 def _default_decode_workers(device: torch.device) -> int:

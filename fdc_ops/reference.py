@@ -93,9 +93,13 @@ def rope_rotate_compress_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 def prefill_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group, scale, causal,
                           window_left: int = -1, softcap: float = 0.0, sinks: torch.Tensor | None = None,
-                          compute_dtype: torch.dtype = torch.float64):
+                          block_table: torch.Tensor | None = None, compute_dtype: torch.dtype = torch.float64):
     """q (T_q, G * W_qk), k (T_k, W_qk), v (T_k, W_v) -> (T_q, G * W_v) (see ops.prefill_attention); sinks (G * H_kv)
-    or None."""
+    or None; with block_table (B, max_pages), k and v are a paged cache read from each request's first visible key on
+    (earlier pages are never read)."""
+    if block_table is not None:
+        return _prefill_from_pages(q, k, v, cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group, scale, causal,
+                                   window_left, softcap, sinks, block_table, compute_dtype)
     q, k, v = q.to(compute_dtype), k.to(compute_dtype), v.to(compute_dtype)
     qk_dims, v_dims = _dims(qk_offsets), _dims(v_offsets)
     qk_off, v_off = qk_offsets.tolist(), v_offsets.tolist()
@@ -118,17 +122,43 @@ def prefill_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, qk_offsets, v_off
     return out
 
 
-def _cache_rows(cache: torch.Tensor, b: int, length: int, col: int, dim: int, block_table: torch.Tensor | None):
-    """Rows [0, length) of request b, columns [col, col + dim) of a contiguous or paged cache, as (length, dim)."""
+def _cache_rows(cache: torch.Tensor, b: int, length: int, col: int, dim: int, block_table: torch.Tensor | None,
+                first: int = 0):
+    """Rows [first, length) of request b, columns [col, col + dim) of a contiguous or paged cache, as
+    (length - first, dim); a paged cache's pages before the one holding row `first` are not read."""
     if block_table is None:
-        return cache[b, :length, col:col + dim]
+        return cache[b, first:length, col:col + dim]
     page_size = cache.shape[2]
-    pages = block_table[b, : -(-length // page_size)].tolist() if length else []
+    first_page = first // page_size
+    pages = block_table[b, first_page: -(-length // page_size)].tolist() if length > first else []
     if not pages:
         return cache.new_zeros((0, dim))
     # Each page is (width, page_size): its columns [col, col + dim) are rows of the transposed token-major view.
     rows = torch.cat([cache[p, col:col + dim, :].T for p in pages], dim=0)
-    return rows[:length]
+    return rows[first - first_page * page_size:length - first_page * page_size]
+
+
+def _prefill_from_pages(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group, scale, causal,
+                        window_left, softcap, sinks, block_table, compute_dtype):
+    """prefill_attention_ref of each request alone, its visible keys gathered from the pages into rows."""
+    out = q.new_zeros((q.shape[0], group * v_offsets[-1].item()), dtype=compute_dtype)
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    qk_width, v_width = qk_offsets[-1].item(), v_offsets[-1].item()
+    for b in range(len(cu_q) - 1):
+        s_q, s_k = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        if s_q == 0:
+            continue
+        # The keys before the first query's window are seen by no query: dropping them keeps every query's position
+        # if the queries' key count drops with them.
+        first = 0 if window_left < 0 else max(0, s_k - s_q - window_left)
+        keys = _cache_rows(k_cache, b, s_k, 0, qk_width, block_table, first)
+        values = _cache_rows(v_cache, b, s_k, 0, v_width, block_table, first)
+        rows = torch.tensor([0, s_q], dtype=torch.int32)
+        key_rows = torch.tensor([0, s_k - first], dtype=torch.int32)
+        out[cu_q[b]:cu_q[b + 1]] = prefill_attention_ref(
+            q[cu_q[b]:cu_q[b + 1]], keys, values, rows, key_rows, qk_offsets, v_offsets, group, scale, causal,
+            window_left, softcap, sinks, compute_dtype=compute_dtype)
+    return out
 
 
 def decode_attention_ref(q, k_cache, v_cache, cache_seqlens, qk_offsets, v_offsets, group, scale, block_table=None,

@@ -298,6 +298,11 @@ def sample_inputs(device: torch.device | str) -> dict[str, tuple[str, tuple]]:
         cases[f"prefill_attention_variants_{name}"] = ("prefill_attention", (q, k, v, cu_q, cu_k, qk_offsets,
                                                                              v_offsets, group, 0.25, True, None, 2,
                                                                              3.0, sample(4)))
+        # Keys and values read from pages (4 and 5 keys on 4-token pages), with a window and a sink.
+        pages_k, pages_v = sample(3, 24, 4, dtype=dtype), sample(3, 24, 4, dtype=dtype)
+        cases[f"prefill_attention_paged_{name}"] = ("prefill_attention", (q, pages_k, pages_v, cu_q, cu_k, qk_offsets,
+                                                                          v_offsets, group, 0.25, True, None, 2, 0.0,
+                                                                          sample(4), ints([[1, -1], [2, 0]])))
     return cases
 
 
@@ -306,6 +311,6 @@ SAMPLE_CASES = ("rotate_compress", "rotate_compress_float16", "rope_rotate_compr
                 "decode_plan_default_workers", "decode_plan_window", "decode_attention", "decode_attention_paged",
                 "decode_attention_plan", "decode_attention_variants", "append_kv", "append_kv_paged",
                 "prefill_attention_float32", "prefill_attention_plan_float32", "prefill_attention_variants_float32",
-                "prefill_attention_bfloat16", "prefill_attention_plan_bfloat16",
-                "prefill_attention_variants_bfloat16")  # sample_inputs' keys, named
+                "prefill_attention_paged_float32", "prefill_attention_bfloat16", "prefill_attention_plan_bfloat16",
+                "prefill_attention_variants_bfloat16", "prefill_attention_paged_bfloat16")  # sample_inputs' keys, named
 # before any device exists so that tests can be parametrised over them

@@ -7,7 +7,10 @@ workers and row blocks of 16, 64 and 128 (equal integer for integer to the CPU p
 plans (no row-block rescaling, no last-round split, everything on one worker, one record per head) giving the same
 result (opcheck on CUDA inputs: tests/test_opcheck.py), bad input on CUDA raising errors that name the op and
 argument, and the attention variants (sliding windows, soft-capping, sinks) over random configurations, extreme
-widths, a windowed 16K sequence, and windowed plans equal to the CPU planner's.
+widths, a windowed 16K sequence, and windowed plans equal to the CPU planner's. Keys and values read from a paged
+cache (block_table) against the reference reading the same pages, and bit for bit equal to the same keys given as
+packed rows: page sizes that are and are not powers of two, shuffled pages, NaN in every slot and page no query
+sees, block-table entries before a sliding window that are -1 or name a page of NaN, cached prefixes.
 
 CUDA conventions of the ops: q/k/v, cu_seqlens_q/k and plans live on the GPU; qk_offsets/v_offsets stay int32 CPU
 tensors; the CUDA prefill_plan runs the host planner on the boundaries copied to the host, so its plan equals the CPU
@@ -576,6 +579,164 @@ def test_hand_built_unbalanced_plans(policy):
                     torch.testing.assert_close(out, inputs.run_cuda(), rtol=1e-4, atol=1e-5, msg=what)
 
 
+# ------------------------------------------------------------------------------------------------ paged keys, values
+
+
+class PagedInputs:
+    """The keys and values of a PrefillInputs problem also held in a paged cache (decode_attention's and append_kv's
+    layout: (num_pages, W, page_size), key t of request b at slot t % page_size of page block_table[b][t // page_size]),
+    pages in shuffled order. NaN fills every slot past a request's last key and the spare pages; the block-table
+    entries of pages no query sees (before the first query's window; all of a request without queries) are -1 or name
+    a page of NaN, and the table has unused columns of -1, so reading such an entry or page would show. The pools are
+    laid out on the device contiguous, as views of wider pages (a page stride other than W * page_size), or one
+    element past an aligned start (the paged loads need no alignment)."""
+
+    def __init__(self, inputs: PrefillInputs, page_size: int, rng):
+        self.inputs, self.page_size = inputs, page_size
+        window_left = inputs.variant.get("window_left", -1)
+        cu_q, cu_k = inputs.cu_q.tolist(), inputs.cu_k.tolist()
+        batch = len(cu_q) - 1
+        counts, firsts = [], []  # pages of request b's keys, and its first page some query sees
+        for b in range(batch):
+            s_q, s_k = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+            counts.append(-(-s_k // page_size))
+            first_key = 0 if window_left < 0 else max(0, s_k - s_q - window_left)
+            firsts.append(counts[-1] if s_q == 0 else first_key // page_size)
+        num_pages = sum(c - f for c, f in zip(counts, firsts)) + 2  # a page of NaN, and one no entry names
+        order = list(range(num_pages))
+        rng.shuffle(order)
+        nan_page = order.pop()
+        self.table = torch.full((batch, max(counts + [1]) + rng.randint(0, 2)), -1, dtype=torch.int32)
+        self.live = []  # (b, position in the table) of every page some query sees
+        for b in range(batch):
+            for p in range(counts[b]):
+                if p < firsts[b]:
+                    self.table[b, p] = rng.choice([-1, nan_page])
+                else:
+                    self.table[b, p] = order.pop()
+                    self.live.append((b, p))
+        self.num_pages = num_pages
+        self.k_pages, self.v_pages = self._fill(inputs.k), self._fill(inputs.v)
+        self.k_pages_dev, self.v_pages_dev = self._on_device(self.k_pages, rng), self._on_device(self.v_pages, rng)
+        self.table_dev = self.table.to(DEVICE)
+
+    def _fill(self, rows: torch.Tensor) -> torch.Tensor:
+        """The packed rows (T_k, W) of every live page, NaN elsewhere."""
+        cu_k, size = self.inputs.cu_k.tolist(), self.page_size
+        pages = torch.full((self.num_pages, rows.shape[1], size), float("nan"), dtype=rows.dtype)
+        for b, p in self.live:
+            start = cu_k[b] + p * size
+            stop = min(cu_k[b + 1], start + size)
+            pages[int(self.table[b, p]), :, :stop - start] = rows[start:stop].T
+        return pages
+
+    @staticmethod
+    def _on_device(pages: torch.Tensor, rng) -> torch.Tensor:
+        kind = rng.choice(["contiguous", "wider", "misaligned"])
+        if kind == "contiguous":
+            return pages.to(DEVICE)
+        num_pages, width, size = pages.shape
+        if kind == "wider":  # each page inside a taller one: contiguous pages, page stride (width + extra) * size
+            extra = rng.randint(1, 5)
+            buffer = torch.full((num_pages, width + extra, size), float("nan"), dtype=pages.dtype, device=DEVICE)
+            view = buffer[:, extra:]
+        else:
+            buffer = torch.full((pages.numel() + 1,), float("nan"), dtype=pages.dtype, device=DEVICE)
+            view = buffer[1:].view(pages.shape)
+        view.copy_(pages)
+        return view
+
+    def describe(self) -> str:
+        return f"{self.inputs.describe()} page_size={self.page_size} pages={self.num_pages}"
+
+    def run_cuda(self, plan=None) -> torch.Tensor:
+        inputs, lo = self.inputs, self.inputs.layout
+        variant = {name: value.to(DEVICE) if name == "sinks" else value for name, value in inputs.variant.items()}
+        out = ops.prefill_attention(inputs.q_dev, self.k_pages_dev, self.v_pages_dev, inputs.cu_q_dev,
+                                    inputs.cu_k_dev, lo.qk_offsets, lo.v_offsets, lo.group, inputs.scale,
+                                    inputs.causal, plan, block_table=self.table_dev, **variant)
+        assert out.device.type == "cuda" and out.dtype == inputs.dtype, f"output on {out.device}, {out.dtype}"
+        assert out.shape == (inputs.q.shape[0], lo.group * lo.v_width), f"output shape {tuple(out.shape)}"
+        return out
+
+    def check(self, out: torch.Tensor, what: str, plan=None):
+        """out (the paged op on the GPU) against the float64 reference reading the same pages, and bit for bit equal
+        to the op on the packed rows with the same plan: the kernels load the same values into the same tiles."""
+        inputs, lo = self.inputs, self.inputs.layout
+        out = out.cpu()
+        inputs.check_outside_rows(out, what)
+        args = (inputs.q, self.k_pages, self.v_pages, inputs.cu_q, inputs.cu_k, lo.qk_offsets, lo.v_offsets,
+                lo.group, inputs.scale, inputs.causal)
+        expected = reference.prefill_attention_ref(*args, block_table=self.table, **inputs.variant)
+        torch_lowp = reference.prefill_attention_ref(*args, block_table=self.table, **inputs.variant,
+                                                     compute_dtype=inputs.dtype)
+        assert_close_to_reference(out, expected, torch_lowp, f"{what} (cuda paged vs float64 reference)")
+        packed = inputs.run_cuda(plan).cpu()
+        differ = (out != packed).sum()
+        assert differ == 0, f"{what}: {int(differ)} outputs differ from the packed-rows result"
+
+
+def _paged_problem(gen, rng, layout: Layout, dtype, causal: bool, lengths_q: list[int], prefixes: list[int],
+                   page_size: int, variant: dict | None = None) -> PagedInputs:
+    """Requests of lengths_q queries after prefixes[b] cached keys (s_k = prefix + s_q), NaN-poisoned packed rows
+    around them (cu_seqlens_k need not start at 0), and their paged copy."""
+    lengths_k = [s + prefix for s, prefix in zip(lengths_q, prefixes)]
+    inputs = PrefillInputs(gen, rng, layout, dtype, lengths_q, lengths_k, causal, variant=variant)
+    return PagedInputs(inputs, page_size, rng)
+
+
+@pytest.mark.parametrize("page_size", [5, 16])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_paged_prefill(dtype, page_size):
+    """Cached prefixes (more keys than queries) read from pages, causal and not, without and with a window (its
+    earlier pages' entries -1 or a page of NaN), with a cap and sinks; keys starting at non-zero cu_seqlens_k."""
+    gen, rng, replay = case_generator(f"cuda prefill paged {dtype} page_size={page_size}", 0)
+    layout = random_layout(rng, max_kv_heads=3, max_group=3)
+    heads = layout.num_kv_heads * layout.group
+    lengths_q, prefixes = [33, 0, 1, 100, 7, 64], [300, 20, 64, 3, 0, 129]
+    for causal, variant in ((True, {}), (False, {}), (True, dict(window_left=7)), (True, dict(window_left=40)),
+                            (False, dict(window_left=70)),
+                            (True, dict(window_left=33, softcap=5.0, sinks=torch.randn(heads, generator=gen)))):
+        paged = _paged_problem(gen, rng, layout, dtype, causal, lengths_q, prefixes, page_size, variant)
+        what = f"cuda prefill paged {paged.describe()} {replay}"
+        paged.check(paged.run_cuda(), what)
+
+
+@pytest.mark.parametrize("case", range(max(1, CASES // 2)))
+def test_paged_prefill_random(case):
+    """Random layouts, dtypes, page sizes (1, odd, powers of two, above a key tile), prefixes and variants; the plan
+    made inside the op or given."""
+    gen, rng, replay = case_generator("cuda prefill paged random", case)
+    layout = random_layout(rng)
+    dtype = rng.choice(DTYPES)
+    batch = rng.randint(1, 5)
+    lengths_q = random_lengths(rng, batch, choices=(0, 1, 2, 7, 16, 33, 64, 100, 257))
+    prefixes = [rng.choice([0, 0, 1, 9, 63, 64, 65, 300, 1000]) for _ in range(batch)]
+    heads = layout.num_kv_heads * layout.group
+    while heads * sum(s * (s + p) for s, p in zip(lengths_q, prefixes)) > REFERENCE_BUDGET:
+        b = max(range(batch), key=lambda i: lengths_q[i] * (lengths_q[i] + prefixes[i]))
+        lengths_q[b], prefixes[b] = (lengths_q[b] + 1) // 3, (prefixes[b] + 1) // 3
+    page_size = rng.choice([1, 3, 5, 16, 32, 100])
+    variant = _random_variant(rng, gen, layout, max(s + p for s, p in zip(lengths_q, prefixes)))
+    paged = _paged_problem(gen, rng, layout, dtype, rng.random() < 0.7, lengths_q, prefixes, page_size, variant)
+    plan = paged.inputs.plan_cuda(rng.choice([1, 5, NUM_SMS]), rng.choice([16, 64, 128])) if rng.random() < 0.4 \
+        else None
+    what = f"cuda prefill paged {paged.describe()} {replay}"
+    paged.check(paged.run_cuda(plan), what, plan)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_paged_extreme_widths(dtype):
+    """8- and 256-wide heads side by side (key tiles of 64 and 32 keys, qk widths padded to 16) read from pages of 5
+    and 16 keys, with windows cutting key tiles and pages."""
+    gen, rng, replay = case_generator(f"cuda prefill paged widths {dtype}", 0)
+    layout = Layout([8, 256, 24], [256, 8, 16], rng.choice([1, 2]))
+    for page_size in (5, 16):
+        for causal, variant in ((True, {}), (True, dict(window_left=37)), (False, dict(window_left=100))):
+            paged = _paged_problem(gen, rng, layout, dtype, causal, [257, 1, 90], [40, 500, 0], page_size, variant)
+            paged.check(paged.run_cuda(), f"cuda prefill paged {paged.describe()} {replay}")
+
+
 # ------------------------------------------------------------------------------------------------------- bad input
 
 
@@ -644,3 +805,19 @@ def test_bad_tensors_on_cuda():
     lo = inputs.layout
     with _raises("prefill_plan", "row_block"):
         ops.prefill_plan(inputs.cu_q_dev, inputs.cu_k_dev, lo.qk_offsets, lo.v_offsets, lo.group, True, 4, 24)
+
+
+def test_paged_bad_input_on_cuda():
+    """A block table on the CPU for pages on the GPU, an entry a query needs that is not a page, and packed k with a
+    block table."""
+    inputs = _small_problem()
+    pages = torch.randn(3, inputs.layout.qk_width, 4, dtype=torch.float16, device=DEVICE)
+    v_pages = torch.randn(3, inputs.layout.v_width, 4, dtype=torch.float16, device=DEVICE)
+    table = torch.tensor([[0, -1], [1, 2]], dtype=torch.int32)
+    with _raises("prefill_attention", "block_table must be on the device of k"):
+        _attention(inputs, None, k=pages, v=v_pages, block_table=table)
+    with _raises("prefill_attention", r"block_table\[0\]\[0\] = 3 is not a page index"):
+        _attention(inputs, None, k=pages, v=v_pages, block_table=torch.tensor([[3, -1], [1, 2]], dtype=torch.int32,
+                                                                              device=DEVICE))
+    with _raises("prefill_attention", "k must have 3 dimensions"):
+        _attention(inputs, None, block_table=table.to(DEVICE))

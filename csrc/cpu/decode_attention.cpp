@@ -194,6 +194,7 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
   if (block_table) {
     for (int64_t b = 0; b < batch; ++b) {
       checks::check_block_table_entries(op, table.data_ptr<int32_t>() + b * paged.max_pages, b,
+                                        decode_window_start(seqlens[b], variant.window_left) / paged.page_size,
                                         ceil_div(seqlens[b], paged.page_size), paged.num_pages);
     }
   }

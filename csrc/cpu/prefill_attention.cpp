@@ -120,12 +120,15 @@ struct PackedKV {
   static int64_t padded_v_width(int64_t dv) { return round_up(dv, kVColumnQuantum); }
   at::Tensor k_storage, v_storage;
   std::vector<int64_t> k_base, v_base;  // (B * H_kv): element offset of (b, j)'s first block
+  // (B): sequence b's first packed block; the blocks before it hold no key any of its queries sees (packed rows pack
+  // from block 0, a paged cache from its first query's window on).
+  std::vector<int64_t> first_block;
 
   const T* k_block(int64_t b, int64_t j, int64_t num_kv, int64_t block, int64_t dq) const {
-    return k_storage.data_ptr<T>() + k_base[b * num_kv + j] + block * kKeyBlock * dq;
+    return k_storage.data_ptr<T>() + k_base[b * num_kv + j] + (block - first_block[b]) * kKeyBlock * dq;
   }
   const T* v_block(int64_t b, int64_t j, int64_t num_kv, int64_t block, int64_t dvp) const {
-    return v_storage.data_ptr<T>() + v_base[b * num_kv + j] + block * kKeyBlock * dvp;
+    return v_storage.data_ptr<T>() + v_base[b * num_kv + j] + (block - first_block[b]) * kKeyBlock * dvp;
   }
 };
 
@@ -138,6 +141,7 @@ PackedKV<T> pack_kv(const at::Tensor& k, const at::Tensor& v, const std::vector<
   PackedKV<T> packed;
   packed.k_base.resize(batch * num_kv);
   packed.v_base.resize(batch * num_kv);
+  packed.first_block.assign(batch, 0);
   int64_t k_total = 0, v_total = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t keys = round_up(cu_k[b + 1] - cu_k[b], kKeyBlock);
@@ -181,6 +185,81 @@ PackedKV<T> pack_kv(const at::Tensor& k, const at::Tensor& v, const std::vector<
             std::fill(std::copy(src, src + dv, dst), dst + dvp, T(0));
           }
         }
+      }
+    }
+  });
+  return packed;
+}
+
+// The same blocks from a paged cache (decode_attention's page layout, checks::check_paged): k (num_pages, W_qk, P),
+// v (num_pages, W_v, P) of element type S, converted to T. Key t of sequence b is slot t % P of page
+// block_table[b][t / P], and its head j's columns are rows qk_offsets[j] .. of that page (v_offsets[j] .. for v), so
+// a page's keys of one column are contiguous. Only keys from the sequence's first query's window start on are read
+// (the pages before it need not exist); the blocks start at the block holding that key, zero before it and past the
+// sequence's last key.
+template <typename S, typename T>
+PackedKV<T> pack_kv_paged(const at::Tensor& k, const at::Tensor& v, const checks::PrefillInputs& in,
+                          int64_t window_left) {
+  constexpr int64_t kPair = PackedKV<T>::kPair;
+  const checks::HostLayout& layout = in.layout;
+  const int64_t batch = in.batch, num_kv = layout.num_kv_heads(), page_size = in.paged.page_size;
+  PackedKV<T> packed;
+  packed.k_base.resize(batch * num_kv);
+  packed.v_base.resize(batch * num_kv);
+  packed.first_block.assign(batch, 0);
+  std::vector<int64_t> first_key(batch, 0), last_key(batch, 0);  // keys [first_key, last_key) of b are read
+  int64_t k_total = 0, v_total = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t s_q = in.cu_q[b + 1] - in.cu_q[b], s_k = in.cu_k[b + 1] - in.cu_k[b];
+    if (s_q > 0) {
+      first_key[b] = checks::prefill_first_key(s_q, s_k, window_left);
+      last_key[b] = s_k;
+      packed.first_block[b] = first_key[b] / kKeyBlock;
+    }
+    const int64_t keys = std::max<int64_t>(0, round_up(last_key[b], kKeyBlock) - packed.first_block[b] * kKeyBlock);
+    for (int64_t j = 0; j < num_kv; ++j) {
+      packed.k_base[b * num_kv + j] = k_total;
+      packed.v_base[b * num_kv + j] = v_total;
+      k_total += keys * (layout.qk_offsets[j + 1] - layout.qk_offsets[j]);
+      v_total += keys * PackedKV<T>::padded_v_width(layout.v_offsets[j + 1] - layout.v_offsets[j]);
+    }
+  }
+  // Zeros where no key is read: before the first one, past the last one, and the padding columns of V.
+  packed.k_storage = at::zeros({k_total}, k.options().dtype(c10::CppTypeToScalarType<T>::value));
+  packed.v_storage = at::zeros({v_total}, v.options().dtype(c10::CppTypeToScalarType<T>::value));
+  const S* k_data = k.data_ptr<S>();
+  const S* v_data = v.data_ptr<S>();
+  const int32_t* table = in.block_table.data_ptr<int32_t>();
+  T* k_out = packed.k_storage.template data_ptr<T>();
+  T* v_out = packed.v_storage.template data_ptr<T>();
+  at::parallel_for(0, batch * num_kv, 1, [&](int64_t first, int64_t last) {
+    for (int64_t task = first; task < last; ++task) {
+      const int64_t b = task / num_kv, j = task % num_kv;
+      const int64_t dq = layout.qk_offsets[j + 1] - layout.qk_offsets[j];
+      const int64_t dv = layout.v_offsets[j + 1] - layout.v_offsets[j];
+      const int64_t dvp = PackedKV<T>::padded_v_width(dv);
+      const int64_t key0 = packed.first_block[b] * kKeyBlock;  // the first packed block's first key
+      // Runs of keys within one page and one packed block.
+      for (int64_t key = first_key[b]; key < last_key[b];) {
+        const int64_t slot = key % page_size, in_block = (key - key0) % kKeyBlock;
+        const int64_t run = std::min({page_size - slot, kKeyBlock - in_block, last_key[b] - key});
+        const int64_t page = table[b * in.paged.max_pages + key / page_size];
+        const S* k_src = k_data + page * k.stride(0) + layout.qk_offsets[j] * page_size + slot;
+        const S* v_src = v_data + page * v.stride(0) + layout.v_offsets[j] * page_size + slot;
+        const int64_t block = (key - key0) / kKeyBlock;
+        T* k_dst = k_out + packed.k_base[task] + block * kKeyBlock * dq;
+        T* v_dst = v_out + packed.v_base[task] + block * kKeyBlock * dvp;
+        for (int64_t c = 0; c < dq; ++c) {  // K^T block element (c, key) at (c / P, key, c % P)
+          T* dst = k_dst + (c / kPair) * kKeyBlock * kPair + in_block * kPair + c % kPair;
+          const S* src = k_src + c * page_size;
+          for (int64_t i = 0; i < run; ++i) dst[i * kPair] = static_cast<T>(src[i]);
+        }
+        for (int64_t i = 0; i < run; ++i) {  // V block element (key, x) at (key / P, x, key % P)
+          const int64_t kk = in_block + i;
+          T* dst = v_dst + (kk / kPair) * dvp * kPair + kk % kPair;
+          for (int64_t x = 0; x < dv; ++x) dst[x * kPair] = static_cast<T>(v_src[x * page_size + i]);
+        }
+        key += run;
       }
     }
   });
@@ -320,12 +399,12 @@ void run_row_tile(const TileTask& t, const T* q, int64_t q_ld, const PackedKV<T>
   }
 }
 
-// Runs the plan's records on operands of element type T (q, k, v with unit column stride), writing out (type O).
+// Runs the plan's records on queries q of element type T (unit column stride) and the packed keys and values,
+// writing out (type O).
 template <typename T, typename O>
-void run_plan(const PrefillPlanView& plan, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-              const std::vector<int32_t>& cu_q, const std::vector<int32_t>& cu_k, const checks::HostLayout& layout,
-              bool causal, float scale, const checks::AttentionVariant& variant, bool avx512, at::Tensor& out) {
-  const PackedKV<T> kv = pack_kv<T>(k, v, cu_k, layout);
+void run_plan(const PrefillPlanView& plan, const at::Tensor& q, const PackedKV<T>& kv, const std::vector<int32_t>& cu_q,
+              const std::vector<int32_t>& cu_k, const checks::HostLayout& layout, bool causal, float scale,
+              const checks::AttentionVariant& variant, bool avx512, at::Tensor& out) {
   const HeadLayoutView view = layout.view();
   const T* q_data = q.data_ptr<T>();
   O* out_data = out.data_ptr<O>();
@@ -349,20 +428,23 @@ void run_plan(const PrefillPlanView& plan, const at::Tensor& q, const at::Tensor
 
 }  // namespace
 
-// q (T_q, G * W_qk), k (T_k, W_qk), v (T_k, W_v) -> (T_q, G * W_v).
+// q (T_q, G * W_qk), k (T_k, W_qk), v (T_k, W_v) -> (T_q, G * W_v); or k (num_pages, W_qk, page_size),
+// v (num_pages, W_v, page_size) with block_table (B, max_pages).
 at::Tensor prefill_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                  const at::Tensor& qk_offsets, const at::Tensor& v_offsets, int64_t group, double scale,
                                  bool causal, const std::optional<at::Tensor>& plan, int64_t window_left,
-                                 double softcap, const std::optional<at::Tensor>& sinks) {
+                                 double softcap, const std::optional<at::Tensor>& sinks,
+                                 const std::optional<at::Tensor>& block_table) {
   const char* op = "prefill_attention";
-  const checks::HostLayout layout = checks::check_prefill_inputs(op, q, k, v, qk_offsets, v_offsets, group, scale);
+  const checks::PrefillInputs in = checks::check_prefill_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, qk_offsets,
+                                                                v_offsets, group, scale, block_table, window_left);
+  const checks::HostLayout& layout = in.layout;
   const checks::AttentionVariant variant =
       checks::check_attention_variant(op, window_left, softcap, sinks, q, layout.num_heads());
-  checks::check_int32_vector(op, "cu_seqlens_q", cu_seqlens_q, -1);
-  const int64_t batch = cu_seqlens_q.size(0) - 1;
-  const std::vector<int32_t> cu_q = checks::read_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, batch, q.size(0), "q");
-  const std::vector<int32_t> cu_k = checks::read_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, batch, k.size(0), "k");
+  const int64_t batch = in.batch;
+  const std::vector<int32_t>& cu_q = in.cu_q;
+  const std::vector<int32_t>& cu_k = in.cu_k;
 
   at::Tensor schedule;
   if (plan) {
@@ -384,17 +466,22 @@ at::Tensor prefill_attention_cpu(const at::Tensor& q, const at::Tensor& k, const
   const bool avx512 = isa >= CpuIsa::kAvx512;
   const float fscale = static_cast<float>(scale);
   if (q.scalar_type() == at::kBFloat16 && isa == CpuIsa::kAvx512Bf16 && bf16_brgemm_runs()) {
-    run_plan<c10::BFloat16, c10::BFloat16>(view, checks::unit_last_stride(q), checks::unit_last_stride(k),
-                                           checks::unit_last_stride(v), cu_q, cu_k, layout, causal, fscale, variant,
-                                           avx512, out);
+    using BF16 = c10::BFloat16;
+    const PackedKV<BF16> kv = in.is_paged() ? pack_kv_paged<BF16, BF16>(k, v, in, window_left)
+                                            : pack_kv<BF16>(checks::unit_last_stride(k), checks::unit_last_stride(v),
+                                                            cu_k, layout);
+    run_plan<BF16, BF16>(view, checks::unit_last_stride(q), kv, cu_q, cu_k, layout, causal, fscale, variant, avx512,
+                         out);
     return out;
   }
-  // Float32 operands (float32 row-strided inputs are used in place).
+  // Float32 operands (float32 row-strided inputs are used in place; a paged cache is converted as it is packed).
   const at::Tensor qf = checks::unit_last_stride(q.to(at::kFloat));
-  const at::Tensor kf = checks::unit_last_stride(k.to(at::kFloat));
-  const at::Tensor vf = checks::unit_last_stride(v.to(at::kFloat));
   FDC_DISPATCH_FLOAT_TYPES(q.scalar_type(), "fdc::prefill_attention", [&] {
-    run_plan<float, scalar_t>(view, qf, kf, vf, cu_q, cu_k, layout, causal, fscale, variant, avx512, out);
+    const PackedKV<float> kv =
+        in.is_paged() ? pack_kv_paged<scalar_t, float>(k, v, in, window_left)
+                      : pack_kv<float>(checks::unit_last_stride(k.to(at::kFloat)),
+                                       checks::unit_last_stride(v.to(at::kFloat)), cu_k, layout);
+    run_plan<float, scalar_t>(view, qf, kv, cu_q, cu_k, layout, causal, fscale, variant, avx512, out);
   });
   return out;
 }

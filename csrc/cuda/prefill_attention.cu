@@ -21,6 +21,13 @@
 // (earlier key tiles are never loaded) and each row masks the keys outside its own window, so only tiles at the
 // window's edge are partly masked; soft-capping applies to the scores before the mask; a sink scales each row's
 // normalised output by sink_factor of the row's log-sum-exp.
+//
+// Paged keys and values (a block_table): k (num_pages, W_qk, page_size) and v (num_pages, W_v, page_size) are read in
+// place, key t of sequence b at slot t % page_size of page block_table[b][t / page_size] (prefill_kernels.cuh,
+// key_offset). Only keys some row of a tile sees are addressed, so the block-table entries and pages before the first
+// query's window and past the last key are never read. The tensor-core kernel loads a paged tile with plain loads
+// (a page's column holds consecutive keys, so a warp reads one column's slots), not cp.async: no 16-byte alignment
+// is needed, and that tile's loads do not overlap the previous tile's compute.
 #include <torch/library.h>
 
 #include <algorithm>
@@ -33,6 +40,7 @@ namespace fdc::cuda {
 namespace {
 
 using prefill::first_key_seen;
+using prefill::key_offset;
 using prefill::keys_seen;
 using prefill::kLog2e;
 using prefill::kMaxKvHeads;
@@ -45,7 +53,8 @@ using prefill::RecordView;
 using prefill::row_normaliser;
 
 // Float32 path: exact fp32 arithmetic on CUDA cores (tensor cores would round the inputs to tf32). One warp per
-// query row; the lanes take 32 keys at a time, so K rows are read by independent lanes and V rows by the warp.
+// query row; the lanes take 32 keys at a time, so K rows are read by independent lanes and V rows by the warp (each
+// lane finds its key's V row, and the warp takes the offsets by shuffles).
 
 __global__ void __launch_bounds__(kThreads) prefill_fp32_kernel(const __grid_constant__ PrefillArgs<float> a) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -59,6 +68,8 @@ __global__ void __launch_bounds__(kThreads) prefill_fp32_kernel(const __grid_con
       const int keys_begin = first_key_seen(r, row, a.window_left);
       if (keys_end <= keys_begin) continue;
       const float* q = a.q + (r.q_row0 + row) * a.q_stride + r.q_col;
+      const float* k_cols = a.k + r.k_col * a.col_stride;
+      const float* v_cols = a.v + r.v_col * a.col_stride;
       float acc[kColsPerLane];
 #pragma unroll
       for (int c = 0; c < kColsPerLane; ++c) acc[c] = 0.f;
@@ -66,11 +77,13 @@ __global__ void __launch_bounds__(kThreads) prefill_fp32_kernel(const __grid_con
       for (int k0 = keys_begin; k0 < keys_end; k0 += 32) {
         const int key = k0 + lane;
         float score = -INFINITY;
+        int64_t v_offset = 0;  // of this lane's key, read by the whole warp below
         if (key < keys_end) {
-          const float* k_row = a.k + (r.k_row0 + key) * a.k_stride + r.k_col;
+          const float* k_row = k_cols + key_offset(a, r, key, a.k_stride);
           float dot = 0.f;
-          for (int c = 0; c < r.dq; ++c) dot += q[c] * k_row[c];
+          for (int c = 0; c < r.dq; ++c) dot += q[c] * k_row[c * a.col_stride];
           score = a.softcap > 0.f ? soft_cap(dot * a.scale, a.softcap) * kLog2e : dot * a.scale_log2;
+          v_offset = key_offset(a, r, key, a.v_stride);
         }
         float tile_max = score;
 #pragma unroll
@@ -88,10 +101,10 @@ __global__ void __launch_bounds__(kThreads) prefill_fp32_kernel(const __grid_con
         const int keys = min(32, keys_end - k0);
         for (int k = 0; k < keys; ++k) {
           const float pk = __shfl_sync(0xffffffffu, p, k);
-          const float* v_row = a.v + (r.k_row0 + k0 + k) * a.v_stride + r.v_col;
+          const float* v_row = v_cols + __shfl_sync(0xffffffffu, v_offset, k);
 #pragma unroll
           for (int c = 0; c < kColsPerLane; ++c) {
-            if (lane + 32 * c < r.dv) acc[c] += pk * v_row[lane + 32 * c];
+            if (lane + 32 * c < r.dv) acc[c] += pk * v_row[(lane + 32 * c) * a.col_stride];
           }
         }
       }
@@ -140,29 +153,34 @@ void launch_prefill(const PrefillArgs<T>& args, int workers, int max_dim, cudaSt
 
 }  // namespace
 
-// q (T_q, G * W_qk), k (T_k, W_qk), v (T_k, W_v) -> (T_q, G * W_v).
+// q (T_q, G * W_qk), k (T_k, W_qk), v (T_k, W_v) -> (T_q, G * W_v); or k (num_pages, W_qk, page_size),
+// v (num_pages, W_v, page_size) with block_table (B, max_pages).
 at::Tensor prefill_attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                                   const at::Tensor& qk_offsets, const at::Tensor& v_offsets, int64_t group,
                                   double scale, bool causal, const std::optional<at::Tensor>& plan, int64_t window_left,
-                                  double softcap, const std::optional<at::Tensor>& sinks) {
+                                  double softcap, const std::optional<at::Tensor>& sinks,
+                                  const std::optional<at::Tensor>& block_table) {
   const char* op = "prefill_attention";
-  const checks::HostLayout layout = checks::check_prefill_inputs(op, q, k, v, qk_offsets, v_offsets, group, scale);
+  // Prefill reads its boundaries on the host (a plan's size depends on them, so no prefill is graph-captured):
+  // they are validated here with the CPU op's messages, and so are a paged cache's block-table entries and a
+  // caller's plan, record by record. Without a plan, the cached host and device copies of the planner's plan are
+  // used as they are: no copy either way.
+  const checks::PrefillInputs in = checks::check_prefill_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, qk_offsets,
+                                                                v_offsets, group, scale, block_table, window_left);
+  const checks::HostLayout& layout = in.layout;
   const checks::AttentionVariant variant =
       checks::check_attention_variant(op, window_left, softcap, sinks, q, layout.num_heads());
-  checks::check_int32_vector(op, "cu_seqlens_q", cu_seqlens_q, -1);
+  // The kernels read the boundaries on the device too (check_prefill_inputs reads them from any device).
   checks::check_same_device(op, "cu_seqlens_q", cu_seqlens_q, "q", q);
   checks::check_same_device(op, "cu_seqlens_k", cu_seqlens_k, "q", q);
   const int64_t hkv = layout.num_kv_heads();
   FDC_CHECK(hkv <= kMaxKvHeads, op, "the CUDA kernel takes at most ", kMaxKvHeads, " KV heads but qk_offsets has ",
             hkv);
   const c10::cuda::CUDAGuard guard(q.device());
-  // Prefill reads its boundaries on the host (a plan's size depends on them, so no prefill is graph-captured):
-  // they are validated here with the CPU op's messages, and so is a caller's plan, record by record. Without a
-  // plan, the cached host and device copies of the planner's plan are used as they are: no copy either way.
-  const int64_t batch = cu_seqlens_q.size(0) - 1;
-  const std::vector<int32_t> cu_q = checks::read_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, batch, q.size(0), "q");
-  const std::vector<int32_t> cu_k = checks::read_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, batch, k.size(0), "k");
+  const int64_t batch = in.batch;
+  const std::vector<int32_t>& cu_q = in.cu_q;
+  const std::vector<int32_t>& cu_k = in.cu_k;
   at::Tensor schedule, host_plan;
   if (plan) {
     checks::check_plan_tensor(op, *plan, q, kPrefillHeader);
@@ -184,8 +202,10 @@ at::Tensor prefill_attention_cuda(const at::Tensor& q, const at::Tensor& k, cons
   at::Tensor out = at::zeros({q.size(0), group * layout.v_width()}, q.options());
   if (view.num_records() == 0) return out;
   const at::Tensor qc = checks::unit_last_stride(q);
-  const at::Tensor kc = packet_rows(k);
-  const at::Tensor vc = packet_rows(v);
+  // A paged cache is read in place (check_paged: contiguous pages) by plain loads that need no alignment; packed rows
+  // go through packet_rows for the 16-byte cp.async loads.
+  const at::Tensor kc = in.is_paged() ? k : packet_rows(k);
+  const at::Tensor vc = in.is_paged() ? v : packet_rows(v);
   const at::Tensor cu_q_dev = cu_seqlens_q.contiguous();
   const at::Tensor cu_k_dev = cu_seqlens_k.contiguous();
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -208,6 +228,17 @@ at::Tensor prefill_attention_cuda(const at::Tensor& q, const at::Tensor& k, cons
     args.k_stride = kc.stride(0);
     args.v_stride = vc.stride(0);
     args.out_stride = out.stride(0);
+    if (in.is_paged()) {
+      args.block_table = in.block_table.data_ptr<int32_t>();
+      args.max_pages = in.paged.max_pages;
+      args.page_size = in.paged.page_size;
+      args.col_stride = in.paged.page_size;
+    } else {
+      args.block_table = nullptr;
+      args.max_pages = 0;
+      args.page_size = 0;
+      args.col_stride = 1;
+    }
     args.scale_log2 = static_cast<float>(scale * M_LOG2E);
     args.scale = static_cast<float>(scale);
     args.softcap = variant.softcap;

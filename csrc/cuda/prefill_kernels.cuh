@@ -2,6 +2,9 @@
 // header so that each (dtype, width bucket) instantiation of the tensor-core kernel compiles in its own generated
 // translation unit (csrc/cuda/generated/, written by scripts/generate_kernels.py): a parallel build compiles them side
 // by side, and the op's file only dispatches.
+//
+// Keys and values are packed rows or a paged cache (decode_attention's page layout); both kernels address them through
+// key_offset, so the paging is a branch on PrefillArgs::block_table that every thread takes the same way.
 #pragma once
 
 #include <cmath>
@@ -27,13 +30,19 @@ constexpr float kLn2 = 0.693147180559945309f;
 template <typename T>
 struct PrefillArgs {
   const T* q;           // (T_q, G * W_qk), row stride q_stride
-  const T* k;           // (T_k, W_qk), row stride k_stride, 16-byte aligned rows
-  const T* v;           // (T_k, W_v), row stride v_stride, 16-byte aligned rows
+  const T* k;           // packed (T_k, W_qk) with 16-byte aligned rows, or paged (num_pages, W_qk, page_size)
+  const T* v;           // packed (T_k, W_v) with 16-byte aligned rows, or paged (num_pages, W_v, page_size)
   const int32_t* cu_q;  // (B + 1) query boundaries, on the device
   const int32_t* cu_k;  // (B + 1) key boundaries, on the device
   const int32_t* plan;  // the prefill plan, validated on the host
   T* out;               // (T_q, G * W_v), row stride out_stride, zero-initialised
+  // k_stride, v_stride: between rows when packed, between pages when paged.
   int64_t q_stride, k_stride, v_stride, out_stride;
+  // Paged keys and values: block_table (B, max_pages) int32 on the device, validated on the host for every page a
+  // query sees; nullptr for packed rows. Inside a page, column c holds page_size consecutive keys contiguously, so a
+  // column step is col_stride = page_size elements (1 for packed rows).
+  const int32_t* block_table;
+  int64_t max_pages, page_size, col_stride;
   float scale_log2;  // softmax scale * log2(e): scores are exponentiated with exp2
   // The attention variants (fdc/attention_variant.h), uniform over the launch: every use is a branch on them that
   // all threads take the same way, and without them the kernels do what they did before they existed.
@@ -51,7 +60,8 @@ struct PrefillArgs {
 // One record's geometry, shared by both paths.
 struct RecordView {
   int64_t q_row0;  // first packed row of the sequence's queries
-  int64_t k_row0;  // first packed row of its keys
+  int64_t k_row0;  // first packed row of its keys (packed k and v only)
+  int32_t b;       // the sequence: its block-table row (paged k and v only)
   int32_t s_q, s_k;
   int32_t row_start, row_end;  // the record's rows, counted from the sequence's first query
   int32_t h, j;                // query head, its KV head
@@ -63,6 +73,7 @@ template <typename T>
 __device__ RecordView read_record(const PrefillArgs<T>& a, const int32_t* rec) {
   RecordView r;
   const int b = rec[0];
+  r.b = b;
   r.h = rec[1];
   r.j = r.h / a.group;
   r.q_row0 = a.cu_q[b];
@@ -79,6 +90,17 @@ __device__ RecordView read_record(const PrefillArgs<T>& a, const int32_t* rec) {
   r.q_col = int64_t(a.group) * r.k_col + int64_t(i) * r.dq;
   r.o_col = int64_t(a.group) * r.v_col + int64_t(i) * r.dv;
   return r;
+}
+
+// Where key t of record r lies in k (stride a.k_stride) or v (a.v_stride): its column c of the tensor's packed width is
+// at base + key_offset(a, r, t, stride) + c * a.col_stride. Packed: row k_row0 + t. Paged: slot t % page_size of page
+// block_table[b][t / page_size]; only keys some row of the record sees may be asked for, since the block-table
+// entries of other pages (before the first query's window, past the last key) need not be page indices.
+template <typename T>
+__device__ __forceinline__ int64_t key_offset(const PrefillArgs<T>& a, const RecordView& r, int32_t t, int64_t stride) {
+  if (a.block_table == nullptr) return (r.k_row0 + t) * stride;
+  const int64_t page = a.block_table[int64_t(r.b) * a.max_pages + t / a.page_size];
+  return page * stride + t % a.page_size;
 }
 
 // Keys [0, keys_end) are the ones some row of [row0, row1) sees (causal: bottom-right aligned, as in the planner).
@@ -189,7 +211,8 @@ __global__ void __launch_bounds__(kThreads) prefill_mma_kernel(const __grid_cons
     const int qk_steps = dq16 / 16, v_tiles = r.dv / 8;
     const int packets_k = r.dq / 8, packets_v = r.dv / 8;
 
-    // The padding columns [dq, dq16) of both K stages are zero for the whole record (cp.async never writes them).
+    // The padding columns [dq, dq16) of both K stages are zero for the whole record (the tile loads never write
+    // them).
     __syncthreads();
     for (int e = threadIdx.x; e < 2 * B::kKeys * (dq16 - r.dq); e += kThreads) {
       const int pad = dq16 - r.dq;
@@ -243,17 +266,42 @@ __global__ void __launch_bounds__(kThreads) prefill_mma_kernel(const __grid_cons
         T* ks_ptr = stages + stage * B::kStageElems;
         T* vs_ptr = ks_ptr + B::kKeys * B::kLdk;
         const int n = min(B::kKeys, keys_end - k0);
-        for (int e = threadIdx.x; e < n * packets_k; e += kThreads) {
-          const int key = e / packets_k, p = e % packets_k;
-          cp_async_16(ks_ptr + key * B::kLdk + 8 * p, a.k + (r.k_row0 + k0 + key) * a.k_stride + r.k_col + 8 * p);
-        }
-        for (int e = threadIdx.x; e < n * packets_v; e += kThreads) {
-          const int key = e / packets_v, p = e % packets_v;
-          cp_async_16(vs_ptr + key * B::kLdv + 8 * p, a.v + (r.k_row0 + k0 + key) * a.v_stride + r.v_col + 8 * p);
-        }
-        // Rows past the last key are multiplied by probability 0: they must hold finite values, not stale ones.
-        for (int e = threadIdx.x; e < (B::kKeys - n) * r.dv; e += kThreads) {
-          vs_ptr[(n + e / r.dv) * B::kLdv + e % r.dv] = T(0.f);
+        if (a.block_table == nullptr) {
+          for (int e = threadIdx.x; e < n * packets_k; e += kThreads) {
+            const int key = e / packets_k, p = e % packets_k;
+            cp_async_16(ks_ptr + key * B::kLdk + 8 * p, a.k + (r.k_row0 + k0 + key) * a.k_stride + r.k_col + 8 * p);
+          }
+          for (int e = threadIdx.x; e < n * packets_v; e += kThreads) {
+            const int key = e / packets_v, p = e % packets_v;
+            cp_async_16(vs_ptr + key * B::kLdv + 8 * p, a.v + (r.k_row0 + k0 + key) * a.v_stride + r.v_col + 8 * p);
+          }
+          // Rows past the last key are multiplied by probability 0: they must hold finite values, not stale ones.
+          for (int e = threadIdx.x; e < (B::kKeys - n) * r.dv; e += kThreads) {
+            vs_ptr[(n + e / r.dv) * B::kLdv + e % r.dv] = T(0.f);
+          }
+        } else {
+          // Paged: a page's keys of one column are contiguous, so each thread takes one key of the tile (its
+          // block-table entries read once) and every kThreads / kKeys-th column: a warp reads one column of 32
+          // consecutive keys, contiguous within each page. Plain loads and shared stores, visible to the compute after
+          // the loop's __syncthreads; they are not pipelined like cp.async: each thread waits for its loads here, so
+          // the next tile's loads do not overlap this tile's compute. Keys past n (the last key or the tile's end) are
+          // zero: no block-table entry or page past the last key is read, and their V rows, multiplied by probability
+          // 0, hold no stale value (0 * NaN = NaN).
+          static_assert(kThreads % B::kKeys == 0, "every key of a tile has the same number of threads");
+          constexpr int kColumnStep = kThreads / B::kKeys;
+          const int key = threadIdx.x % B::kKeys;
+          const int column0 = threadIdx.x / B::kKeys;
+          T* k_dst = ks_ptr + key * B::kLdk;
+          T* v_dst = vs_ptr + key * B::kLdv;
+          if (key < n) {
+            const T* k_src = a.k + key_offset(a, r, k0 + key, a.k_stride) + r.k_col * a.col_stride;
+            const T* v_src = a.v + key_offset(a, r, k0 + key, a.v_stride) + r.v_col * a.col_stride;
+            for (int c = column0; c < r.dq; c += kColumnStep) k_dst[c] = k_src[c * a.col_stride];
+            for (int c = column0; c < r.dv; c += kColumnStep) v_dst[c] = v_src[c * a.col_stride];
+          } else {
+            for (int c = column0; c < r.dq; c += kColumnStep) k_dst[c] = T(0.f);
+            for (int c = column0; c < r.dv; c += kColumnStep) v_dst[c] = T(0.f);
+          }
         }
         cp_async_commit();
       };
