@@ -26,7 +26,7 @@ FAMILIES = (
            "vLLM's Phi-3 is a Llama with a fused checkpoint projection, which the plugin's identity check would have "
            "to split"),
     Family("gemma2", "Gemma2ForCausalLM", False, None,
-           "the plugin's attention backend does not pass sliding windows and logit soft-capping to the ops yet"),
+           "the plugin's attention backend does not pass logit soft-capping to the ops yet"),
 )
 BY_MODEL_TYPE = {family.model_type: family for family in FAMILIES}
 BY_ARCHITECTURE = {family.architecture: family for family in FAMILIES}

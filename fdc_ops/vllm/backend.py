@@ -21,9 +21,10 @@ One step of a layer (:meth:`FDCAttentionImpl.forward`):
    step's ``decode_plan`` (greedy LPT over (request, KV head, chunk) tasks; the CPU's AVX-512 kernels check it and
    read the pages by their own pieces, docs/design.md); the rest (prompts, chunks of a chunked
    prefill, prompts with a cached prefix) run one causal ``prefill_attention``, whose keys are each such request's
-   whole context (gathered from the pages, or the step's own rows when none of them has a cached prefix). So a
-   decoding request costs the same in a step that also takes a prompt as in a decode-only step: its context is read
-   in place, never copied out of the pages.
+   whole context, read from the pages through the block table (or the step's own rows when none of them has a
+   cached prefix). So no request's context is ever copied out of the pages: a decoding request costs the same in a
+   step that also takes a prompt as in a decode-only step, and a prefix hit or a later chunk reads its cached keys
+   in place.
 """
 
 from __future__ import annotations
@@ -95,10 +96,9 @@ class FDCPrefillMetadata:
     ``prefill_attention`` takes for them."""
 
     query_start_loc: torch.Tensor  # (P + 1,) int32: each request's new tokens among the prefill part's tokens
-    cu_seqlens_k: torch.Tensor  # (P + 1,) int32 prefix sums of the requests' seq_lens (their keys, back to back)
+    cu_seqlens_k: torch.Tensor  # (P + 1,) int32 prefix sums of the requests' seq_lens (their keys)
     has_context: bool  # whether some of these requests attends cached tokens from earlier steps
-    gather_pages: torch.Tensor | None  # (sum seq_lens,) int64: page of each context token, when has_context
-    gather_slots: torch.Tensor | None  # (sum seq_lens,) int64: its position in the page
+    block_table: torch.Tensor  # (P, max_blocks) int32: their block table rows, which prefill_attention reads
 
 
 @dataclass
@@ -119,8 +119,8 @@ class FDCAttentionMetadata:
     decode_seq_lens: torch.Tensor  # (num_decodes,) int32: seq_lens of the decodes
     decode_block_table: torch.Tensor  # (num_decodes, max_blocks) int32: their block table rows
     prefill: FDCPrefillMetadata | None  # the other requests; None when every request is a decode
-    block_size: int  # tokens per page, which prefill.gather_pages and prefill.gather_slots were computed for
-    # the step's decode plans by (H_kv, G): one for every layer of that shape, whatever its widths (see
+    block_size: int  # tokens per page of the block table
+    # the step's decode plans by (H_kv, G, window_left): one for every layer of that shape and window, whatever its widths (see
     # FDCAttentionImpl.decode_plan)
     decode_plans: dict = field(default_factory=dict)
 
@@ -184,18 +184,8 @@ class FDCAttentionMetadataBuilder(AttentionMetadataBuilder[FDCAttentionMetadata]
                        block_table: torch.Tensor) -> FDCPrefillMetadata:
         """query_start_loc: (P + 1,) int32 from 0; seq_lens, context_lens: (P,) int32; block_table: (P, max_blocks)
         int32: the prefill requests' rows of the step's metadata."""
-        num_reqs = seq_lens.shape[0]
-        has_context = bool((context_lens > 0).any())
-        cu_seqlens_k = ops.prefix_sums(seq_lens)
-        gather_pages = gather_slots = None
-        if has_context:
-            # Token t of request b lives at page block_table[b, t // block_size], position t % block_size.
-            request = torch.repeat_interleave(torch.arange(num_reqs, device=seq_lens.device), seq_lens.long())
-            token = torch.arange(int(cu_seqlens_k[-1]), device=seq_lens.device) - cu_seqlens_k[:-1].long()[request]
-            gather_pages = block_table.long()[request, token // self.block_size]
-            gather_slots = token % self.block_size
-        return FDCPrefillMetadata(query_start_loc=query_start_loc, cu_seqlens_k=cu_seqlens_k, has_context=has_context,
-                                  gather_pages=gather_pages, gather_slots=gather_slots)
+        return FDCPrefillMetadata(query_start_loc=query_start_loc, cu_seqlens_k=ops.prefix_sums(seq_lens),
+                                  has_context=bool((context_lens > 0).any()), block_table=block_table)
 
 
 def paged_caches(kv_cache: torch.Tensor, k_width: int, v_width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,7 +220,7 @@ class FDCAttentionImpl(AttentionImpl):
                  alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
                  logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
                  kv_sharing_target_layer_name: str | None = None, **unsupported) -> None:
-        refused = {"alibi_slopes": alibi_slopes, "sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap,
+        refused = {"alibi_slopes": alibi_slopes, "logits_soft_cap": logits_soft_cap,
                    "kv_sharing_target_layer_name": kv_sharing_target_layer_name,
                    **{name: value for name, value in unsupported.items() if value is not None}}
         for name, value in refused.items():
@@ -243,7 +233,11 @@ class FDCAttentionImpl(AttentionImpl):
         if kv_cache_dtype != "auto":
             raise NotImplementedError(f"fdc_ops.vllm: the FDC KV cache holds the model dtype (kv_cache_dtype "
                                       f"'auto'), got {kv_cache_dtype!r}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"fdc_ops.vllm: sliding_window must be at least 1 token but got {sliding_window}")
         self.num_heads, self.head_size, self.num_kv_heads, self.scale = num_heads, head_size, num_kv_heads, scale
+        # vLLM's window W covers the query's own key and the W - 1 before it: the ops' window_left is W - 1.
+        self.window_left = -1 if sliding_window is None else sliding_window - 1
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = None
@@ -278,26 +272,27 @@ class FDCAttentionImpl(AttentionImpl):
         decodes = meta.num_decodes
         if decodes:  # the leading requests, one row each: (num_decodes, G * v_width)
             output[:decodes] = ops.decode_attention(q[:decodes], k_pages, v_pages, meta.decode_seq_lens, qk_offsets,
-                                                    v_offsets, G, layer.scaling, self.decode_plan(meta, layer),
-                                                    meta.decode_block_table)
+                                                    v_offsets, G, layer.scaling,
+                                                    self.decode_plan(meta, layer, self.window_left),
+                                                    meta.decode_block_table, window_left=self.window_left)
         prefill = meta.prefill
         if prefill is not None:  # the other requests' rows [decodes, tokens)
-            if prefill.has_context:  # each one's whole context, back to back, as prefill_attention takes keys
-                k_all = k_pages[prefill.gather_pages, :, prefill.gather_slots]  # (sum of their seq_lens, k_width)
-                v_all = v_pages[prefill.gather_pages, :, prefill.gather_slots]  # (sum of their seq_lens, v_width)
+            if prefill.has_context:  # each one's whole context, read in place from its pages
+                keys, values, block_table = k_pages, v_pages, prefill.block_table
             else:  # prompts from scratch: their keys are the step's own rows
-                k_all, v_all = k[decodes:], v[decodes:]
-            output[decodes:tokens] = ops.prefill_attention(q[decodes:], k_all, v_all, prefill.query_start_loc,
+                keys, values, block_table = k[decodes:], v[decodes:], None
+            output[decodes:tokens] = ops.prefill_attention(q[decodes:], keys, values, prefill.query_start_loc,
                                                            prefill.cu_seqlens_k, qk_offsets, v_offsets, G,
-                                                           layer.scaling, True)
+                                                           layer.scaling, True, window_left=self.window_left,
+                                                           block_table=block_table)
         if padded:
             output[tokens:] = 0
         return output
 
     @staticmethod
-    def decode_plan(meta: FDCAttentionMetadata, layer) -> torch.Tensor:
-        """The plan of the step's decodes for layers of the layer's (H_kv, G), made once per step by the first such
-        layer.
+    def decode_plan(meta: FDCAttentionMetadata, layer, window_left: int = -1) -> torch.Tensor:
+        """The plan of the step's decodes for layers of the layer's (H_kv, G) and sliding window, made once per step by
+        the first such layer (a windowed plan's records cover only the window's keys, so windows do not share).
 
         A plan is a valid schedule for any widths of that shape: decode_attention takes a plan made for the same
         lengths, batch, H_kv and G, and the widths only weigh the greedy LPT's task costs (``s_kv * d_sum``). So
@@ -305,10 +300,11 @@ class FDCAttentionImpl(AttentionImpl):
         step of SmolLM2 at compression 0.1, 7 us each with dispatch, on the 2-core Intel Xeon). The price: another
         layer's tasks are balanced by the first layer's head widths, so a worker may get up to about one task
         more than its share where the layers' widths differ much from head to head."""
-        key = (layer.num_kv_heads, layer.group)
+        key = (layer.num_kv_heads, layer.group, window_left)
         plan = meta.decode_plans.get(key)
         if plan is None:
-            plan = ops.decode_plan(meta.decode_seq_lens, layer.qk_offsets, layer.v_offsets, layer.group)
+            plan = ops.decode_plan(meta.decode_seq_lens, layer.qk_offsets, layer.v_offsets, layer.group,
+                                   window_left=window_left)
             meta.decode_plans[key] = plan
         return plan
 

@@ -103,8 +103,6 @@ def unsupported(original: nn.Module, model_type: str | None) -> str | None:
     attn_type = getattr(original.attn, "attn_type", AttentionType.DECODER)
     if attn_type != AttentionType.DECODER:
         return f"attention type {getattr(attn_type, 'value', attn_type)!r} is not causal decoder attention"
-    if original.attn.sliding_window is not None:
-        return f"sliding-window attention ({original.attn.sliding_window} tokens) is not supported by the FDC backend"
     if hasattr(original, "q_norm") != family.qk_norm:
         return (f"a {model_type} attention module {'with' if hasattr(original, 'q_norm') else 'without'} per-head "
                 "q/k norms is not what the family's Hugging Face module (and so the artifact's calibration) computes")
@@ -159,7 +157,8 @@ class VllmFDCAttention(nn.Module):
         # vLLM's own Attention layer registered itself under this name; the FDC layer takes its place.
         get_current_vllm_config().compilation_config.static_forward_context.pop(attn_prefix)
         self.attn = FDCPagedAttention(self.num_heads, self.head_dim, self.scaling, self.num_kv_heads, rotation,
-                                      qk_offsets, v_offsets, cache_config, attn_prefix, page)
+                                      qk_offsets, v_offsets, cache_config, attn_prefix, page,
+                                      sliding_window=original.attn.sliding_window)
         # (hidden,): with several ranks and a V bias, this rank's share of the folded V bias (see fold)
         self.register_buffer("output_bias_share", None, persistent=False)
         self.folded = False

@@ -89,20 +89,11 @@ def test_a_step_is_split_into_decodes_and_prefills(batch):
     assert prefill.cu_seqlens_k.tolist() == offsets(tuple(rest_k)).tolist()
     contexts = [s - q for q, s in zip(rest_q, rest_k)]
     assert prefill.has_context == any(contexts)
-    if not prefill.has_context:
-        assert prefill.gather_pages is None and prefill.gather_slots is None
-        return
-    # Every token of every prefill request, in order: its page and its slot in the page.
-    pages, slots = [], []
-    for row, length in zip(block_table[expected_decodes:].tolist(), rest_k):
-        for token in range(length):
-            pages.append(row[token // BLOCK])
-            slots.append(token % BLOCK)
-    assert prefill.gather_pages.tolist() == pages
-    assert prefill.gather_slots.tolist() == slots
+    # prefill_attention reads the requests' pages through their rows of the block table.
+    assert torch.equal(prefill.block_table, block_table[expected_decodes:])
 
 
-def layer_and_impl(seed: int):
+def layer_and_impl(seed: int, sliding_window: int | None = None):
     """A layer's layout as fdc_ops.vllm.layer.FDCPagedAttention carries it, and the backend's impl for it."""
     from fdc_ops.vllm.backend import FDCAttentionImpl
 
@@ -115,21 +106,24 @@ def layer_and_impl(seed: int):
     layer = SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_size=HEAD_DIM, group=GROUP,
                             qk_offsets=offsets(QK_DIMS), v_offsets=offsets(V_DIMS), rotation=rotation,
                             scaling=scale, k_width=sum(QK_DIMS), v_width=sum(V_DIMS))
-    impl = FDCAttentionImpl(heads, HEAD_DIM, scale, kv_heads, alibi_slopes=None, sliding_window=None,
+    impl = FDCAttentionImpl(heads, HEAD_DIM, scale, kv_heads, alibi_slopes=None, sliding_window=sliding_window,
                             kv_cache_dtype="auto")
     return layer, impl
 
 
+@pytest.mark.parametrize("sliding_window", [None, 1, 5, 17])
 @pytest.mark.parametrize("batch", BATCHES)
-def test_a_split_step_attends_like_the_reference(batch):
+def test_a_split_step_attends_like_the_reference(batch, sliding_window):
     """One layer's step over a batch whose earlier tokens are already in the pages: its output is causal attention
-    of each request's new queries over the request's whole context (float64 reference). The pages' unused slots
-    hold NaN, so a read of anything not written shows; two padding rows past the step's tokens must come out zero."""
+    of each request's new queries over the request's whole context, or the last `sliding_window` keys of it (float64
+    reference). The pages' unused slots hold NaN, so a read of anything not written shows, and so do the pages wholly
+    behind every new query's window (vLLM frees those); two padding rows past the step's tokens must come out zero."""
     from fdc_ops import ops, reference
     from fdc_ops.vllm.backend import paged_caches
 
     query_lens, seq_lens = BATCHES[batch]
-    layer, impl = layer_and_impl(seed=2)
+    layer, impl = layer_and_impl(seed=2, sliding_window=sliding_window)
+    window_left = -1 if sliding_window is None else sliding_window - 1
     generator = torch.Generator().manual_seed(3)
     k_width, v_width = layer.k_width, layer.v_width
     block_table = random_block_table(len(seq_lens), seed=4)
@@ -142,6 +136,10 @@ def test_a_split_step_attends_like_the_reference(batch):
     cu_context = offsets(tuple(contexts))
     ops.append_kv(k_pages, v_pages, k_context, v_context, cu_context, torch.zeros(len(seq_lens), dtype=torch.int32),
                   layer.qk_offsets, layer.v_offsets, block_table)
+    if sliding_window is not None:  # request b's first new query, at position contexts[b], sees no earlier key
+        for b, context in enumerate(contexts):
+            behind = max(0, context - window_left) // BLOCK
+            kv_cache[block_table[b, :behind].long()] = float("nan")
 
     tokens, padding = sum(query_lens), 2
     query = torch.randn(tokens + padding, layer.num_heads * HEAD_DIM, generator=generator)  # (N, H * D) post-RoPE
@@ -160,7 +158,8 @@ def test_a_split_step_attends_like_the_reference(batch):
         k_all += [k_context[cu_context[b]:cu_context[b + 1]].double(), k[cu_q[b]:cu_q[b + 1]]]
         v_all += [v_context[cu_context[b]:cu_context[b + 1]].double(), value[cu_q[b]:cu_q[b + 1]].double()]
     expected = reference.prefill_attention_ref(q, torch.cat(k_all), torch.cat(v_all), cu_q, offsets(tuple(seq_lens)),
-                                               layer.qk_offsets, layer.v_offsets, GROUP, layer.scaling, True)
+                                               layer.qk_offsets, layer.v_offsets, GROUP, layer.scaling, True,
+                                               window_left=window_left)
     # float32 against float64: the compressed products and the softmax over at most 40 keys
     torch.testing.assert_close(output[:tokens].double(), expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(output[tokens:], torch.zeros(padding, GROUP * v_width))

@@ -26,6 +26,9 @@ COMMON = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_a
 # The vLLM CPU backend of the uncompressed engines takes head sizes of 32 and up (CPUAttentionBackend).
 FAMILIES = {
     "mistral": ("MistralConfig", dict(head_dim=32, sliding_window=None)),
+    # Every layer windowed (Mistral 7B v0.1's kind), a window shorter than the prompts plus their new tokens: the
+    # engines then attend, and the FDC engine keeps and frees, pages by the window (vLLM's SlidingWindowSpec).
+    "mistral_window": ("MistralConfig", dict(head_dim=32, sliding_window=6)),
     "qwen2": ("Qwen2Config", dict(head_dim=32)),  # QKV bias; vLLM's Qwen2 takes head_dim = hidden / heads
     "qwen3": ("Qwen3Config", dict(head_dim=64)),  # per-head q/k norms; head_dim != hidden / heads, as in Qwen3 models
 }
@@ -106,10 +109,10 @@ def test_unsupported_attention_modules_are_refused_with_the_reason():
     assert unsupported(module(), "llama") is None
     assert unsupported(module(q_norm=object()), "qwen3") is None
     assert "model_type 'phi3' is not served by the plugin: vLLM's Phi-3 is a Llama" in unsupported(module(), "phi3")
-    assert "model_type 'gemma2' is not served by the plugin: the plugin's attention backend does not pass sliding " \
-        "windows" in unsupported(module(), "gemma2")
+    assert "model_type 'gemma2' is not served by the plugin: the plugin's attention backend does not pass logit " \
+        "soft-capping" in unsupported(module(), "gemma2")
     assert "model_type 'gemma3' is not supported (a second RoPE" in unsupported(module(), "gemma3")
-    assert "sliding-window attention (4096 tokens)" in unsupported(module(sliding_window=4096), "mistral")
+    assert unsupported(module(sliding_window=4096), "mistral") is None
     assert "qwen3 attention module without per-head q/k norms" in unsupported(module(), "qwen3")
     assert "qwen2 attention module with per-head q/k norms" in unsupported(module(q_norm=object()), "qwen2")
     assert "Llama 4 query scaling" in unsupported(module(do_llama_4_scaling=True), "mistral")
