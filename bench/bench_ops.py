@@ -10,6 +10,8 @@ What is measured (docs/design.md section 6):
   element size) / time, as a share of the copy bandwidth measured beside it;
 - prefill: useful TFLOP/s = sum over query heads of 2 (d_qk + d_v) x visible keys (causal: s(s+1)/2 per sequence),
   / time;
+- windowed decode (phase "window"): a 1024-key window over the decode shapes' caches, contiguous and paged, against
+  decode over caches of only 1024 keys (bench_windowed_decode);
 - prefill over a cached prefix (phase "prefix"): new tokens after a prefix in a paged cache, the op reading the pages
   against a gather into rows and the packed op (bench_prefix_prefill).
 Baselines: "SDPA padded" pads every head to the widest width of the layer; "SDPA per bucket" makes one call per bucket
@@ -76,6 +78,9 @@ WARMUP = 2
 # Page sizes of the paged decode rows: 16 tokens (a GPU engine's usual block) and 128 (vLLM's CPU block size, what
 # the vLLM plugin's steps read).
 PAGE_SIZES = (16, 128)
+# The windowed decode rows' window_left: a 1024-key window (Mistral 7B v0.1's is 4096; Gemma 2's local layers 4096,
+# Gemma 3's 1024), so the 8K and 16K caches hold 8 and 16 times what a query sees.
+WINDOW_LEFT = 1023
 
 
 def bench_decode(batch: int, context: int, qk_dims: list[int], v_dims: list[int], dtype: torch.dtype,
@@ -165,6 +170,51 @@ def bench_decode(batch: int, context: int, qk_dims: list[int], v_dims: list[int]
                           f"{verdict(beats_ok)}",
                           {"share_of_copy_bandwidth": gbps / copy_gbps, "copy_bandwidth_gbps": copy_gbps,
                            "width_ratio": share}))
+    return rows
+
+
+# A windowed decode may take this much longer than the same decode over a cache of only the window's keys: both read
+# the same bytes, and the windowed one only starts its chunks at the window; the slack is the noise between two
+# interleaved medians of a 2-core machine.
+WINDOW_SLACK = 1.15
+
+
+def bench_windowed_decode(batch: int, context: int, window_left: int, qk_dims: list[int], v_dims: list[int],
+                          dtype: torch.dtype, device: torch.device, timer: Timer) -> list[OpRow]:
+    """Decode with a sliding window (each query sees its own key and the window_left before it) over long caches,
+    contiguous and paged (vLLM's CPU block of 128 tokens, shuffled pages), against the same decode without a window
+    over caches that hold only the window's keys: what a windowed layer costs should be what its visible keys cost."""
+    qk_offsets, v_offsets = ops.prefix_sums(qk_dims), ops.prefix_sums(v_dims)
+    visible = window_left + 1
+    q = torch.randn(batch, GROUP * sum(qk_dims), dtype=dtype, device=device)
+    k_cache = torch.randn(batch, context, sum(qk_dims), dtype=dtype, device=device)
+    v_cache = torch.randn(batch, context, sum(v_dims), dtype=dtype, device=device)
+    seqlens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    short = torch.full((batch,), visible, dtype=torch.int32, device=device)
+    k_short, v_short = k_cache[:, :visible].contiguous(), v_cache[:, :visible].contiguous()
+    page_size = PAGE_SIZES[-1]
+    per_request = -(-context // page_size)
+    table = torch.randperm(batch * per_request, generator=torch.Generator().manual_seed(0)).view(batch, per_request)
+    table = table.to(device=device, dtype=torch.int32)
+    k_pages = torch.randn(batch * per_request, sum(qk_dims), page_size, dtype=dtype, device=device)
+    v_pages = torch.randn(batch * per_request, sum(v_dims), page_size, dtype=dtype, device=device)
+    calls = [
+        lambda: ops.decode_attention(q, k_short, v_short, short, qk_offsets, v_offsets, GROUP, SCALE),
+        lambda: ops.decode_attention(q, k_cache, v_cache, seqlens, qk_offsets, v_offsets, GROUP, SCALE,
+                                     window_left=window_left),
+        lambda: ops.decode_attention(q, k_pages, v_pages, seqlens, qk_offsets, v_offsets, GROUP, SCALE,
+                                     block_table=table, window_left=window_left),
+    ]
+    base, contiguous, paged = map(median, timer.interleaved(calls))
+    needed = batch * visible * (sum(qk_dims) + sum(v_dims)) * dtype.itemsize
+    config = f"B={batch} ctx={context} window={visible}"
+    rows = [OpRow("window", config, str(dtype), f"fdc decode, {visible}-key cache", base * 1e3, needed / base / 1e9,
+                  "GB/s", 1.0)]
+    for method, seconds in ((f"fdc decode, window of {visible}", contiguous),
+                            (f"fdc decode, window, paged ({page_size})", paged)):
+        rows.append(OpRow("window", config, str(dtype), method, seconds * 1e3, needed / seconds / 1e9, "GB/s",
+                          seconds / base, f"<= {WINDOW_SLACK:.2f}x the {visible}-key cache",
+                          verdict(seconds <= WINDOW_SLACK * base)))
     return rows
 
 
@@ -258,9 +308,9 @@ def width_buckets(qk_dims: list[int], v_dims: list[int]) -> list[tuple[int, int]
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__, repeats_help="timed calls per measurement (median)", topic="ops")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32", "all"], default="all")
-    parser.add_argument("--phase", choices=["decode", "prefill", "prefix", "all"], default="all",
-                        help="time only decode, prefill or prefill over a paged cached prefix (a full CPU run takes "
-                             "minutes)")
+    parser.add_argument("--phase", choices=["decode", "window", "prefill", "prefix", "all"], default="all",
+                        help="time only decode, windowed decode, prefill or prefill over a paged cached prefix (a full "
+                             "CPU run takes minutes)")
     args = parser.parse_args(argv)
     device, repeats = setup(args)
     timer = Timer(device, repeats, warmup=WARMUP)
@@ -283,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in dtypes:
         for batch, context in decode_shapes if args.phase in ("decode", "all") else []:
             rows += bench_decode(batch, context, qk_dims, v_dims, dtype, device, copy_mb, timer)
+        for batch, context in decode_shapes if args.phase in ("window", "all") else []:
+            rows += bench_windowed_decode(batch, context, WINDOW_LEFT, qk_dims, v_dims, dtype, device, timer)
         for lengths in prefill_shapes if args.phase in ("prefill", "all") else []:
             for causal in (True, False):
                 rows += bench_prefill(lengths, causal, qk_dims, v_dims, dtype, device, timer)
