@@ -24,7 +24,8 @@ def test_bench_ops_quick(tmp_path):
     assert {"device", "torch", "commit", "threads", "copy_bandwidth_gbps", "rows"} <= report.keys()
     assert report["copy_bandwidth_gbps"] > 0
     methods = {row["method"] for row in report["rows"]}
-    assert {"SDPA full width", "fdc decode, plan passed", "fdc prefill"} <= methods
+    assert {"SDPA full width", "fdc decode, plan passed", "fdc prefill", "fdc decode, window, paged (128)",
+            "fdc paged prefill", "gather + fdc prefill"} <= methods
     for row in report["rows"]:
         assert row["millis"] > 0 and row["metric"] > 0
         if row["method"].startswith("fdc"):
