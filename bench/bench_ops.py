@@ -208,8 +208,8 @@ def bench_windowed_decode(batch: int, context: int, window_left: int, qk_dims: l
     base, contiguous, paged = map(median, timer.interleaved(calls))
     needed = batch * visible * (sum(qk_dims) + sum(v_dims)) * dtype.itemsize
     config = f"B={batch} ctx={context} window={visible}"
-    rows = [OpRow("window", config, str(dtype), f"unwindowed decode, {visible}-key cache", base * 1e3, needed / base / 1e9,
-                  "GB/s", 1.0)]
+    rows = [OpRow("window", config, str(dtype), f"unwindowed decode, {visible}-key cache", base * 1e3,
+                  needed / base / 1e9, "GB/s", 1.0)]
     for method, seconds in ((f"fdc decode, window of {visible}", contiguous),
                             (f"fdc decode, window, paged ({page_size})", paged)):
         rows.append(OpRow("window", config, str(dtype), method, seconds * 1e3, needed / seconds / 1e9, "GB/s",

@@ -202,7 +202,8 @@ def prefill_attention(
         q: ``(T_q, G * qk_offsets[-1])`` compressed queries.
         k: ``(T_k, qk_offsets[-1])`` compressed keys, or with ``block_table`` a paged key cache
             ``(num_pages, qk_offsets[-1], page_size)`` (the layout of :func:`decode_attention` and :func:`append_kv`).
-        v: ``(T_k, v_offsets[-1])`` compressed values, or with ``block_table`` ``(num_pages, v_offsets[-1], page_size)``.
+        v: ``(T_k, v_offsets[-1])`` compressed values, or with ``block_table`` a paged value cache
+            ``(num_pages, v_offsets[-1], page_size)``.
         cu_seqlens_q, cu_seqlens_k: ``(B + 1,)`` int32 sequence boundaries in ``q`` and in ``k``/``v``; with
             ``block_table``, ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]`` is request ``b``'s key count ``s_k``, its keys
             being positions ``0 .. s_k - 1`` of its pages (a cached prefix and this call's new rows, appended first).

@@ -64,8 +64,7 @@ void append_kv_cpu(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k
               cu[b + 1] - cu[b], " new) past the cache capacity ", capacity, "; nothing was written");
     if (block_table && end > pos[b]) {
       const int64_t first = pos[b] / paged.page_size, last = (end - 1) / paged.page_size;
-      checks::check_block_table_entries(op, table.data() + b * paged.max_pages, b, first, last + 1,
-                                        paged.num_pages);
+      checks::check_block_table_entries(op, table.data() + b * paged.max_pages, b, first, last + 1, paged.num_pages);
     }
   }
 

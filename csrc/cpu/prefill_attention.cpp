@@ -467,9 +467,9 @@ at::Tensor prefill_attention_cpu(const at::Tensor& q, const at::Tensor& k, const
   const float fscale = static_cast<float>(scale);
   if (q.scalar_type() == at::kBFloat16 && isa == CpuIsa::kAvx512Bf16 && bf16_brgemm_runs()) {
     using BF16 = c10::BFloat16;
-    const PackedKV<BF16> kv = in.is_paged() ? pack_kv_paged<BF16, BF16>(k, v, in, window_left)
-                                            : pack_kv<BF16>(checks::unit_last_stride(k), checks::unit_last_stride(v),
-                                                            cu_k, layout);
+    const PackedKV<BF16> kv =
+        in.is_paged() ? pack_kv_paged<BF16, BF16>(k, v, in, window_left)
+                      : pack_kv<BF16>(checks::unit_last_stride(k), checks::unit_last_stride(v), cu_k, layout);
     run_plan<BF16, BF16>(view, checks::unit_last_stride(q), kv, cu_q, cu_k, layout, causal, fscale, variant, avx512,
                          out);
     return out;
@@ -477,10 +477,9 @@ at::Tensor prefill_attention_cpu(const at::Tensor& q, const at::Tensor& k, const
   // Float32 operands (float32 row-strided inputs are used in place; a paged cache is converted as it is packed).
   const at::Tensor qf = checks::unit_last_stride(q.to(at::kFloat));
   FDC_DISPATCH_FLOAT_TYPES(q.scalar_type(), "fdc::prefill_attention", [&] {
-    const PackedKV<float> kv =
-        in.is_paged() ? pack_kv_paged<scalar_t, float>(k, v, in, window_left)
-                      : pack_kv<float>(checks::unit_last_stride(k.to(at::kFloat)),
-                                       checks::unit_last_stride(v.to(at::kFloat)), cu_k, layout);
+    const PackedKV<float> kv = in.is_paged() ? pack_kv_paged<scalar_t, float>(k, v, in, window_left)
+                                             : pack_kv<float>(checks::unit_last_stride(k.to(at::kFloat)),
+                                                              checks::unit_last_stride(v.to(at::kFloat)), cu_k, layout);
     run_plan<float, scalar_t>(view, qf, kv, cu_q, cu_k, layout, causal, fscale, variant, avx512, out);
   });
   return out;

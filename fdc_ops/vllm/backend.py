@@ -120,8 +120,8 @@ class FDCAttentionMetadata:
     decode_block_table: torch.Tensor  # (num_decodes, max_blocks) int32: their block table rows
     prefill: FDCPrefillMetadata | None  # the other requests; None when every request is a decode
     block_size: int  # tokens per page of the block table
-    # the step's decode plans by (H_kv, G, window_left): one for every layer of that shape and window, whatever its widths (see
-    # FDCAttentionImpl.decode_plan)
+    # the step's decode plans by (H_kv, G, window_left): one for every layer of that shape and window, whatever its
+    # widths (see FDCAttentionImpl.decode_plan)
     decode_plans: dict = field(default_factory=dict)
 
     @property

@@ -34,9 +34,10 @@ class FDCPagedAttention(Attention):
         register_attention_backend()
         super().__init__(num_heads, head_size, scale, num_kv_heads=num_kv_heads, cache_config=cache_config,
                          prefix=prefix, attn_backend=FDCAttentionBackend, per_layer_sliding_window=sliding_window)
-        if self.sliding_window != sliding_window:  # vLLM's Attention falls back to the model-wide window when given none
-            raise ValueError(f"fdc_ops.vllm: layer {prefix} was built with sliding window {self.sliding_window} but its "
-                             f"attention module has {sliding_window}")
+        # vLLM's Attention falls back to the model-wide window when given none: the layer must have its module's.
+        if self.sliding_window != sliding_window:
+            raise ValueError(f"fdc_ops.vllm: layer {prefix} was built with sliding window {self.sliding_window} but "
+                             f"its attention module has {sliding_window}")
         if rotation.shape[:2] != (num_kv_heads, head_size) or rotation.shape[2] < int((qk_offsets.diff()).max()):
             raise ValueError(f"fdc_ops.vllm: rotation must have shape ({num_kv_heads}, {head_size}, >= max qk dim) "
                              f"but got {tuple(rotation.shape)}")
