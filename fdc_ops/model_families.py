@@ -27,6 +27,11 @@ FAMILIES = (
            "to split"),
     Family("gemma2", "Gemma2ForCausalLM", False, None,
            "the plugin's attention backend does not pass logit soft-capping to the ops yet"),
+    # Gemma 3's text model: per-head q/k norms before RoPE (Qwen3's place), a RoPE of its own for the sliding-window
+    # layers (the decoder hands each layer its tables), windowed and full layers by turns.
+    Family("gemma3_text", "Gemma3ForCausalLM", True, None,
+           "vLLM would keep its windowed and full layers in separate KV cache groups, a layout the plugin's per-layer "
+           "page sizes have not been tried with"),
 )
 BY_MODEL_TYPE = {family.model_type: family for family in FAMILIES}
 BY_ARCHITECTURE = {family.architecture: family for family in FAMILIES}
@@ -35,8 +40,8 @@ SERVED_ARCHITECTURES = {family.architecture: family.vllm_class for family in FAM
 
 #: Model types asked for and refused, with the reason (what they need that the ops do not have yet).
 REFUSED = {
-    "gemma3": "a second RoPE for its sliding-window layers and per-head q/k norms its family code does not read",
-    "gemma3_text": "a second RoPE for its sliding-window layers and per-head q/k norms its family code does not read",
+    "gemma3": "the multimodal Gemma 3 with its vision tower; its text model, model_type gemma3_text "
+              "(Gemma3ForCausalLM), is supported",
     "mixtral": "a mixture-of-experts family that no test covers",
 }
 

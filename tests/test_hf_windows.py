@@ -1,7 +1,7 @@
-"""Sliding-window models compressed: Mistral (every layer windowed), Qwen2 with ``use_sliding_window`` and Gemma 2
-(windowed and full layers mixed; Gemma 2's logits soft-capped), tiny random-weight checkpoints, FDC and Palu, against
-the original models with their own sliding-window masks and caches; and the compressed cache of a windowed layer
-staying bounded."""
+"""Sliding-window models compressed: Mistral (every layer windowed), Qwen2 with ``use_sliding_window``, Gemma 2 and
+Gemma 3's text model (windowed and full layers mixed; Gemma 2's logits soft-capped, Gemma 3's local RoPE and q/k
+norms), tiny random-weight checkpoints, FDC and Palu, against the original models with their own sliding-window masks
+and caches; and the compressed cache of a windowed layer staying bounded."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ WINDOWED = {
     "mistral": dict(sliding_window=WINDOW),
     "qwen2": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),  # layer 0 full, 1 windowed
     "gemma2": dict(sliding_window=WINDOW),  # layer 0 windowed, 1 full; soft-capped logits (tiny_models.py)
+    "gemma3": dict(sliding_window=WINDOW),  # layer 0 windowed (its own RoPE base), 1 full; q/k norms
 }
 
 
@@ -50,6 +51,10 @@ def test_layer_windows_follow_the_config():
     gemma2 = tiny_model("gemma2", **WINDOWED["gemma2"]).config
     assert [families.layer_window(gemma2, layer) for layer in range(2)] == [WINDOW - 1, -1]
     assert families.logit_softcap(gemma2) == 2.0 and families.logit_softcap(mistral) == 0.0
+    gemma3 = tiny_model("gemma3", **WINDOWED["gemma3"]).config
+    assert [families.layer_window(gemma3, layer) for layer in range(2)] == [WINDOW - 1, -1]
+    local, full = (gemma3.rope_parameters[kind]["rope_theta"] for kind in ("sliding_attention", "full_attention"))
+    assert local != full  # two RoPEs: the compressed layers must take each layer's own
 
 
 @pytest.mark.parametrize("family", sorted(WINDOWED))

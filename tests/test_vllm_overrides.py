@@ -51,8 +51,8 @@ def test_one_family_table_serves_both_sides():
     for family in model_families.FAMILIES:
         assert hasattr(transformers, family.architecture)
         families.check_supported(types.SimpleNamespace(config=types.SimpleNamespace(model_type=family.model_type)))
-    with pytest.raises(ValueError, match=r"model_type 'gemma3' is not supported \(a second RoPE for its "
-                                         r"sliding-window layers .*\); supported: llama, mistral, qwen2, qwen3"):
+    with pytest.raises(ValueError, match=r"model_type 'gemma3' is not supported \(the multimodal Gemma 3 .* "
+                                         r"gemma3_text .*\); supported: llama, mistral, qwen2, qwen3"):
         families.check_supported(types.SimpleNamespace(config=types.SimpleNamespace(model_type="gemma3")))
 
 

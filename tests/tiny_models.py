@@ -26,6 +26,11 @@ def tiny_model(family: str, seed: int = 0, **overrides):
         # tiny model's scores reach, a query scale that is not 1 / sqrt(head_dim)
         "gemma2": (transformers.Gemma2Config, {"attn_logit_softcapping": 2.0, "query_pre_attn_scalar": 24,
                                                "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+        # Gemma 3's text model (tests/test_hf_windows.py): a windowed layer then a full one, per-head q/k norms, the
+        # windowed layers' RoPE on a base of its own, a query scale that is not 1 / sqrt(head_dim)
+        "gemma3": (transformers.Gemma3TextConfig, {"query_pre_attn_scalar": 24, "pad_token_id": 0, "bos_token_id": 1,
+                                                   "eos_token_id": 2,
+                                                   "layer_types": ["sliding_attention", "full_attention"]}),
     }
     config_class, extra = specific[family]
     config = config_class(**{**common, **extra, **overrides})

@@ -2,8 +2,9 @@
 form for every supported family, a fingerprint that ties an artifact to a model.
 
 Supported families: Llama, Mistral, Qwen2, Qwen3 (separate q/k/v projections, optional biases, Qwen3's per-head
-q/k norms before RoPE), Phi-3 (one fused ``qkv_proj``, optionally partial rotary) and Gemma 2; sliding windows
-(Mistral, Qwen2's ``use_sliding_window``, Gemma 2's local layers) and logit soft-capping (Gemma 2) per layer.
+q/k norms before RoPE), Phi-3 (one fused ``qkv_proj``, optionally partial rotary), Gemma 2 and Gemma 3's text model
+(q/k norms as Qwen3, a RoPE of its own for its local layers); sliding windows (Mistral, Qwen2's
+``use_sliding_window``, Gemma 2's and 3's local layers) and logit soft-capping (Gemma 2) per layer.
 Everything here reads the modules; nothing changes them.
 """
 
@@ -40,7 +41,11 @@ def text_config(model):
 
 
 def check_supported(model) -> None:
-    why = model_families.unsupported_model_type(getattr(text_config(model), "model_type", None))
+    config = text_config(model)
+    why = model_families.unsupported_model_type(getattr(config, "model_type", None))
+    if why is None and getattr(config, "use_bidirectional_attention", False):
+        # Gemma 3 configs for embedding models (EmbeddingGemma) attend both ways, the attention ops causally.
+        why = "use_bidirectional_attention (queries that see later keys) is not supported: the ops attend causally"
     if why is not None:
         raise ValueError(f"fdc_ops: {why}")
 

@@ -14,6 +14,7 @@ padding and the ops see per-request lengths. The padding mask comes from the dec
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import torch
@@ -566,6 +567,10 @@ class PaluAttention(_CompressedAttentionBase):
         self.latent_offsets = latent_offsets  # CPU, not a buffer
         self.qk_offsets = torch.arange(num_kv_heads + 1, dtype=torch.int32) * head_dim  # full-width keys
         self._rotary = [rotary]
+        # A rotary module with one table per layer type (Gemma 3: its windowed layers' RoPE has its own base) is asked
+        # for this layer's.
+        takes_type = "layer_type" in inspect.signature(rotary.forward).parameters
+        self._rotary_kwargs = {"layer_type": original.layer_type} if takes_type else {}
 
     def cache_offsets(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.latent_offsets, self.v_offsets
@@ -577,7 +582,7 @@ class PaluAttention(_CompressedAttentionBase):
         if self.k_norm is not None:
             keys = self.k_norm(keys)
         keys = keys.transpose(1, 2)  # (B, H_kv, S, D)
-        cos, sin = self._rotary[0](latent, positions)
+        cos, sin = self._rotary[0](latent, positions, **self._rotary_kwargs)
         _, keys = self._apply_rope(keys, keys, cos, sin)
         return keys.transpose(1, 2).reshape(B, S, -1)
 

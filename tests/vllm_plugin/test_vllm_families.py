@@ -111,7 +111,9 @@ def test_unsupported_attention_modules_are_refused_with_the_reason():
     assert "model_type 'phi3' is not served by the plugin: vLLM's Phi-3 is a Llama" in unsupported(module(), "phi3")
     assert "model_type 'gemma2' is not served by the plugin: the plugin's attention backend does not pass logit " \
         "soft-capping" in unsupported(module(), "gemma2")
-    assert "model_type 'gemma3' is not supported (a second RoPE" in unsupported(module(), "gemma3")
+    assert "model_type 'gemma3' is not supported (the multimodal Gemma 3" in unsupported(module(), "gemma3")
+    assert "model_type 'gemma3_text' is not served by the plugin: vLLM would keep" in unsupported(module(),
+                                                                                        "gemma3_text")
     assert unsupported(module(sliding_window=4096), "mistral") is None
     assert "qwen3 attention module without per-head q/k norms" in unsupported(module(), "qwen3")
     assert "qwen2 attention module with per-head q/k norms" in unsupported(module(q_norm=object()), "qwen2")
