@@ -97,20 +97,26 @@ def prefill_plan_size(num_workers: int, num_records: int) -> int:
     return PREFILL_HEADER + (num_workers + 1) + PREFILL_RECORD_FIELDS * num_records
 
 
-def visible_keys(r0: int, r1: int, s_q: int, s_k: int, causal: bool) -> int:
-    """Keys seen by query rows ``[r0, r1)`` of a sequence with ``s_q`` queries and ``s_k`` keys, summed over the rows
-    (include/fdc/prefill_plan.h, visible_keys): ``s_k`` per row, or under causal masking aligned bottom-right as in
-    FlashAttention, ``clamp(r + s_k - s_q + 1, 0, s_k)`` for row ``r``. Closed form, exact."""
-    if r1 <= r0 or s_k <= 0:
-        return 0
-    if not causal:
-        return (r1 - r0) * s_k
-    shift = s_k - s_q + 1  # visible(r) = clamp(r + shift, 0, s_k)
-    # Rows with r + shift <= 0 see nothing, rows with r + shift >= s_k see everything, the rest see r + shift.
+def _clamped_row_sum(r0: int, r1: int, shift: int, s_k: int) -> int:
+    """Sum of ``clamp(r + shift, 0, s_k)`` over rows ``[r0, r1)``, in closed form."""
+    # Rows with r + shift <= 0 add nothing, rows with r + shift >= s_k add s_k, the rest add r + shift.
     lin_lo, lin_hi = max(r0, -shift + 1), min(r1, s_k - shift)
     total = (lin_lo + lin_hi - 1 + 2 * shift) * (lin_hi - lin_lo) // 2 if lin_hi > lin_lo else 0
     full_lo = max(r0, s_k - shift)
     return total + ((r1 - full_lo) * s_k if r1 > full_lo else 0)
+
+
+def visible_keys(r0: int, r1: int, s_q: int, s_k: int, causal: bool, window_left: int = -1) -> int:
+    """Keys seen by query rows ``[r0, r1)`` of a sequence with ``s_q`` queries and ``s_k`` keys, summed over the rows
+    (include/fdc/prefill_plan.h, visible_keys): row ``r`` at position ``p = r + s_k - s_q`` sees keys up to
+    ``min(p + 1, s_k)`` under causal masking (aligned bottom-right as in FlashAttention; every key otherwise) and from
+    ``clamp(p - window_left, 0, s_k)`` with a sliding window (``window_left`` -1: none). Closed form, exact."""
+    if r1 <= r0 or s_k <= 0:
+        return 0
+    shift = s_k - s_q
+    seen_to = _clamped_row_sum(r0, r1, shift + 1, s_k) if causal else (r1 - r0) * s_k
+    seen_from = 0 if window_left < 0 else _clamped_row_sum(r0, r1, shift - window_left, s_k)
+    return seen_to - seen_from
 
 
 def d_sums(qk_dims: Sequence[int], v_dims: Sequence[int]) -> list[int]:
@@ -345,22 +351,23 @@ class PrefillPlan:
         return _split_by_worker(self.records, self.worker_offsets)
 
     def costs_by_worker(self, qk_dims: Sequence[int], v_dims: Sequence[int], lengths_q: Sequence[int],
-                        lengths_k: Sequence[int]) -> list[list[int]]:
+                        lengths_k: Sequence[int], window_left: int = -1) -> list[list[int]]:
         """Per worker, the planner's cost of each of its records: ``d_sum(h // group) * visible keys`` of its rows,
-        for sequences of ``lengths_q[b]`` queries and ``lengths_k[b]`` keys."""
+        for sequences of ``lengths_q[b]`` queries and ``lengths_k[b]`` keys and the plan's sliding window (which the
+        plan does not record: the ``window_left`` it was made with)."""
         where = "PrefillPlan.costs_by_worker"
         d_sum = d_sums(qk_dims, v_dims)
         _check_dims(where, d_sum, self.num_heads // self.group)
         _require(len(lengths_q) == self.batch and len(lengths_k) == self.batch, where, "lengths_q and lengths_k",
                  f"one length per sequence (B = {self.batch})", f"{len(lengths_q)} and {len(lengths_k)}")
-        costs = [d_sum[h // self.group] * visible_keys(r0, r1, lengths_q[b], lengths_k[b], self.causal)
+        costs = [d_sum[h // self.group] * visible_keys(r0, r1, lengths_q[b], lengths_k[b], self.causal, window_left)
                  for b, h, r0, r1 in self.records]
         return _split_by_worker(costs, self.worker_offsets)
 
     def worker_loads(self, qk_dims: Sequence[int], v_dims: Sequence[int], lengths_q: Sequence[int],
-                     lengths_k: Sequence[int]) -> list[int]:
+                     lengths_k: Sequence[int], window_left: int = -1) -> list[int]:
         """Per worker, the summed cost of its records (the plan's makespan is the largest)."""
-        return [sum(costs) for costs in self.costs_by_worker(qk_dims, v_dims, lengths_q, lengths_k)]
+        return [sum(costs) for costs in self.costs_by_worker(qk_dims, v_dims, lengths_q, lengths_k, window_left)]
 
     def _check(self, where: str) -> None:
         """Everything the format says of the fields beyond the tag and length: header values, offsets, records."""

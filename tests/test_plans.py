@@ -175,14 +175,14 @@ def _op_decode_plan(rng) -> tuple[torch.Tensor, list[int], Layout]:
     return plan, lengths, layout
 
 
-def _op_prefill_plan(rng) -> tuple[torch.Tensor, list[int], list[int], Layout]:
+def _op_prefill_plan(rng, window_left: int = -1) -> tuple[torch.Tensor, list[int], list[int], Layout]:
     """The CPU op's prefill plan of a random layout, lengths, mask and worker count: (plan, s_q, s_k, layout)."""
     layout = random_layout(rng)
     lengths_q = [rng.choice([0, 1, 15, 16, 17, 100, 640, 2000]) for _ in range(rng.randint(0, 5))]
     lengths_k = [s if rng.random() < 0.6 else rng.choice([0, 1, 50, 3000]) for s in lengths_q]
     plan = ops.prefill_plan(offsets(lengths_q), offsets(lengths_k), layout.qk_offsets, layout.v_offsets,
                             layout.group, rng.random() < 0.5, num_workers=rng.choice([1, 2, 5, 16, 132]),
-                            row_block=rng.choice([16, 64, 128]))
+                            row_block=rng.choice([16, 64, 128]), window_left=window_left)
     return plan, lengths_q, lengths_k, layout
 
 
@@ -219,6 +219,40 @@ def test_prefill_codec_round_trips_op_plans(case):
     expected = sum(d_sum[h // layout.group] * plans.visible_keys(0, s_q, s_q, s_k, plan.causal)
                    for s_q, s_k in zip(lengths_q, lengths_k) for h in range(plan.num_heads))
     assert sum(plan.worker_loads(layout.qk_dims, layout.v_dims, lengths_q, lengths_k)) == expected, replay
+
+
+@pytest.mark.parametrize("case", range(20))
+def test_visible_keys_counts_each_rows_keys(case):
+    """The closed form against a count row by row, causal or not, with and without a window (include/fdc's
+    attention_variant.h: row r at position r + s_k - s_q sees [max(0, p - window_left), min(p + 1, s_k)))."""
+    _, rng, replay = case_generator("visible_keys", case)
+    s_q, s_k = rng.randint(0, 70), rng.randint(0, 70)
+    r0 = rng.randint(0, s_q)
+    r1 = rng.randint(r0, s_q)
+    causal, window_left = rng.random() < 0.5, rng.choice([-1, 0, 1, 5, 30, 100])
+
+    def seen(r):
+        p = r + s_k - s_q
+        end = min(p + 1, s_k) if causal else s_k
+        start = 0 if window_left < 0 else min(max(0, p - window_left), s_k)
+        return max(0, end - start)
+
+    assert plans.visible_keys(r0, r1, s_q, s_k, causal, window_left) == sum(map(seen, range(r0, r1))), replay
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_windowed_prefill_plans_cost_the_visible_keys(case):
+    """A plan made with a sliding window: the loads the codec computes for that window sum to every row's visible keys
+    at d_sum each (what the planner's LPT balanced)."""
+    _, rng, replay = case_generator("prefill_codec_window", case)
+    window_left = rng.choice([0, 15, 100, 700])
+    tensor, lengths_q, lengths_k, layout = _op_prefill_plan(rng, window_left)
+    plan = PrefillPlan.from_tensor(tensor)
+    d_sum = plans.d_sums(layout.qk_dims, layout.v_dims)
+    expected = sum(d_sum[h // layout.group] * plans.visible_keys(0, s_q, s_q, s_k, plan.causal, window_left)
+                   for s_q, s_k in zip(lengths_q, lengths_k) for h in range(plan.num_heads))
+    loads = plan.worker_loads(layout.qk_dims, layout.v_dims, lengths_q, lengths_k, window_left)
+    assert sum(loads) == expected, replay
 
 
 def test_a_failed_decode_plan_encodes_as_documented():
