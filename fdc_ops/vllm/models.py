@@ -301,7 +301,8 @@ class FDCLlamaForCausalLM(FDCModelMixin, LlamaForCausalLM):
 
 
 class FDCMistralForCausalLM(FDCModelMixin, MistralForCausalLM):
-    """vLLM's MistralForCausalLM (Hugging Face Mistral checkpoints without a sliding window) with FDC attention."""
+    """vLLM's MistralForCausalLM (Hugging Face Mistral checkpoints, with or without a sliding window) with FDC
+    attention."""
 
 
 class FDCQwen2ForCausalLM(FDCModelMixin, Qwen2ForCausalLM):
