@@ -8,7 +8,9 @@ torch.profiler table of a few decode steps of each engine (of mixed steps with `
 ``--mixed-steps N`` then times N mixed steps of each engine, alternating too: in each, ``--mixed-prompts`` new
 prompts of ``--mixed-prompt-tokens`` random tokens (asking for one token, so they leave in the same step) are
 prefilled while the batch's requests each decode a token, which is what a server's steps look like while requests
-keep arriving.
+keep arriving. With ``--mixed-prefix-tokens P`` every new prompt starts with the same P tokens (a system prompt), which
+an untimed mixed step puts in vLLM's prefix cache first: each timed prompt then prefills only its own tokens over P
+cached ones (a prefix hit: attention over context read from the pages).
 
 Runs in .venv-vllm: ``PYTHONSAFEPATH=1 .venv-vllm/bin/python bench/bench_vllm_step.py``. The engine core runs in this
 process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and eager (no torch.compile warm-up, and Python's share of a step shows).
@@ -56,6 +58,9 @@ def parse_args():
                         help="then time this many steps that each prefill a new prompt beside the decodes")
     parser.add_argument("--mixed-prompt-tokens", type=int, default=256, help="tokens of each mixed step's prompts")
     parser.add_argument("--mixed-prompts", type=int, default=1, help="new prompts in each mixed step")
+    parser.add_argument("--mixed-prefix-tokens", type=int, default=0,
+                        help="a prefix of this many tokens shared by every mixed prompt, cached before the timed steps "
+                             "(a multiple of the block size hits whole)")
     parser.add_argument("--profile-rows", type=int, default=40)
     parser.add_argument("--profile-mixed", action="store_true",
                         help="profile mixed steps (after the timed ones) instead of decode steps")
@@ -77,7 +82,8 @@ class Engine:
         self.name = name
         decode_steps = args.steps + args.profile + args.mixed_steps + PREFILL_SLACK_TOKENS
         self.llm = LLM(model=model, dtype="float32", seed=0, enforce_eager=True, hf_overrides=overrides,
-                       max_model_len=max(args.prompt_tokens + decode_steps, args.mixed_prompt_tokens) + 8, **options)
+                       max_model_len=max(args.prompt_tokens + decode_steps,
+                                         args.mixed_prefix_tokens + args.mixed_prompt_tokens) + 8, **options)
         self.engine = self.llm.llm_engine
         params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)
         for index, prompt in enumerate(prompts):
@@ -190,9 +196,16 @@ def run(args, timing) -> None:
     profiles = {}
     if args.profile and not args.profile_mixed:
         profiles = {engine.name: engine.profile(args.profile, args.profile_rows) for engine in engines}
-    def new_prompts() -> list[list[int]]:
-        return [[rng.randrange(vocab_size) for _ in range(args.mixed_prompt_tokens)] for _ in range(args.mixed_prompts)]
+    prefix = [rng.randrange(vocab_size) for _ in range(args.mixed_prefix_tokens)]
 
+    def new_prompts() -> list[list[int]]:
+        return [prefix + [rng.randrange(vocab_size) for _ in range(args.mixed_prompt_tokens)]
+                for _ in range(args.mixed_prompts)]
+
+    if args.mixed_steps and prefix:  # the shared prefix into every engine's prefix cache, untimed (one prompt: a step
+        prompts = new_prompts()[:1]   # of several uncached ones could exceed vLLM's tokens per step)
+        for engine in engines:
+            engine.mixed_step("prefix", prompts, timed=False)
     for index in range(args.mixed_steps):  # the mixed steps, alternating
         prompts = new_prompts()
         for engine in engines:
@@ -214,8 +227,10 @@ def run(args, timing) -> None:
               f"{result['prefill_steps']} steps, decode step "
               f"median {result['decode_ms_median']:.1f} ms (min {result['decode_ms_min']:.1f})")
         if "mixed_ms_median" in result:
+            cached = f" after {args.mixed_prefix_tokens} cached" if args.mixed_prefix_tokens else ""
             print(f"{'':>13} mixed step ({args.requests} decodes + {args.mixed_prompts} x {args.mixed_prompt_tokens} "
-                  f"prompt tokens): median {result['mixed_ms_median']:.1f} ms (min {result['mixed_ms_min']:.1f})")
+                  f"prompt tokens{cached}): median {result['mixed_ms_median']:.1f} ms "
+                  f"(min {result['mixed_ms_min']:.1f})")
     if "uncompressed" in results and "fdc" in results:
         ratio = results["fdc"]["decode_ms_median"] / results["uncompressed"]["decode_ms_median"]
         print(f"FDC / uncompressed decode step: {ratio:.3f}")
