@@ -83,6 +83,19 @@ PAGE_SIZES = (16, 128)
 WINDOW_LEFT = 1023
 
 
+def shuffled_pages(batch: int, keys: int, page_size: int, qk_dims: list[int], v_dims: list[int], dtype: torch.dtype,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A paged cache for `batch` requests of `keys` keys ((num_pages, width, page_size), docs/design.md section 3),
+    random values, and its block table (batch, pages per request) int32, the pages shuffled over the pool as a serving
+    engine's block tables leave them (a fixed seed: every call the same order)."""
+    per_request = -(-keys // page_size)
+    order = torch.randperm(batch * per_request, generator=torch.Generator().manual_seed(0))
+    table = order.view(batch, per_request).to(device=device, dtype=torch.int32)
+    k_pages = torch.randn(batch * per_request, sum(qk_dims), page_size, dtype=dtype, device=device)
+    v_pages = torch.randn(batch * per_request, sum(v_dims), page_size, dtype=dtype, device=device)
+    return k_pages, v_pages, table
+
+
 def bench_decode(batch: int, context: int, qk_dims: list[int], v_dims: list[int], dtype: torch.dtype,
                  device: torch.device, copy_mb: int, timer: Timer) -> list[OpRow]:
     qk_offsets, v_offsets = ops.prefix_sums(qk_dims), ops.prefix_sums(v_dims)
@@ -132,13 +145,8 @@ def bench_decode(batch: int, context: int, qk_dims: list[int], v_dims: list[int]
     time_limit = goal.full_ratio_slack * share
 
     def paged(page_size: int):
-        """The same lengths in a paged cache ((num_pages, width, page_size), docs/design.md section 3) whose pages
-        are shuffled over the pool, as a serving engine's block tables leave them."""
-        per_request = -(-context // page_size)
-        order = torch.randperm(batch * per_request, generator=torch.Generator().manual_seed(0))
-        table = order.view(batch, per_request).to(device=device, dtype=torch.int32)
-        k_pages = torch.randn(batch * per_request, sum(qk_dims), page_size, dtype=dtype, device=device)
-        v_pages = torch.randn(batch * per_request, sum(v_dims), page_size, dtype=dtype, device=device)
+        """The same lengths in a paged cache of shuffled pages."""
+        k_pages, v_pages, table = shuffled_pages(batch, context, page_size, qk_dims, v_dims, dtype, device)
         return lambda: ops.decode_attention(q, k_pages, v_pages, seqlens, qk_offsets, v_offsets, GROUP, SCALE, plan,
                                             table)
 
@@ -193,11 +201,7 @@ def bench_windowed_decode(batch: int, context: int, window_left: int, qk_dims: l
     short = torch.full((batch,), visible, dtype=torch.int32, device=device)
     k_short, v_short = k_cache[:, :visible].contiguous(), v_cache[:, :visible].contiguous()
     page_size = PAGE_SIZES[-1]
-    per_request = -(-context // page_size)
-    table = torch.randperm(batch * per_request, generator=torch.Generator().manual_seed(0)).view(batch, per_request)
-    table = table.to(device=device, dtype=torch.int32)
-    k_pages = torch.randn(batch * per_request, sum(qk_dims), page_size, dtype=dtype, device=device)
-    v_pages = torch.randn(batch * per_request, sum(v_dims), page_size, dtype=dtype, device=device)
+    k_pages, v_pages, table = shuffled_pages(batch, context, page_size, qk_dims, v_dims, dtype, device)
     calls = [
         lambda: ops.decode_attention(q, k_short, v_short, short, qk_offsets, v_offsets, GROUP, SCALE),
         lambda: ops.decode_attention(q, k_cache, v_cache, seqlens, qk_offsets, v_offsets, GROUP, SCALE,
@@ -269,11 +273,7 @@ def bench_prefix_prefill(batch: int, prefix: int, chunk: int, page_size: int, qk
     packed prefill over them (what the plugin's backend did before the op read pages)."""
     qk_offsets, v_offsets = ops.prefix_sums(qk_dims), ops.prefix_sums(v_dims)
     seq = prefix + chunk
-    pages_per_request = -(-seq // page_size)
-    num_pages = batch * pages_per_request
-    k_pages = torch.randn(num_pages, sum(qk_dims), page_size, dtype=dtype, device=device)
-    v_pages = torch.randn(num_pages, sum(v_dims), page_size, dtype=dtype, device=device)
-    table = torch.randperm(num_pages, device=device).view(batch, pages_per_request).to(torch.int32)
+    k_pages, v_pages, table = shuffled_pages(batch, seq, page_size, qk_dims, v_dims, dtype, device)
     q = torch.randn(batch * chunk, GROUP * sum(qk_dims), dtype=dtype, device=device)
     cu_q, cu_k = ops.prefix_sums([chunk] * batch).to(device), ops.prefix_sums([seq] * batch).to(device)
     # The backend's gather: token t of request b is slot t % page_size of page table[b, t // page_size].

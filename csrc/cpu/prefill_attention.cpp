@@ -24,6 +24,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "cpu/cpu_common.h"
@@ -130,6 +131,26 @@ struct PackedKV {
   const T* v_block(int64_t b, int64_t j, int64_t num_kv, int64_t block, int64_t dvp) const {
     return v_storage.data_ptr<T>() + v_base[b * num_kv + j] + (block - first_block[b]) * kKeyBlock * dvp;
   }
+
+  // Places every (sequence, KV head)'s blocks back to back, sequence b holding keys[b] packed keys (a multiple of
+  // kKeyBlock) from block first_block[b] on; returns the element counts (K, V) the storage needs.
+  std::pair<int64_t, int64_t> lay_out(const checks::HostLayout& layout, const std::vector<int64_t>& keys,
+                                      std::vector<int64_t> first) {
+    const int64_t batch = static_cast<int64_t>(keys.size()), num_kv = layout.num_kv_heads();
+    first_block = std::move(first);
+    k_base.resize(batch * num_kv);
+    v_base.resize(batch * num_kv);
+    int64_t k_total = 0, v_total = 0;
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t j = 0; j < num_kv; ++j) {
+        k_base[b * num_kv + j] = k_total;
+        v_base[b * num_kv + j] = v_total;
+        k_total += keys[b] * (layout.qk_offsets[j + 1] - layout.qk_offsets[j]);
+        v_total += keys[b] * padded_v_width(layout.v_offsets[j + 1] - layout.v_offsets[j]);
+      }
+    }
+    return {k_total, v_total};
+  }
 };
 
 // k (T_k, W_qk), v (T_k, W_v) of element type T with unit column stride.
@@ -139,19 +160,9 @@ PackedKV<T> pack_kv(const at::Tensor& k, const at::Tensor& v, const std::vector<
   constexpr int64_t kPair = PackedKV<T>::kPair;
   const int64_t batch = static_cast<int64_t>(cu_k.size()) - 1, num_kv = layout.num_kv_heads();
   PackedKV<T> packed;
-  packed.k_base.resize(batch * num_kv);
-  packed.v_base.resize(batch * num_kv);
-  packed.first_block.assign(batch, 0);
-  int64_t k_total = 0, v_total = 0;
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t keys = round_up(cu_k[b + 1] - cu_k[b], kKeyBlock);
-    for (int64_t j = 0; j < num_kv; ++j) {
-      packed.k_base[b * num_kv + j] = k_total;
-      packed.v_base[b * num_kv + j] = v_total;
-      k_total += keys * (layout.qk_offsets[j + 1] - layout.qk_offsets[j]);
-      v_total += keys * PackedKV<T>::padded_v_width(layout.v_offsets[j + 1] - layout.v_offsets[j]);
-    }
-  }
+  std::vector<int64_t> keys(batch);
+  for (int64_t b = 0; b < batch; ++b) keys[b] = round_up(cu_k[b + 1] - cu_k[b], kKeyBlock);
+  const auto [k_total, v_total] = packed.lay_out(layout, keys, std::vector<int64_t>(batch, 0));
   packed.k_storage = at::empty({k_total}, k.options());  // every element is written below, padding with zeros
   packed.v_storage = at::empty({v_total}, v.options());
   const T* k_data = k.data_ptr<T>();
@@ -204,26 +215,18 @@ PackedKV<T> pack_kv_paged(const at::Tensor& k, const at::Tensor& v, const checks
   const checks::HostLayout& layout = in.layout;
   const int64_t batch = in.batch, num_kv = layout.num_kv_heads(), page_size = in.paged.page_size;
   PackedKV<T> packed;
-  packed.k_base.resize(batch * num_kv);
-  packed.v_base.resize(batch * num_kv);
-  packed.first_block.assign(batch, 0);
-  std::vector<int64_t> first_key(batch, 0), last_key(batch, 0);  // keys [first_key, last_key) of b are read
-  int64_t k_total = 0, v_total = 0;
+  // Keys [first_key, last_key) of sequence b are read (none when it has no query), from its block first_block on.
+  std::vector<int64_t> first_key(batch, 0), last_key(batch, 0), first_block(batch, 0), keys(batch, 0);
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t s_q = in.cu_q[b + 1] - in.cu_q[b], s_k = in.cu_k[b + 1] - in.cu_k[b];
     if (s_q > 0) {
       first_key[b] = checks::prefill_first_key(s_q, s_k, window_left);
       last_key[b] = s_k;
-      packed.first_block[b] = first_key[b] / kKeyBlock;
+      first_block[b] = first_key[b] / kKeyBlock;
     }
-    const int64_t keys = std::max<int64_t>(0, round_up(last_key[b], kKeyBlock) - packed.first_block[b] * kKeyBlock);
-    for (int64_t j = 0; j < num_kv; ++j) {
-      packed.k_base[b * num_kv + j] = k_total;
-      packed.v_base[b * num_kv + j] = v_total;
-      k_total += keys * (layout.qk_offsets[j + 1] - layout.qk_offsets[j]);
-      v_total += keys * PackedKV<T>::padded_v_width(layout.v_offsets[j + 1] - layout.v_offsets[j]);
-    }
+    keys[b] = std::max<int64_t>(0, round_up(last_key[b], kKeyBlock) - first_block[b] * kKeyBlock);
   }
+  const auto [k_total, v_total] = packed.lay_out(layout, keys, std::move(first_block));
   // Zeros where no key is read: before the first one, past the last one, and the padding columns of V.
   packed.k_storage = at::zeros({k_total}, k.options().dtype(c10::CppTypeToScalarType<T>::value));
   packed.v_storage = at::zeros({v_total}, v.options().dtype(c10::CppTypeToScalarType<T>::value));

@@ -228,16 +228,12 @@ at::Tensor prefill_attention_cuda(const at::Tensor& q, const at::Tensor& k, cons
     args.k_stride = kc.stride(0);
     args.v_stride = vc.stride(0);
     args.out_stride = out.stride(0);
+    args.col_stride = 1;  // packed rows; args{} left block_table null
     if (in.is_paged()) {
       args.block_table = in.block_table.data_ptr<int32_t>();
       args.max_pages = in.paged.max_pages;
       args.page_size = in.paged.page_size;
       args.col_stride = in.paged.page_size;
-    } else {
-      args.block_table = nullptr;
-      args.max_pages = 0;
-      args.page_size = 0;
-      args.col_stride = 1;
     }
     args.scale_log2 = static_cast<float>(scale * M_LOG2E);
     args.scale = static_cast<float>(scale);
