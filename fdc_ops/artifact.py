@@ -223,6 +223,53 @@ def fold_value_and_output(v_weight: torch.Tensor, o_weight: torch.Tensor, v_enco
     return FoldedValueOutput(value_weight, output_weight, output_bias)
 
 
+
+@dataclass(frozen=True)
+class FoldedKeyLatent:
+    """The Palu baseline's key path of one layer (fold_key_latent), in float64 on the weights' device."""
+
+    latent_weight: torch.Tensor  # (sum k_dims, hidden): B_j^T W_K_j per KV head j, the cached latent's projection
+    latent_bias: torch.Tensor | None  # (sum k_dims,): B_j^T b_K_j, or None without a K bias
+    key_up: torch.Tensor  # (sum k_dims, H_kv * D): block-diagonal B_j^T, latent rows -> pre-RoPE keys
+
+
+def fold_key_latent(k_weight: torch.Tensor, key_basis: torch.Tensor, k_dims: Sequence[int],
+                    k_bias: torch.Tensor | None = None) -> FoldedKeyLatent:
+    """The Palu baseline's key factors of one layer, as each integration (fdc_ops.hf.compress, the vLLM plugin)
+    applies them: the latent projection that replaces W_K (its k_dims[j] rows of KV head j are the first k_dims[j]
+    principal axes of that head's pre-RoPE keys, applied to W_K), and the up-projection that rebuilds the keys
+    (``keys = latent @ key_up``, then per-head norms and RoPE).
+
+    k_weight: (H_kv * D, hidden); key_basis: (H_kv, D, D), principal axes in columns; k_dims: H_kv widths; k_bias:
+    (H_kv * D,) or None."""
+    num_kv_heads, head_dim = key_basis.shape[0], key_basis.shape[1]
+    if k_weight.shape[0] != num_kv_heads * head_dim or len(k_dims) != num_kv_heads:
+        raise ValueError(f"fdc_ops.calibration.fold_key_latent: k_weight {tuple(k_weight.shape)} and {len(k_dims)} "
+                         f"widths do not match {num_kv_heads} KV heads of width {head_dim}")
+    device = k_weight.device
+    basis = [key_basis[j, :, : int(k_dims[j])].to(device, torch.float64) for j in range(num_kv_heads)]  # (D, r_j)
+    heads = k_weight.detach().to(torch.float64).view(num_kv_heads, head_dim, -1)
+    latent_weight = torch.cat([basis[j].T @ heads[j] for j in range(num_kv_heads)])
+    latent_bias = None
+    if k_bias is not None:
+        bias = k_bias.detach().to(torch.float64).view(num_kv_heads, head_dim)
+        latent_bias = torch.cat([basis[j].T @ bias[j] for j in range(num_kv_heads)])
+    return FoldedKeyLatent(latent_weight, latent_bias, key_up_projection(key_basis, k_dims).to(device))
+
+
+def key_up_projection(key_basis: torch.Tensor, k_dims: Sequence[int]) -> torch.Tensor:
+    """(sum k_dims, H_kv * D) float64: the Palu baseline's block-diagonal up-projection of one layer's cached key
+    latent to its pre-RoPE keys (KV head j's k_dims[j] latent columns times the transpose of its first k_dims[j]
+    principal axes). key_basis: (H_kv, D, D), principal axes in columns; k_dims: H_kv widths."""
+    num_kv_heads, head_dim = key_basis.shape[0], key_basis.shape[1]
+    key_up = torch.zeros(sum(int(d) for d in k_dims), num_kv_heads * head_dim, dtype=torch.float64)
+    start = 0
+    for j, dim in enumerate(int(d) for d in k_dims):
+        key_up[start: start + dim, j * head_dim: (j + 1) * head_dim] = key_basis[j, :, :dim].T.to(torch.float64)
+        start += dim
+    return key_up
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The artifact
 

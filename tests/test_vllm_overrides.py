@@ -21,8 +21,10 @@ def test_overrides_name_the_fdc_class_and_carry_the_settings(tmp_path):
     model = model_dir(tmp_path / "model", ["LlamaForCausalLM"])
     overrides = fdc_ops.vllm.hf_overrides(model, tmp_path / "artifact", compression=0.1, rule="sensitivity")
     assert overrides == {"architectures": ["FDCLlamaForCausalLM"],
-                         "fdc": {"artifact": str((tmp_path / "artifact").resolve()), "compression": 0.1,
-                                 "rule": "sensitivity"}}
+                         "fdc": {"artifact": str((tmp_path / "artifact").resolve()), "method": "fdc",
+                                 "compression": 0.1, "rule": "sensitivity"}}
+    palu = fdc_ops.vllm.hf_overrides(model, tmp_path / "artifact", compression=0.1, method="palu")
+    assert palu["architectures"] == ["FDCLlamaForCausalLM"] and palu["fdc"]["method"] == "palu"
     dims = torch.tensor([[8, 16], [24, 32]])
     explicit = fdc_ops.vllm.hf_overrides(model, "artifact", qk_dims=dims, v_dims=dims.tolist())
     assert explicit["fdc"]["qk_dims"] == [[8, 16], [24, 32]] and explicit["fdc"]["v_dims"] == [[8, 16], [24, 32]]
@@ -63,6 +65,8 @@ def test_overrides_name_the_argument_and_the_type_they_expect(tmp_path):
                             (dict(compression=0.1, rule=3), "rule must be a string")):
         with pytest.raises(TypeError, match=message):
             fdc_ops.vllm.hf_overrides(model, tmp_path / "artifact", **kwargs)
+    with pytest.raises(ValueError, match=r"method must be one of \('fdc', 'palu'\), got 'svd'"):
+        fdc_ops.vllm.hf_overrides(model, tmp_path / "artifact", compression=0.1, method="svd")
     with pytest.raises(TypeError, match="artifact must be a directory path"):
         fdc_ops.vllm.hf_overrides(model, 0.1)
     with pytest.raises(ValueError, match="was not written by fdc_ops.hf.save_compressed"):
@@ -81,9 +85,13 @@ def test_overrides_of_a_saved_compressed_model_take_its_artifact_and_widths(tmp_
     saved = hf.save_compressed(model, tmp_path / "saved")
     overrides = fdc_ops.vllm.hf_overrides(saved)
     assert overrides["architectures"] == ["FDCQwen2ForCausalLM"]
-    assert overrides["fdc"] == {"artifact": str((saved / "fdc" / "artifact").resolve()), "qk_dims": dims,
-                                "v_dims": dims[::-1]}
+    assert overrides["fdc"] == {"artifact": str((saved / "fdc" / "artifact").resolve()), "method": "fdc",
+                                "qk_dims": dims, "v_dims": dims[::-1]}
     assert fdc_ops.vllm.hf_overrides(saved, compression=0.2)["fdc"]["compression"] == 0.2  # widths given: those
+    hf.restore(model)
+    hf.compress(model, artifact, qk_dims=dims, v_dims=dims, method="palu")  # served with its saved method
+    palu = fdc_ops.vllm.hf_overrides(hf.save_compressed(model, tmp_path / "saved-palu"))
+    assert palu["fdc"]["method"] == "palu" and palu["fdc"]["qk_dims"] == dims
 
 
 @pytest.mark.parametrize("family", ["Llama", "Mistral", "Qwen2", "Qwen3"])

@@ -86,16 +86,11 @@ def compress(model, artifact: artifacts.FDCArtifact | str, removal_rate: float |
             module = FDCAttention(**common, k_weight=weights.k_weight.detach(), k_bias=_detach(weights.k_bias),
                                   rotation=rotation, qk_offsets=qk_offsets)
         else:
-            basis = artifact.key_basis[layer].to(device, torch.float64)  # (H_kv, D, D)
-            k_weight = weights.k_weight.detach().to(torch.float64).view(Hkv, D, -1)
-            latent_weight = torch.cat([basis[j, :, : int(qk_dims_l[j])].T @ k_weight[j] for j in range(Hkv)])
-            latent_bias = None
-            if weights.k_bias is not None:
-                k_bias = weights.k_bias.detach().to(torch.float64).view(Hkv, D)
-                latent_bias = torch.cat([basis[j, :, : int(qk_dims_l[j])].T @ k_bias[j] for j in range(Hkv)])
-                latent_bias = latent_bias.to(dtype)
-            module = PaluAttention(**common, latent_weight=latent_weight.to(dtype), latent_bias=latent_bias,
-                                   key_basis=basis, latent_offsets=qk_offsets, rotary=decoder.rotary_emb)
+            keys = artifacts.fold_key_latent(weights.k_weight, artifact.key_basis[layer], qk_dims_l.tolist(),
+                                             weights.k_bias)
+            latent_bias = None if keys.latent_bias is None else keys.latent_bias.to(dtype)
+            module = PaluAttention(**common, latent_weight=keys.latent_weight.to(dtype), latent_bias=latent_bias,
+                                   key_up=keys.key_up.to(dtype), latent_offsets=qk_offsets, rotary=decoder.rotary_emb)
         decoder.layers[layer].self_attn = module.to(device)
 
     hook = decoder.register_forward_pre_hook(_MaskRecorder(padding), with_kwargs=True)

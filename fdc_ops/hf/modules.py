@@ -548,22 +548,17 @@ class PaluAttention(_CompressedAttentionBase):
 
     def __init__(self, original: nn.Module, layer: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  q_weight, q_bias, latent_weight, latent_bias, value_weight, output_weight, output_bias,
-                 key_basis: torch.Tensor, latent_offsets: torch.Tensor, v_offsets: torch.Tensor,
+                 key_up: torch.Tensor, latent_offsets: torch.Tensor, v_offsets: torch.Tensor,
                  padding: PaddingState, rotary: nn.Module, window_left: int = -1, softcap: float = 0.0):
-        """latent_weight: (sum k dims, hidden) = B W_K per KV head; key_basis: (H_kv, D, D) principal axes of the
-        pre-RoPE keys (first k_dims[j] columns used); latent_offsets: (H_kv + 1,) int32 CPU."""
+        """latent_weight: (sum k dims, hidden) = B W_K per KV head; key_up: (sum k dims, H_kv * D) block-diagonal
+        up-projection of the latent to pre-RoPE keys (fdc_ops.artifact.fold_key_latent); latent_offsets: (H_kv + 1,)
+        int32 CPU."""
         super().__init__(original, layer, num_heads, num_kv_heads, head_dim, q_weight, q_bias, latent_weight,
                          latent_bias, value_weight, output_weight, output_bias, v_offsets, padding, window_left,
                          softcap)
         self.latent_proj = self.k_proj  # (hidden) -> (sum k dims): the latent, not full keys
         del self.k_proj
-        dims = (latent_offsets[1:] - latent_offsets[:-1]).tolist()
-        up = torch.zeros(int(latent_offsets[-1]), num_kv_heads * head_dim, dtype=q_weight.dtype,
-                         device=q_weight.device)
-        for j, dim in enumerate(dims):  # block-diagonal: latent of head j -> its D-wide key
-            start = int(latent_offsets[j])
-            up[start: start + dim, j * head_dim:(j + 1) * head_dim] = key_basis[j, :, :dim].T.to(up.dtype)
-        self.register_buffer("key_up", up, persistent=False)  # (sum k dims, H_kv * D)
+        self.register_buffer("key_up", key_up, persistent=False)  # (sum k dims, H_kv * D)
         self.latent_offsets = latent_offsets  # CPU, not a buffer
         self.qk_offsets = torch.arange(num_kv_heads + 1, dtype=torch.int32) * head_dim  # full-width keys
         self._rotary = [rotary]

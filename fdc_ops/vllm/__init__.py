@@ -28,6 +28,8 @@ from pathlib import Path
 
 from ..model_families import BY_ARCHITECTURE, SERVED_ARCHITECTURES
 
+METHODS = ("fdc", "palu")  # what the plugin serves: FDC, and the Palu baseline (fdc_ops.hf.compress's methods)
+
 
 def check_vllm() -> None:
     """Refuses a vLLM release outside fdc_ops.supported.VLLM, the one the plugin is written for and tested with
@@ -74,14 +76,15 @@ def cpu_thread_binding(ranks: int) -> str:
 
 def hf_overrides(model: str | os.PathLike, artifact: str | os.PathLike | None = None, *,
                  compression: float | None = None, removal_rate: float | None = None, rule: str | None = None,
-                 qk_dims=None, v_dims=None) -> dict:
+                 qk_dims=None, v_dims=None, method: str = "fdc") -> dict:
     """vLLM's ``hf_overrides`` that serve the Hugging Face checkpoint ``model`` (a directory) compressed by FDC: its
     architecture replaced by the FDC class, and the ``fdc`` entry that class reads. The widths come from the
     artifact (a directory written by FDCArtifact.save) by exactly one of: ``compression`` (share of the KV cache
     removed, widths by ``rule``), ``removal_rate`` (the paper's rule), or ``qk_dims`` and ``v_dims`` ((L, H_kv)
-    nested lists), as in fdc_ops.hf.compress. ``artifact="bundled"`` is the bundled SmolLM2's artifact. For a
-    directory written by fdc_ops.hf.save_compressed, ``artifact`` may be left out (the saved one is used) and so
-    may the widths (the saved ones are used)."""
+    nested lists), as in fdc_ops.hf.compress; ``method="palu"`` serves the Palu baseline instead (its widths are
+    then the cached key latent's and the values'). ``artifact="bundled"`` is the bundled SmolLM2's artifact. For a
+    directory written by fdc_ops.hf.save_compressed, ``artifact`` may be left out (the saved one, and the saved
+    method, are used) and so may the widths (the saved ones are used)."""
     from .. import artifact as artifacts
 
     who = "fdc_ops.vllm.hf_overrides"
@@ -97,17 +100,16 @@ def hf_overrides(model: str | os.PathLike, artifact: str | os.PathLike | None = 
         known = [f"{name}: {BY_ARCHITECTURE[name].vllm_refusal}" for name in unsupported if name in BY_ARCHITECTURE]
         raise ValueError(f"{who}: {config_path} names architectures {architectures}; the FDC plugin supports "
                          f"{', '.join(SERVED_ARCHITECTURES)}" + "".join(f" ({reason})" for reason in known))
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"{who}: method must be one of {METHODS}, got {method!r}")
     if artifact is None:
         _, method, allocation = artifacts.saved_compression(model)  # ArtifactError unless save_compressed wrote it
-        if method != "fdc":
-            raise ValueError(f"{who}: {model} holds a model compressed with method {method!r}; the plugin serves "
-                             "'fdc'")
         artifact = Path(model) / artifacts.FDC_DIRECTORY / artifacts.ARTIFACT_DIRECTORY
         if compression is None and removal_rate is None and qk_dims is None and v_dims is None:
             qk_dims, v_dims = allocation.qk_dims, allocation.v_dims
     if isinstance(artifact, str) and artifact == artifacts.BUNDLED:
         artifact = artifacts.bundled_artifact()
-    entry = {"artifact": str(Path(artifact).resolve())}
+    entry = {"artifact": str(Path(artifact).resolve()), "method": method}
     for name, value in (("compression", compression), ("removal_rate", removal_rate)):
         if value is not None:
             entry[name] = artifacts.require_number(value, name, who)

@@ -1,6 +1,6 @@
 """Command line of the vLLM plugin.
 
-  python -m fdc_ops.vllm overrides MODEL_DIR ARTIFACT_DIR (--compression C | --removal-rate R)
+  python -m fdc_ops.vllm overrides MODEL_DIR ARTIFACT_DIR (--compression C | --removal-rate R) [--method palu]
   python -m fdc_ops.vllm overrides SAVED_DIR
       prints the JSON for `vllm serve MODEL_DIR --hf-overrides '...'` (fdc_ops.vllm.hf_overrides); SAVED_DIR: a
       directory written by fdc_ops.hf.save_compressed, served with its own artifact and widths
@@ -9,7 +9,7 @@
 import argparse
 import json
 
-from . import hf_overrides
+from . import METHODS, hf_overrides
 
 
 def main() -> None:
@@ -26,11 +26,13 @@ def main() -> None:
     budget.add_argument("--compression", type=float, help="share of the KV cache to remove (a byte budget)")
     budget.add_argument("--removal-rate", type=float, help="the paper's singular-value removal rate")
     overrides.add_argument("--rule", default=None, help="width rule with --compression (fdc_ops.calibration.RULES)")
+    overrides.add_argument("--method", choices=METHODS, default="fdc",
+                           help="fdc, or palu for the Palu baseline (with an artifact directory)")
     args = parser.parse_args()
     if args.artifact is not None and args.compression is None and args.removal_rate is None:
         parser.error("with an artifact directory, give --compression or --removal-rate")
     print(json.dumps(hf_overrides(args.model, args.artifact, compression=args.compression,
-                                  removal_rate=args.removal_rate, rule=args.rule)))
+                                  removal_rate=args.removal_rate, rule=args.rule, method=args.method)))
 
 
 if __name__ == "__main__":

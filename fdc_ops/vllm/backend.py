@@ -47,15 +47,17 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from .. import ops
 
 BACKEND_NAME = "FDC"
+PALU_BACKEND_NAME = "FDC_PALU"
 
 
 def register_attention_backend() -> None:
-    """Makes ``FDC`` a name of vLLM's attention backend registry (its Attention layer looks its backend up by name).
-    Idempotent: vLLM loads plugins once per process, tests may call it again."""
+    """Makes ``FDC`` and ``FDC_PALU`` names of vLLM's attention backend registry (its Attention layer looks its
+    backend up by name). Idempotent: vLLM loads plugins once per process, tests may call it again."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    if BACKEND_NAME not in AttentionBackendEnum.__members__:
-        register_backend(BACKEND_NAME, f"{__name__}.FDCAttentionBackend")
+    for name, backend in ((BACKEND_NAME, "FDCAttentionBackend"), (PALU_BACKEND_NAME, "PaluAttentionBackend")):
+        if name not in AttentionBackendEnum.__members__:
+            register_backend(name, f"{__name__}.{backend}")
 
 
 class FDCAttentionBackend(AttentionBackend):
@@ -123,6 +125,8 @@ class FDCAttentionMetadata:
     # the step's decode plans by (H_kv, G, window_left): one for every layer of that shape and window, whatever its
     # widths (see FDCAttentionImpl.decode_plan)
     decode_plans: dict = field(default_factory=dict)
+    # the Palu baseline's visible keys of the step by window_left (see PaluAttentionImpl.visible_keys)
+    visible_keys: dict = field(default_factory=dict)
 
     @property
     def is_decode_only(self) -> bool:
@@ -316,3 +320,106 @@ class FDCAttentionImpl(AttentionImpl):
             self._cache_views = paged_caches(kv_cache, layer.k_width, layer.v_width)
             self._cache_source = kv_cache
         return self._cache_views
+
+
+class PaluAttentionBackend(FDCAttentionBackend):
+    """The Palu baseline's backend, registered under the name ``FDC_PALU``: the same metadata and page layout as
+    FDC's (the K columns of a page hold each token's key latent), the step run by :class:`PaluAttentionImpl`."""
+
+    @staticmethod
+    def get_name() -> str:
+        return PALU_BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type["PaluAttentionImpl"]:
+        return PaluAttentionImpl
+
+
+@dataclass
+class VisibleKeys:
+    """Where the keys that one step's queries see lie in the pages (for the layers of one sliding window): the Palu
+    baseline rebuilds exactly these keys, into P scratch pages that mirror the pages they come from."""
+
+    pages: torch.Tensor  # (P,) int64: the pages holding some visible key, request after request (vLLM's indices)
+    block_table: torch.Tensor  # (B, max_blocks) int32: each request's pages among the P (0 for pages it does not see)
+    source_pages: torch.Tensor  # (N,) int64: the page of each visible key (vLLM's index)
+    scratch_pages: torch.Tensor  # (N,) int64: its page among the P
+    slots: torch.Tensor  # (N,) int64: its slot in the page
+    positions: torch.Tensor  # (N,) int64: its position in its request
+
+    @classmethod
+    def of_step(cls, meta: FDCAttentionMetadata, window_left: int) -> "VisibleKeys":
+        """Request b's queries see keys [first_b, seq_len_b), first_b = max(0, context_len_b - window_left) with a
+        window and 0 without; pages wholly before first_b may have been freed by vLLM and are not touched."""
+        block_size = meta.block_size
+        seq_lens, context_lens = meta.seq_lens.long(), meta.context_lens.long()
+        batch = seq_lens.shape[0]
+        first = (context_lens - window_left).clamp_min(0) if window_left >= 0 else torch.zeros_like(seq_lens)
+        first_page = first // block_size
+        page_counts = (seq_lens + block_size - 1) // block_size - first_page
+        requests = torch.repeat_interleave(torch.arange(batch), page_counts)  # (P,)
+        page_starts = torch.cumsum(page_counts, 0) - page_counts
+        columns = first_page[requests] + torch.arange(requests.shape[0]) - page_starts[requests]
+        block_table = torch.zeros_like(meta.block_table)
+        block_table[requests, columns] = torch.arange(requests.shape[0], dtype=block_table.dtype)
+        key_counts = seq_lens - first
+        owners = torch.repeat_interleave(torch.arange(batch), key_counts)  # (N,)
+        positions = first[owners] + torch.arange(owners.shape[0]) - (torch.cumsum(key_counts, 0) - key_counts)[owners]
+        key_columns = positions // block_size
+        return cls(pages=meta.block_table[requests, columns].long(), block_table=block_table,
+                   source_pages=meta.block_table[owners, key_columns].long(),
+                   scratch_pages=block_table[owners, key_columns].long(), slots=positions % block_size,
+                   positions=positions)
+
+
+class PaluAttentionImpl(FDCAttentionImpl):
+    """Runs one Palu-baseline layer's step (fdc_ops.vllm.layer.PaluPagedAttention carries ``k_offsets`` (the cached
+    latent's widths), ``qk_offsets`` (full width), ``v_offsets``, ``key_up`` and ``rebuild_keys``).
+
+    What Palu costs: every step rebuilds the keys each query sees from their cached latents (gathered from the
+    pages, up-projected, normalised, rotated at their positions) into scratch pages, copies the values' pages beside
+    them, and attends at full key width, with the same ops as FDC (decode_attention with the step's plan for the
+    decodes, prefill_attention through a block table for the rest)."""
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: FDCAttentionMetadata | None, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """query: (N, H * D) post-RoPE; key: (N, k_width) pre-RoPE key latents; value: (N, v_width) compressed;
+        output: (N, G * v_width), written in place (rows past the step's tokens are zeroed)."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fdc_ops.vllm: fused output quantization is not supported by the FDC backend")
+        if attn_metadata is None:  # vLLM's warm-up and profiling runs, with no cache bound yet
+            return output.zero_()
+        meta = attn_metadata
+        tokens = meta.num_actual_tokens
+        padded = tokens < query.shape[0]
+        if padded:
+            query, key, value = query[:tokens], key[:tokens], value[:tokens]
+        G = layer.group
+        k_pages, v_pages = self.paged_caches(kv_cache, layer)
+        ops.append_kv(k_pages, v_pages, key, value, meta.query_start_loc, meta.context_lens, layer.k_offsets,
+                      layer.v_offsets, meta.block_table)
+        visible = meta.visible_keys.get(self.window_left)
+        if visible is None:
+            visible = meta.visible_keys[self.window_left] = VisibleKeys.of_step(meta, self.window_left)
+        keys = layer.rebuild_keys(k_pages[visible.source_pages, :, visible.slots], visible.positions)  # (N, H_kv*D)
+        key_pages = keys.new_empty(visible.pages.shape[0], keys.shape[1], meta.block_size)  # (P, H_kv * D, block)
+        key_pages.permute(0, 2, 1)[visible.scratch_pages, visible.slots] = keys
+        value_pages = v_pages.index_select(0, visible.pages)  # (P, v_width, block)
+        decodes = meta.num_decodes
+        if decodes:
+            output[:decodes] = ops.decode_attention(query[:decodes], key_pages, value_pages, meta.decode_seq_lens,
+                                                    layer.qk_offsets, layer.v_offsets, G, layer.scaling,
+                                                    self.decode_plan(meta, layer, self.window_left),
+                                                    visible.block_table[:decodes], window_left=self.window_left)
+        prefill = meta.prefill
+        if prefill is not None:
+            output[decodes:tokens] = ops.prefill_attention(query[decodes:], key_pages, value_pages,
+                                                           prefill.query_start_loc, prefill.cu_seqlens_k,
+                                                           layer.qk_offsets, layer.v_offsets, G, layer.scaling, True,
+                                                           window_left=self.window_left,
+                                                           block_table=visible.block_table[decodes:])
+        if padded:
+            output[tokens:] = 0
+        return output

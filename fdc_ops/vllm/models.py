@@ -15,7 +15,10 @@ four families.
 What is compressed, and how much, comes from the model config's ``fdc`` entry (see :func:`fdc_ops.vllm.hf_overrides`):
 the artifact (calibration, fdc_ops.calibration) and the allocation (a KV byte budget ``compression``, the paper's
 ``removal_rate``, or explicit ``qk_dims``/``v_dims``), resolved exactly as fdc_ops.hf.compress resolves them, so the
-same settings give the same widths and the same folded weights as the Hugging Face integration.
+same settings give the same widths and the same folded weights as the Hugging Face integration. With ``method``
+``"palu"`` in that entry, the same classes serve the Palu baseline instead (:class:`VllmPaluAttention`, the
+computation of fdc_ops.hf.compress(..., method="palu")): the K rows of the fused projection give each token's pre-RoPE
+key latent, which the paged cache holds, and the keys are rebuilt from it at every step.
 """
 
 from __future__ import annotations
@@ -38,18 +41,28 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionType
 
 from .. import identity, ops, parallel
-from ..artifact import ArtifactError, FDCArtifact, RankAllocation, fold_value_and_output, resolve_allocation
+from ..artifact import (
+    ArtifactError,
+    FDCArtifact,
+    RankAllocation,
+    fold_key_latent,
+    fold_value_and_output,
+    key_up_projection,
+    resolve_allocation,
+)
 from ..model_families import BY_MODEL_TYPE, unsupported_model_type
-from .layer import FDCPagedAttention
+from . import METHODS
+from .layer import FDCPagedAttention, PaluPagedAttention
 
 CONFIG_KEY = "fdc"
-SETTINGS_KEYS = ("artifact", "compression", "removal_rate", "rule", "qk_dims", "v_dims")
+SETTINGS_KEYS = ("artifact", "method", "compression", "removal_rate", "rule", "qk_dims", "v_dims")
 
 
 @dataclass(frozen=True)
 class FDCSettings:
     artifact: FDCArtifact
-    allocation: RankAllocation
+    allocation: RankAllocation  # with method "palu", qk_dims are the cached key latent's widths
+    method: str = "fdc"  # "fdc" or "palu" (the Palu baseline), as fdc_ops.hf.compress takes it
     # which KV heads each tensor-parallel rank holds (fdc_ops.parallel); None with one rank
     partition: parallel.HeadPartition | None = None
 
@@ -68,6 +81,9 @@ def settings(hf_config, ranks: int = 1) -> FDCSettings:
                          f"{', '.join(SETTINGS_KEYS)}")
     if "artifact" not in entry:
         raise ValueError(f"fdc_ops.vllm: the config's '{CONFIG_KEY}' entry names no 'artifact' directory")
+    if entry.get("method", "fdc") not in METHODS:
+        raise ValueError(f"fdc_ops.vllm: the config's '{CONFIG_KEY}' entry has method {entry['method']!r}; known: "
+                         f"{', '.join(METHODS)}")
     return _settings(json.dumps(entry, sort_keys=True), ranks)
 
 
@@ -75,12 +91,13 @@ def settings(hf_config, ranks: int = 1) -> FDCSettings:
 def _settings(entry_json: str, ranks: int) -> FDCSettings:
     entry = json.loads(entry_json)
     artifact = FDCArtifact.load(entry["artifact"])
-    allocation = resolve_allocation(artifact, "fdc", entry.get("removal_rate"), entry.get("compression"), None,
-                                       entry.get("qk_dims"), entry.get("v_dims"), None, entry.get("rule"), False)
+    method = entry.get("method", "fdc")
+    allocation = resolve_allocation(artifact, method, entry.get("removal_rate"), entry.get("compression"), None,
+                                    entry.get("qk_dims"), entry.get("v_dims"), None, entry.get("rule"), False)
     partition = None
     if ranks > 1:
         partition = parallel.balance(allocation.qk_dims, allocation.v_dims, ranks, artifact.shape.num_heads)
-    return FDCSettings(artifact, allocation, partition)
+    return FDCSettings(artifact, allocation, method, partition)
 
 
 def _check_shape(hf_config, artifact: FDCArtifact) -> None:
@@ -92,8 +109,9 @@ def _check_shape(hf_config, artifact: FDCArtifact) -> None:
 
 
 def unsupported(original: nn.Module, model_type: str | None) -> str | None:
-    """Why vLLM's attention module ``original`` (of a model of ``model_type``) cannot become a VllmFDCAttention, or None
-    when it can: FDC computes exactly what the family's Hugging Face module computes, and only that."""
+    """Why vLLM's attention module ``original`` (of a model of ``model_type``) cannot become a
+    VllmCompressedAttention, or None when it can: the plugin computes exactly what the family's Hugging Face module
+    computes, and only that."""
     why = unsupported_model_type(model_type)
     if why is not None:
         return why
@@ -113,80 +131,84 @@ def unsupported(original: nn.Module, model_type: str | None) -> str | None:
     return None
 
 
-class VllmFDCAttention(nn.Module):
-    """One decoder layer's self-attention over FDC-compressed heads, made of the parts of vLLM's own attention module
-    for the layer (``qkv_proj``, ``o_proj``, ``rotary_emb``, and ``q_norm``/``k_norm`` where the family has them:
-    same names, so vLLM's weight loading finds them) and an FDC attention layer in place of its ``attn``.
+class VllmCompressedAttention(nn.Module):
+    """One decoder layer's self-attention over compressed heads, made of the parts of vLLM's own attention module for
+    the layer (``qkv_proj``, ``o_proj``, ``rotary_emb``, and ``q_norm``/``k_norm`` where the family has them: same
+    names, so vLLM's weight loading finds them) and a compressed attention layer in place of its ``attn``: what the
+    FDC and Palu modules share (the widths, the V path, the folds of W_V, W_O and a V bias).
 
     With tensor parallelism, every size here is this rank's: vLLM's module holds the rank's contiguous shard of the
     heads, which (the checkpoint's KV heads being permuted while it loads: FDCModelMixin) are the original KV heads
-    ``fdc.partition.heads(layer, rank)``, and this rank's widths, rotations and V factors are theirs.
+    ``fdc.partition.heads(layer, rank)``, and this rank's widths, rotations or key bases, and V factors are theirs.
 
-    After :meth:`fold`: ``qkv_proj`` (hidden) -> (H * D + H_kv * D + v_width) = [W_Q | W_K | A_V], ``o_proj``
+    After :meth:`fold`: ``qkv_proj`` (hidden) -> (H * D + key columns + v_width) = [W_Q | keys | A_V], ``o_proj``
     (G * v_width) -> (hidden) = W_O'."""
 
-    def __init__(self, original: nn.Module, hf_config, cache_config, fdc: FDCSettings, rank: int = 0):
+    def __init__(self, original: nn.Module, hf_config, fdc: FDCSettings, rank: int = 0):
         super().__init__()
-        attn_prefix = original.attn.layer_name  # e.g. model.layers.3.self_attn.attn
+        self.attn_prefix = original.attn.layer_name  # e.g. model.layers.3.self_attn.attn
         reason = unsupported(original, getattr(hf_config, "model_type", None))
         if reason is not None:
-            raise NotImplementedError(f"fdc_ops.vllm: layer {attn_prefix}: {reason}")
+            raise NotImplementedError(f"fdc_ops.vllm: layer {self.attn_prefix}: {reason}")
         self.qkv_proj, self.o_proj, self.rotary_emb = original.qkv_proj, original.o_proj, original.rotary_emb
         self.has_qk_norm = hasattr(original, "q_norm")
         if self.has_qk_norm:
             self.q_norm, self.k_norm = original.q_norm, original.k_norm
         self.num_heads, self.num_kv_heads, self.head_dim = original.num_heads, original.num_kv_heads, original.head_dim
         self.q_size, self.kv_size, self.scaling = original.q_size, original.kv_size, original.scaling
+        self.sliding_window = original.attn.sliding_window
         _check_shape(hf_config, fdc.artifact)
-        self.layer_index = layer = extract_layer_index(attn_prefix)
+        self.layer_index = layer = extract_layer_index(self.attn_prefix)
         self.fdc = fdc
         partition = fdc.partition
         # (H_kv local,) int64: the artifact's indices of this rank's KV heads, in the order its shard holds them
         self.kv_heads = torch.arange(self.num_kv_heads) if partition is None else partition.heads(layer, rank)
         if self.kv_heads.numel() != self.num_kv_heads:
-            raise ValueError(f"fdc_ops.vllm: layer {attn_prefix}: vLLM gives this rank {self.num_kv_heads} KV heads, "
-                             f"the FDC partition {self.kv_heads.numel()}")
+            raise ValueError(f"fdc_ops.vllm: layer {self.attn_prefix}: vLLM gives this rank {self.num_kv_heads} KV "
+                             f"heads, the FDC partition {self.kv_heads.numel()}")
         self.v_dims = fdc.allocation.v_dims[layer, self.kv_heads]  # (H_kv local,)
-        qk_dims = fdc.allocation.qk_dims[layer, self.kv_heads]  # (H_kv local,)
-        qk_offsets, v_offsets = ops.prefix_sums(qk_dims), ops.prefix_sums(self.v_dims)
-        # (H_kv local, D, max qk dim)
-        rotation = fdc.artifact.qk_rotation[layer, self.kv_heads, :, :int(qk_dims.max())]
-        rotation = rotation.to(torch.get_default_dtype())
+        self.k_dims = fdc.allocation.qk_dims[layer, self.kv_heads]  # (H_kv local,): cached key widths
         # Every rank's page of this layer has the widest rank's width (vLLM needs one spec per layer for all ranks).
-        page = None if partition is None else (int(partition.page_key_widths[layer]), int(partition.page_widths[layer]))
-        # vLLM's own Attention layer registered itself under this name; the FDC layer takes its place.
-        get_current_vllm_config().compilation_config.static_forward_context.pop(attn_prefix)
-        self.attn = FDCPagedAttention(self.num_heads, self.head_dim, self.scaling, self.num_kv_heads, rotation,
-                                      qk_offsets, v_offsets, cache_config, attn_prefix, page,
-                                      sliding_window=original.attn.sliding_window)
+        self.page = None if partition is None else (int(partition.page_key_widths[layer]),
+                                                    int(partition.page_widths[layer]))
+        # vLLM's own Attention layer registered itself under this name; the compressed layer takes its place.
+        get_current_vllm_config().compilation_config.static_forward_context.pop(self.attn_prefix)
         # (hidden,): with several ranks and a V bias, this rank's share of the folded V bias (see fold)
         self.register_buffer("output_bias_share", None, persistent=False)
         self.folded = False
 
+    def fold_keys(self, k_weight: torch.Tensor, k_bias: torch.Tensor | None):
+        """The K rows of the fused QKV projection after the fold: (weight, bias or None) from the loaded W_K (H_kv * D,
+        hidden) and its bias."""
+        raise NotImplementedError
+
     def fold(self) -> None:
-        """Replaces the loaded W_V by A_V and W_O by W_O', and a V bias by the output bias it amounts to
-        (fdc_ops.artifact.fold_value_and_output, float64: what fdc_ops.hf.compress does).
+        """Replaces the loaded W_K by the method's key projection (:meth:`fold_keys`), W_V by A_V and W_O by W_O', and
+        a V bias by the output bias it amounts to (fdc_ops.artifact.fold_value_and_output, float64: what
+        fdc_ops.hf.compress does).
 
         With several ranks, each folds its own heads' shards. The folded V bias is then a sum over all heads, so each
         rank's share must enter the output projection's all-reduce, whereas vLLM's row-parallel output projection
         adds its bias on rank 0 only: the share is kept here and added before the all-reduce, which forward then does
         itself (the projection's own bias, replicated on every rank, stays with rank 0)."""
         layer, heads = self.layer_index, self.kv_heads
-        v_encoder, v_decoder = self.fdc.artifact.v_factors("fdc")
+        v_encoder, v_decoder = self.fdc.artifact.v_factors(self.fdc.method)
         weight = self.qkv_proj.weight.data  # (q_size + 2 * kv_size, hidden)
         q_weight, k_weight, v_weight = weight.split([self.q_size, self.kv_size, self.kv_size])
         qkv_bias = self.qkv_proj.bias
         q_bias, k_bias, v_bias = (None,) * 3 if qkv_bias is None else qkv_bias.data.split(
             [self.q_size, self.kv_size, self.kv_size])
+        key_weight, key_bias = self.fold_keys(k_weight, k_bias)
         sharded = self.fdc.partition is not None
         o_bias = None if self.o_proj.bias is None or sharded else self.o_proj.bias.data
         folded = fold_value_and_output(v_weight, self.o_proj.weight.data, v_encoder[layer][heads],
                                        v_decoder[layer][heads], self.v_dims.tolist(),
                                        self.num_heads // self.num_kv_heads, v_bias, o_bias)
-        self.qkv_proj.weight = nn.Parameter(torch.cat([q_weight, k_weight, folded.value_weight]), requires_grad=False)
+        self.qkv_proj.weight = nn.Parameter(torch.cat([q_weight, key_weight, folded.value_weight]),
+                                            requires_grad=False)
         if qkv_bias is not None:
             # A_V carries no bias: the V bias passes through attention unchanged and is folded into o_proj's bias.
-            self.qkv_proj.bias = nn.Parameter(torch.cat([q_bias, k_bias, v_bias.new_zeros(self.attn.v_width)]),
+            self.qkv_proj.bias = nn.Parameter(torch.cat([q_bias, key_bias, v_bias.new_zeros(self.attn.v_width)]),
                                               requires_grad=False)
         self.o_proj.weight = nn.Parameter(folded.output_weight, requires_grad=False)
         if folded.output_bias is not None:
@@ -197,21 +219,76 @@ class VllmFDCAttention(nn.Module):
                 self.o_proj.bias = nn.Parameter(folded.output_bias, requires_grad=False)
         self.folded = True
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        """positions: (T,); hidden_states: (T, hidden). Returns (T, hidden)."""
+    def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden_states: (T, hidden) -> queries (T, H * D) (per-head normalised where the family does), key
+        columns (T, width the method's) and compressed values (T, v_width)."""
         if not self.folded:
-            raise RuntimeError("fdc_ops.vllm: the FDC projections were not folded (load_weights did not run)")
-        qkv, _ = self.qkv_proj(hidden_states)  # (T, H * D + H_kv * D + v_width)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.attn.v_width], dim=-1)
+            raise RuntimeError("fdc_ops.vllm: the compressed projections were not folded (load_weights did not run)")
+        qkv, _ = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, qkv.shape[-1] - self.q_size - self.attn.v_width, self.attn.v_width], dim=-1)
         if self.has_qk_norm:  # Qwen3: RMS norm over each head's D dims, before RoPE
-            tokens = q.shape[0]
-            q = self.q_norm(q.view(tokens, self.num_heads, self.head_dim)).view(tokens, self.q_size)
-            k = self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim)).view(tokens, self.kv_size)
-        q, k = self.rotary_emb(positions, q, k)
-        output, _ = self.o_proj(self.attn(q, k, v))  # attention: (T, G * v_width)
+            q = self.q_norm(q.view(q.shape[0], self.num_heads, self.head_dim)).view(q.shape[0], self.q_size)
+        return q, k, v
+
+    def output(self, attention: torch.Tensor) -> torch.Tensor:
+        """attention: (T, G * v_width) -> (T, hidden) through W_O' (and the rank's V bias share)."""
+        output, _ = self.o_proj(attention)
         if self.output_bias_share is not None:  # several ranks and a V bias: o_proj left the all-reduce to this
             output = tensor_model_parallel_all_reduce(output + self.output_bias_share)
         return output
+
+
+class VllmFDCAttention(VllmCompressedAttention):
+    """FDC: keys projected by W_K as loaded, RoPE'd by vLLM, then rotated and truncated by R inside the backend's op
+    (the FDC layer); the paged cache holds the packed qk and v widths."""
+
+    def __init__(self, original: nn.Module, hf_config, cache_config, fdc: FDCSettings, rank: int = 0):
+        super().__init__(original, hf_config, fdc, rank)
+        k_offsets, v_offsets = ops.prefix_sums(self.k_dims), ops.prefix_sums(self.v_dims)
+        # (H_kv local, D, max qk dim)
+        rotation = fdc.artifact.qk_rotation[self.layer_index, self.kv_heads, :, :int(self.k_dims.max())]
+        self.attn = FDCPagedAttention(self.num_heads, self.head_dim, self.scaling, self.num_kv_heads,
+                                      rotation.to(torch.get_default_dtype()), k_offsets, v_offsets, cache_config,
+                                      self.attn_prefix, self.page, sliding_window=self.sliding_window)
+
+    def fold_keys(self, k_weight: torch.Tensor, k_bias: torch.Tensor | None):
+        return k_weight, k_bias
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """positions: (T,); hidden_states: (T, hidden). Returns (T, hidden)."""
+        q, k, v = self.project(hidden_states)  # k: (T, H_kv * D)
+        if self.has_qk_norm:
+            k = self.k_norm(k.view(k.shape[0], self.num_kv_heads, self.head_dim)).view(k.shape[0], self.kv_size)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.output(self.attn(q, k, v))  # attention: (T, G * v_width)
+
+
+class VllmPaluAttention(VllmCompressedAttention):
+    """The Palu baseline (fdc_ops.hf.modules.PaluAttention's computation): the K rows of the fused projection become
+    the key latent's (fdc_ops.artifact.fold_key_latent), the paged cache holds latents and compressed values, and the
+    backend rebuilds the keys its queries see every step (up-projection, the family's k norm, RoPE at their
+    positions) and attends them at full width."""
+
+    def __init__(self, original: nn.Module, hf_config, cache_config, fdc: FDCSettings, rank: int = 0):
+        super().__init__(original, hf_config, fdc, rank)
+        k_offsets, v_offsets = ops.prefix_sums(self.k_dims), ops.prefix_sums(self.v_dims)
+        self.key_basis = fdc.artifact.key_basis[self.layer_index, self.kv_heads]  # (H_kv local, D, D)
+        key_up = key_up_projection(self.key_basis, self.k_dims.tolist()).to(torch.get_default_dtype())
+        self.attn = PaluPagedAttention(self.num_heads, self.head_dim, self.scaling, self.num_kv_heads, key_up,
+                                       k_offsets, v_offsets, self.k_norm if self.has_qk_norm else None,
+                                       self.rotary_emb, cache_config, self.attn_prefix, self.page,
+                                       sliding_window=self.sliding_window)
+
+    def fold_keys(self, k_weight: torch.Tensor, k_bias: torch.Tensor | None):
+        latent = fold_key_latent(k_weight, self.key_basis, self.k_dims.tolist(), k_bias)
+        bias = None if latent.latent_bias is None else latent.latent_bias.to(k_weight.dtype)
+        return latent.latent_weight.to(k_weight.dtype), bias
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """positions: (T,); hidden_states: (T, hidden). Returns (T, hidden)."""
+        q, latent, v = self.project(hidden_states)  # latent: (T, k_width)
+        q, _ = self.rotary_emb(positions, q, None)
+        return self.output(self.attn(q, latent, v))
 
 
 # A layer's attention tensors in a Hugging Face checkpoint, which the artifact's identity records (under the name
@@ -224,7 +301,8 @@ _HEAD_TENSOR_NAME = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qkvo])_proj
 
 class FDCModelMixin:
     """What turns one of vLLM's causal LM classes into its FDC class (put first among the bases): after vLLM's own
-    constructor, every decoder layer's attention becomes a VllmFDCAttention; after vLLM's own weight loading, the
+    constructor, every decoder layer's attention becomes a VllmFDCAttention (a VllmPaluAttention with method
+    "palu"); after vLLM's own weight loading, the
     artifact is checked against the checkpoint's tensors and the projections are folded.
 
     Tensor parallelism: vLLM gives rank ``r`` the contiguous KV heads ``[r * n, (r + 1) * n)`` of every layer (with
@@ -246,9 +324,10 @@ class FDCModelMixin:
                                       "checkpoints are not supported")
         fdc = settings(self.config, ranks)
         rank = get_tensor_model_parallel_rank() if ranks > 1 else 0
+        attention = VllmPaluAttention if fdc.method == "palu" else VllmFDCAttention
         for layer in self.model.layers:
             if hasattr(layer, "self_attn"):  # pipeline stages hold placeholders for other stages' layers
-                layer.self_attn = VllmFDCAttention(layer.self_attn, self.config, vllm_config.cache_config, fdc, rank)
+                layer.self_attn = attention(layer.self_attn, self.config, vllm_config.cache_config, fdc, rank)
         self.fdc_settings = fdc
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -279,7 +358,7 @@ class FDCModelMixin:
         loaded = super().load_weights(recording(weights))
         artifact.check_identity(identity.text_config(config), found, "this checkpoint")
         attention = [(index, layer.self_attn) for index, layer in enumerate(self.model.layers)
-                     if isinstance(getattr(layer, "self_attn", None), VllmFDCAttention)]
+                     if isinstance(getattr(layer, "self_attn", None), VllmCompressedAttention)]
         if partition is not None:
             # Every tensor a shard is cut from must have been permuted, or a rank would hold other heads than its own.
             unpermuted = [(index, name) for index, module in attention

@@ -163,3 +163,62 @@ def test_a_split_step_attends_like_the_reference(batch, sliding_window):
     # float32 against float64: the compressed products and the softmax over at most 40 keys
     torch.testing.assert_close(output[:tokens].double(), expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(output[tokens:], torch.zeros(padding, GROUP * v_width))
+
+
+@pytest.mark.parametrize("sliding_window", [None, 5])
+@pytest.mark.parametrize("batch", BATCHES)
+def test_a_palu_step_rebuilds_the_visible_keys_and_attends_like_the_reference(batch, sliding_window):
+    """The Palu baseline's step: the pages hold key latents (QK_DIMS wide per KV head) and values; the step appends
+    the new ones, rebuilds the keys each query sees at their positions and attends them at full width. The layer's
+    rebuild here is a position-dependent stand-in for up-projection and RoPE, so a key rebuilt at a wrong position,
+    or from a wrong slot, shows. NaN in unused slots and in the pages behind every window, as in the FDC test."""
+    from fdc_ops import ops, reference
+    from fdc_ops.vllm.backend import PaluAttentionImpl, paged_caches
+
+    query_lens, seq_lens = BATCHES[batch]
+    window_left = -1 if sliding_window is None else sliding_window - 1
+    generator = torch.Generator().manual_seed(5)
+    kv_heads = len(QK_DIMS)
+    heads, k_width, v_width = GROUP * kv_heads, sum(QK_DIMS), sum(V_DIMS)
+    key_up = torch.randn(k_width, kv_heads * HEAD_DIM, generator=generator, dtype=torch.float64) / k_width ** 0.5
+
+    def rebuild_keys(latent, positions):  # (N, k_width), (N,) -> (N, H_kv * D)
+        return (latent.double() @ key_up * (1 + positions[:, None] / 64)).to(latent.dtype)
+
+    full = offsets((HEAD_DIM,) * kv_heads)
+    layer = SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_size=HEAD_DIM, group=GROUP,
+                            k_offsets=offsets(QK_DIMS), qk_offsets=full, v_offsets=offsets(V_DIMS),
+                            scaling=HEAD_DIM ** -0.5, k_width=k_width, v_width=v_width, rebuild_keys=rebuild_keys)
+    impl = PaluAttentionImpl(heads, HEAD_DIM, layer.scaling, kv_heads, alibi_slopes=None,
+                             sliding_window=sliding_window, kv_cache_dtype="auto")
+    block_table = random_block_table(len(seq_lens), seed=6)
+    kv_cache = torch.full((NUM_PAGES, 1, BLOCK, k_width + v_width), float("nan"))
+    k_pages, v_pages = paged_caches(kv_cache, k_width, v_width)
+    contexts = [s - q for q, s in zip(query_lens, seq_lens)]
+    latent_context = torch.randn(sum(contexts), k_width, generator=generator)
+    v_context = torch.randn(sum(contexts), v_width, generator=generator)
+    ops.append_kv(k_pages, v_pages, latent_context, v_context, offsets(tuple(contexts)),
+                  torch.zeros(len(seq_lens), dtype=torch.int32), layer.k_offsets, layer.v_offsets, block_table)
+    if sliding_window is not None:
+        for b, context in enumerate(contexts):
+            kv_cache[block_table[b, : max(0, context - window_left) // BLOCK].long()] = float("nan")
+
+    tokens, padding = sum(query_lens), 2
+    query = torch.randn(tokens + padding, heads * HEAD_DIM, generator=generator)  # (N, H * D) post-RoPE
+    latent = torch.randn(tokens + padding, k_width, generator=generator)  # (N, k_width) pre-RoPE key latents
+    value = torch.randn(tokens + padding, v_width, generator=generator)
+    output = torch.full((tokens + padding, GROUP * v_width), float("nan"))
+    meta = builder().build(0, common_metadata(query_lens, seq_lens, block_table))
+    impl.forward(layer, query, latent, value, kv_cache, meta, output)
+
+    cu_context, cu_q = offsets(tuple(contexts)), offsets(tuple(query_lens))
+    k_all, v_all = [], []
+    for b in range(len(seq_lens)):
+        latents = torch.cat([latent_context[cu_context[b]:cu_context[b + 1]], latent[cu_q[b]:cu_q[b + 1]]]).double()
+        k_all.append(latents @ key_up * (1 + torch.arange(seq_lens[b], dtype=torch.float64)[:, None] / 64))
+        v_all += [v_context[cu_context[b]:cu_context[b + 1]].double(), value[cu_q[b]:cu_q[b + 1]].double()]
+    expected = reference.prefill_attention_ref(query[:tokens].double(), torch.cat(k_all), torch.cat(v_all), cu_q,
+                                               offsets(tuple(seq_lens)), full, layer.v_offsets, GROUP, layer.scaling,
+                                               True, window_left=window_left)
+    torch.testing.assert_close(output[:tokens].double(), expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(output[tokens:], torch.zeros(padding, GROUP * v_width))

@@ -1,9 +1,10 @@
 """The FDC model classes of the other families (Mistral, Qwen2, Qwen3) in vLLM's CPU engine, on tiny random-weight
 Hugging Face checkpoints written here (with the bundled SmolLM2's tokenizer), calibrated with fast settings.
 
-Per family, three eager engines: vLLM's own class, FDC at full rank (the same tokens), FDC at a real compression with
+Per family, four eager engines: vLLM's own class, FDC at full rank (the same tokens), FDC at a real compression with
 heads of different widths (the tokens of the project's Hugging Face FDC model, fdc_ops.hf.compress, on the same
-checkpoint). Llama is covered on the real SmolLM2 by test_vllm_plugin.py.
+checkpoint), and the Palu baseline at that compression (the Hugging Face Palu module's tokens). Llama is covered on
+the real SmolLM2 by test_vllm_plugin.py.
 """
 
 from __future__ import annotations
@@ -79,13 +80,17 @@ def test_family_in_vllm_generates_what_hf_fdc_and_vllm_generate(family, tmp_path
     allocation = artifact.allocate(compression=COMPRESSION)
     assert len(set(allocation.qk_dims.flatten().tolist())) > 1 and len(set(allocation.v_dims.flatten().tolist())) > 1
     expected = hf_fdc_tokens(model, tokenizer, artifact_dir, PROMPTS, NEW_TOKENS, compression=COMPRESSION)
+    expected_palu = hf_fdc_tokens(model, tokenizer, artifact_dir, PROMPTS, NEW_TOKENS, compression=COMPRESSION,
+                                  method="palu")
     shape = artifact.shape
     full = [[shape.head_dim] * shape.num_kv_heads] * shape.num_layers
 
     results = {}
     for name, overrides in (("vllm", None),
                             ("full", fdc_ops.vllm.hf_overrides(model_dir, artifact_dir, qk_dims=full, v_dims=full)),
-                            ("fdc", fdc_ops.vllm.hf_overrides(model_dir, artifact_dir, compression=COMPRESSION))):
+                            ("fdc", fdc_ops.vllm.hf_overrides(model_dir, artifact_dir, compression=COMPRESSION)),
+                            ("palu", fdc_ops.vllm.hf_overrides(model_dir, artifact_dir, compression=COMPRESSION,
+                                                               method="palu"))):
         engine = Engine(model_dir, overrides, max_model_len=MAX_MODEL_LEN)
         try:
             results[name] = engine.tokens(PROMPTS, NEW_TOKENS), engine.kv_cache_tokens
@@ -97,6 +102,9 @@ def test_family_in_vllm_generates_what_hf_fdc_and_vllm_generate(family, tmp_path
     assert results["fdc"][0] == expected
     assert results["fdc"][0] != reference  # the compression is real: it changes the text of this random model
     assert results["fdc"][1] > reference_capacity
+    assert results["palu"][0] == expected_palu
+    assert results["palu"][0] != results["fdc"][0]  # another method: other keys, other text
+    assert results["palu"][1] > reference_capacity
 
 
 def test_unsupported_attention_modules_are_refused_with_the_reason():

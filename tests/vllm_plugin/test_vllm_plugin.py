@@ -141,6 +141,36 @@ def test_compressed_fdc_generates_what_the_hf_fdc_model_generates(model_dir, art
     assert abs(capacity / uncompressed_capacity - ratio) <= (CPU_DEFAULT_BLOCK + FDC_BLOCK) / uncompressed_capacity
 
 
+def test_the_palu_baseline_generates_what_the_hf_palu_model_generates(model_dir, artifact_dir, hf_model,
+                                                                      uncompressed):
+    """method="palu": the cache holds key latents, rebuilt into keys every step; batched prompts, a chunked prefill
+    over its own cached latents and a prefix-cache hit give the Hugging Face Palu module's tokens, and vLLM's
+    capacity grows by Palu's compression."""
+    import fdc_ops.vllm
+    from fdc_ops import calibration
+
+    allocation = calibration.FDCArtifact.load(artifact_dir).allocate(compression=COMPRESSION, method="palu")
+    assert len(set(allocation.qk_dims.flatten().tolist())) > 1
+    expected = hf_fdc_tokens(hf_model, artifact_dir, PROMPTS + [LONG_PROMPT], compression=COMPRESSION,
+                             method="palu")
+    engine = Engine(model_dir, fdc_ops.vllm.hf_overrides(model_dir, artifact_dir, compression=COMPRESSION,
+                                                         method="palu"),
+                    block_size=FDC_BLOCK, max_num_batched_tokens=CHUNKED_PREFILL_TOKENS, enable_chunked_prefill=True,
+                    max_num_seqs=4, enable_prefix_caching=True)
+    try:
+        batched = engine.tokens(PROMPTS)
+        chunked = engine.tokens([LONG_PROMPT])
+        reused = engine.tokens([LONG_PROMPT])
+        capacity = engine.kv_cache_tokens
+    finally:
+        engine.close()
+    assert batched == expected[:3]
+    assert chunked == expected[3:]
+    assert reused == expected[3:]
+    assert capacity == expected_kv_tokens(allocation.kv_bytes_per_token(4), FDC_BLOCK)
+    assert capacity > uncompressed[1]
+
+
 def test_a_saved_compressed_model_is_served_as_it_was_saved(model_dir, artifact_dir, hf_model, tmp_path):
     """fdc_ops.hf.save_compressed's directory is a checkpoint vLLM loads with hf_overrides(directory) alone: the
     saved artifact and widths, the tokens of the Hugging Face model it was saved from."""

@@ -29,7 +29,10 @@ def expected_kv_tokens(bytes_per_token: int, block_size: int = 128) -> int:
     return (KV_CACHE_GIB << 30) // (block_size * bytes_per_token) * block_size
 
 
-def test_two_ranks_generate_what_one_rank_generates(tmp_path, monkeypatch):
+@pytest.mark.parametrize("method", ["fdc", "palu"])
+def test_two_ranks_generate_what_one_rank_generates(method, tmp_path, monkeypatch):
+    """FDC on 1 and 2 ranks, and the Palu baseline (QK_DIMS then the key latent's widths) on 2 ranks, generate the
+    Hugging Face module's tokens."""
     import fdc_ops.vllm
     from fdc_ops import calibration, parallel
 
@@ -43,24 +46,25 @@ def test_two_ranks_generate_what_one_rank_generates(tmp_path, monkeypatch):
     partition = parallel.balance(allocation.qk_dims, allocation.v_dims, RANKS)
     assert partition.order.tolist() == [[0, 2, 1, 3], [0, 3, 1, 2]]  # the checkpoint's heads, permuted as they load
     assert partition.page_widths.tolist() == [80, 80]  # 296 of the ranks' 2 * 160 columns in use
-    expected = hf_fdc_tokens(model, tokenizer, artifact_dir, PROMPTS, NEW_TOKENS, qk_dims=QK_DIMS, v_dims=V_DIMS)
-    overrides = fdc_ops.vllm.hf_overrides(model_dir, artifact_dir, qk_dims=QK_DIMS, v_dims=V_DIMS)
+    expected = hf_fdc_tokens(model, tokenizer, artifact_dir, PROMPTS, NEW_TOKENS, qk_dims=QK_DIMS, v_dims=V_DIMS,
+                             method=method)
+    overrides = fdc_ops.vllm.hf_overrides(model_dir, artifact_dir, qk_dims=QK_DIMS, v_dims=V_DIMS, method=method)
 
     results = {}
     # vLLM's automatic binding wants a NUMA node per rank, which this machine may not have.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", fdc_ops.vllm.cpu_thread_binding(RANKS))
-    for ranks in (1, RANKS):
+    for ranks in (1, RANKS) if method == "fdc" else (RANKS,):
         engine = Engine(model_dir, overrides, max_model_len=MAX_MODEL_LEN, tensor_parallel_size=ranks)
         try:
             results[ranks] = engine.tokens(PROMPTS, NEW_TOKENS), engine.kv_cache_tokens
         finally:
             engine.close()
-    assert results[1][0] == expected
     assert results[RANKS][0] == expected
     # Each rank has its own KV cache space; one rank's bytes per token are the packed widths, each of 2 ranks' the
     # pages of its layers' widest rank share.
-    assert results[1][1] == expected_kv_tokens(allocation.kv_bytes_per_token(4))
     assert results[RANKS][1] == expected_kv_tokens(partition.bytes_per_token(4))
+    if method == "fdc":
+        assert results[1] == (expected, expected_kv_tokens(allocation.kv_bytes_per_token(4)))
 
 
 def test_ranks_that_split_kv_heads_are_refused_before_vllm_builds_the_model():

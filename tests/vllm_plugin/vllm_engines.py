@@ -83,7 +83,8 @@ class Engine:
 def hf_fdc_tokens(model, tokenizer, artifact_dir: Path, prompts: list[str], new_tokens: int = NEW_TOKENS,
                   **allocation) -> list[list[int]]:
     """Greedy tokens of the project's Hugging Face FDC model (fdc_ops.hf.compress of ``model`` with the artifact in
-    ``artifact_dir`` and ``allocation``, its keyword arguments), one prompt at a time; the model is restored after."""
+    ``artifact_dir`` and ``allocation``, its keyword arguments: method="palu" for the Palu baseline), one prompt at a
+    time; the model is restored after."""
     from fdc_ops import calibration, hf
 
     artifact = calibration.FDCArtifact.load(artifact_dir, model=model)
