@@ -76,7 +76,9 @@ fi
 # laid anew each run so files deleted in the checkout go from it too. Its build/ (ninja's objects) stays.
 mirrored=(fdc_ops csrc include setup.py pyproject.toml README.md)
 mkdir -p build/vllm-src
-(cd build/vllm-src && rm -rf "${mirrored[@]}")
+# setuptools' staging folder (build/lib*) keeps every file it ever staged, and the wheel takes them all: emptied, so a
+# file deleted in the checkout (an old bundled artifact) does not come back installed.
+(cd build/vllm-src && rm -rf "${mirrored[@]}" build/lib.*)
 cp -rp "${mirrored[@]}" build/vllm-src/
 find build/vllm-src/fdc_ops \( -name '__pycache__' -o -name '*.so' \) -prune -exec rm -rf {} +
 build_begin=$SECONDS

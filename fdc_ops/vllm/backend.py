@@ -337,15 +337,14 @@ class PaluAttentionBackend(FDCAttentionBackend):
 
 @dataclass
 class VisibleKeys:
-    """Where the keys that one step's queries see lie in the pages (for the layers of one sliding window): the Palu
-    baseline rebuilds exactly these keys, into P scratch pages that mirror the pages they come from."""
+    """The pages that hold the keys one step's queries see (for the layers of one sliding window): the Palu baseline
+    rebuilds the keys of these pages, into P scratch pages that mirror them."""
 
     pages: torch.Tensor  # (P,) int64: the pages holding some visible key, request after request (vLLM's indices)
     block_table: torch.Tensor  # (B, max_blocks) int32: each request's pages among the P (0 for pages it does not see)
-    source_pages: torch.Tensor  # (N,) int64: the page of each visible key (vLLM's index)
-    scratch_pages: torch.Tensor  # (N,) int64: its page among the P
-    slots: torch.Tensor  # (N,) int64: its slot in the page
-    positions: torch.Tensor  # (N,) int64: its position in its request
+    # (P, block_size) int64: the position of each slot's key in its request; slots past the request's last key (not
+    # written yet: never read) take that key's position, so every position has a RoPE entry
+    positions: torch.Tensor
 
     @classmethod
     def of_step(cls, meta: FDCAttentionMetadata, window_left: int) -> "VisibleKeys":
@@ -353,33 +352,30 @@ class VisibleKeys:
         window and 0 without; pages wholly before first_b may have been freed by vLLM and are not touched."""
         block_size = meta.block_size
         seq_lens, context_lens = meta.seq_lens.long(), meta.context_lens.long()
-        batch = seq_lens.shape[0]
         first = (context_lens - window_left).clamp_min(0) if window_left >= 0 else torch.zeros_like(seq_lens)
         first_page = first // block_size
         page_counts = (seq_lens + block_size - 1) // block_size - first_page
-        requests = torch.repeat_interleave(torch.arange(batch), page_counts)  # (P,)
+        requests = torch.repeat_interleave(torch.arange(seq_lens.shape[0]), page_counts)  # (P,)
         page_starts = torch.cumsum(page_counts, 0) - page_counts
         columns = first_page[requests] + torch.arange(requests.shape[0]) - page_starts[requests]
         block_table = torch.zeros_like(meta.block_table)
         block_table[requests, columns] = torch.arange(requests.shape[0], dtype=block_table.dtype)
-        key_counts = seq_lens - first
-        owners = torch.repeat_interleave(torch.arange(batch), key_counts)  # (N,)
-        positions = first[owners] + torch.arange(owners.shape[0]) - (torch.cumsum(key_counts, 0) - key_counts)[owners]
-        key_columns = positions // block_size
-        return cls(pages=meta.block_table[requests, columns].long(), block_table=block_table,
-                   source_pages=meta.block_table[owners, key_columns].long(),
-                   scratch_pages=block_table[owners, key_columns].long(), slots=positions % block_size,
-                   positions=positions)
+        positions = columns[:, None] * block_size + torch.arange(block_size)
+        positions = torch.minimum(positions, (seq_lens[requests] - 1)[:, None])
+        return cls(pages=meta.block_table[requests, columns].long(), block_table=block_table, positions=positions)
 
 
 class PaluAttentionImpl(FDCAttentionImpl):
     """Runs one Palu-baseline layer's step (fdc_ops.vllm.layer.PaluPagedAttention carries ``k_offsets`` (the cached
     latent's widths), ``qk_offsets`` (full width), ``v_offsets``, ``key_up`` and ``rebuild_keys``).
 
-    What Palu costs: every step rebuilds the keys each query sees from their cached latents (gathered from the
-    pages, up-projected, normalised, rotated at their positions) into scratch pages, copies the values' pages beside
-    them, and attends at full key width, with the same ops as FDC (decode_attention with the step's plan for the
-    decodes, prefill_attention through a block table for the rest)."""
+    What Palu costs: every step rebuilds the keys of the pages its queries see from the cached latents (the pages'
+    latent columns copied out whole, up-projected, normalised, rotated at their positions) into scratch pages,
+    copies the values' pages beside them, and attends at full key width, with the same ops as FDC (decode_attention
+    with the step's plan for the decodes, prefill_attention through a block table for the rest). Whole pages are
+    rebuilt (at most one partly used page per request, and the part of a windowed request's first page before its
+    window, are extra work) because page-sized copies and one batched product cost less than gathering and
+    scattering single rows."""
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: FDCAttentionMetadata | None, output: torch.Tensor,
@@ -403,9 +399,8 @@ class PaluAttentionImpl(FDCAttentionImpl):
         visible = meta.visible_keys.get(self.window_left)
         if visible is None:
             visible = meta.visible_keys[self.window_left] = VisibleKeys.of_step(meta, self.window_left)
-        keys = layer.rebuild_keys(k_pages[visible.source_pages, :, visible.slots], visible.positions)  # (N, H_kv*D)
-        key_pages = keys.new_empty(visible.pages.shape[0], keys.shape[1], meta.block_size)  # (P, H_kv * D, block)
-        key_pages.permute(0, 2, 1)[visible.scratch_pages, visible.slots] = keys
+        latents = k_pages.index_select(0, visible.pages).transpose(1, 2)  # (P, block, k_width)
+        key_pages = layer.rebuild_keys(latents, visible.positions).transpose(1, 2).contiguous()  # (P, H_kv*D, block)
         value_pages = v_pages.index_select(0, visible.pages)  # (P, v_width, block)
         decodes = meta.num_decodes
         if decodes:

@@ -126,11 +126,12 @@ class PaluPagedAttention(CompressedPagedAttention):
         self._key_modules = (k_norm, rotary_emb)  # a tuple: not submodules
 
     def rebuild_keys(self, latent: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """latent: (N, k_width) cached rows at positions (N,) int64 -> post-RoPE keys (N, H_kv * D): up-projected,
-        normalised per head (Qwen3), rotated by the family's RoPE at their positions."""
+        """latent: (..., k_width) cached rows (any strides) at positions (...) int64 -> post-RoPE keys (..., H_kv * D),
+        contiguous: up-projected, normalised per head (Qwen3), rotated by the family's RoPE at their positions."""
         k_norm, rotary_emb = self._key_modules
-        keys = latent @ self.key_up  # (N, H_kv * D)
+        keys = latent @ self.key_up  # (..., H_kv * D)
+        rows = keys.view(-1, keys.shape[-1])
         if k_norm is not None:
-            keys = k_norm(keys.view(keys.shape[0], self.num_kv_heads, self.head_size)).view(keys.shape)
-        keys, _ = rotary_emb(positions, keys, None)
-        return keys
+            rows = k_norm(rows.view(rows.shape[0], self.num_kv_heads, self.head_size)).view(rows.shape)
+        rows, _ = rotary_emb(positions.reshape(-1), rows, None)
+        return rows.view(keys.shape)

@@ -182,8 +182,8 @@ def test_a_palu_step_rebuilds_the_visible_keys_and_attends_like_the_reference(ba
     heads, k_width, v_width = GROUP * kv_heads, sum(QK_DIMS), sum(V_DIMS)
     key_up = torch.randn(k_width, kv_heads * HEAD_DIM, generator=generator, dtype=torch.float64) / k_width ** 0.5
 
-    def rebuild_keys(latent, positions):  # (N, k_width), (N,) -> (N, H_kv * D)
-        return (latent.double() @ key_up * (1 + positions[:, None] / 64)).to(latent.dtype)
+    def rebuild_keys(latent, positions):  # (..., k_width), (...) -> (..., H_kv * D)
+        return (latent.double() @ key_up * (1 + positions[..., None] / 64)).to(latent.dtype)
 
     full = offsets((HEAD_DIM,) * kv_heads)
     layer = SimpleNamespace(num_heads=heads, num_kv_heads=kv_heads, head_size=HEAD_DIM, group=GROUP,
