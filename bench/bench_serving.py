@@ -16,8 +16,8 @@ the FDC paper's serving figures. "Throughput at equal latency" is the highest
 rate, per model, whose p90 TTFT and p90 TBT stay within --ttft-slo and --tbt-slo. The KV cache capacity each server
 logs is recorded too: vLLM logs its maximum concurrency times max_model_len, where a request at max_model_len takes
 whole blocks, so the servers' max_model_len is rounded up to whole blocks (BLOCK_MULTIPLE) and the logged figure is
-the pool's token count. Results are printed and written as JSON (device, torch, vLLM and commit) under --out; the
-servers' logs go to a temporary folder, which errors name.
+the pool's token count. Results are printed and written as JSON (device, torch, vLLM and commit) and a plot under
+--out; the servers' logs go to a temporary folder, which errors name.
 
 Run it in the plugin's environment (scripts/setup_vllm.sh), with PYTHONSAFEPATH=1 so that it and the servers import
 the installed fdc_ops, not the checkout's:
@@ -25,8 +25,9 @@ the installed fdc_ops, not the checkout's:
     PYTHONSAFEPATH=1 .venv-vllm/bin/python bench/bench_serving.py           # CPU: the bundled SmolLM2-135M
     PYTHONSAFEPATH=1 .venv-vllm/bin/python bench/bench_serving.py --quick   # a smoke run: 2 rates x 8, eager
     PYTHONSAFEPATH=1 .venv-vllm/bin/python bench/bench_serving.py --compression 0.062 0.1 --lock /tmp/timing.lock
-    PYTHONSAFEPATH=1 .venv-vllm/bin/python bench/bench_serving.py --kv-budget-tokens 8704 --prompt-tokens 2048 \
-        --output-tokens 128 --requests 16 --rates 4 --compression 0.2 0.5 --palu-compression 0.2 0.5 --eager
+    PYTHONSAFEPATH=1 .venv-vllm/bin/python bench/bench_serving.py --kv-budget-tokens 9216 --prompt-tokens 2048 \
+        --output-tokens 128 --requests 10 --rates 4 --compression 0.062 0.2 0.5 --palu-compression 0.013 0.2 0.5 --eager
+    .venv-vllm/bin/python bench/bench_serving.py --plot RUN1.json RUN2.json   # redraws; later runs' servers win
 
 The same script runs unchanged where vLLM has a GPU (it passes no device options); the default compression, 0.062,
 is what `python -m fdc_ops eval` finds keeps 99% of SmolLM2's perplexity score (bench/results/eval/README.md).
@@ -268,7 +269,54 @@ def serve_and_measure(model: str, label: str, overrides: dict | None, args, logs
         server.stop()
 
 
+def plot(reports: list[dict], path: Path) -> None:
+    """JCT (median, with the p90 above it), TBT and throughput of every server at the reports' first rate, one group
+    of bars per compression; a later report's server replaces an earlier one's of the same name."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from fdc_ops import files
+
+    runs = {label: run for report in reports for label, run in report["runs"].items()}
+    rate = next(iter(reports[-1]["runs"].values()))["rates"]
+    rate = next(iter(rate))
+    methods = ["uncompressed", "fdc", "palu"]
+    compressions = {label: "0" if label == "uncompressed" else label.split("-", 1)[1] for label in runs}
+    groups = sorted(set(compressions.values()), key=float)
+    figure, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    width = 0.8 / len(methods)
+    for index, method in enumerate(methods):
+        labels = [label for label in runs if label.split("-", 1)[0] == method and rate in runs[label]["rates"]]
+        positions = [groups.index(compressions[label]) + (index - 1) * width for label in labels]
+        rows = [runs[label]["rates"][rate] for label in labels]
+        medians = [row["jct_median_s"] for row in rows]
+        spread = [[0] * len(rows), [row["jct_p90_s"] - row["jct_median_s"] for row in rows]]
+        axes[0].bar(positions, medians, width, yerr=spread, capsize=3, label=method)
+        axes[1].bar(positions, [1000 * row["tbt_median_s"] for row in rows], width, label=method)
+        axes[2].bar(positions, [row["throughput_rps"] for row in rows], width, label=method)
+    for axis, title in zip(axes, ("JCT (s): median, p90 above", "time between tokens, median (ms)",
+                                  "throughput (req/s)")):
+        axis.set_xticks(range(len(groups)), [f"{float(group):.3g}" for group in groups])
+        axis.set_xlabel("KV compression")
+        axis.set_title(title)
+        axis.grid(axis="y", alpha=0.3)
+        axis.legend(fontsize=8)
+    last = reports[-1]
+    figure.suptitle(f"{last['device']}, {rate} req/s, {last['args']['requests']} requests of "
+                    f"{last['args']['prompt_tokens']} + {last['args']['output_tokens']} tokens, KV budget "
+                    f"{last['args']['kv_budget_tokens']} uncompressed tokens", fontsize=10)
+    figure.tight_layout()
+    files.write_atomically(str(path), lambda temporary: figure.savefig(temporary, dpi=100, format="png"))
+    print(f"wrote {path}")
+
+
 def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--plot":  # python bench_serving.py --plot REPORT.json [REPORT.json ...]
+        paths = [Path(name) for name in sys.argv[2:]]
+        plot([json.loads(path.read_text()) for path in paths], paths[-1].with_suffix(".png"))
+        return
     args = parse_args()
     import torch
 
@@ -335,7 +383,8 @@ def main() -> None:
         args=vars(args), model=model, artifact=artifact, max_model_len=max_model_len(args),
         compression_rate={label: allocation.compression_rate for label, allocation in allocations.items()},
         kv_bytes_per_token=bytes_per_token, kv_blocks=num_blocks, runs=runs)
-    bench_results.write_report(report, args.out, name, "serving")
+    path = bench_results.write_report(report, args.out, name, "serving")
+    plot([report], path.with_suffix(".png"))
 
 
 def _installed(distribution: str) -> bool:

@@ -44,3 +44,16 @@ vllm:num_preemptions_total{engine="0",model_name="fdc"} 2.0
 vllm:num_preemptions_created{engine="0",model_name="fdc"} 1.7e+09
 """
     assert bench_serving.read_metrics(text) == {"running": 3.0, "waiting": 5.0, "preemptions": 2.0}
+
+
+def test_the_plot_draws_every_server_of_the_reports(bench_serving, tmp_path):
+    def run(jct):
+        row = {"jct_median_s": jct, "jct_p90_s": jct + 1, "tbt_median_s": 0.5, "throughput_rps": 0.1}
+        return {"rates": {"4.0": row}}
+
+    args = {"requests": 2, "prompt_tokens": 8, "output_tokens": 4, "kv_budget_tokens": 64}
+    first = {"device": "cpu", "args": args, "runs": {"uncompressed": run(9.0), "fdc-0.5": run(5.0)}}
+    second = {"device": "cpu", "args": args, "runs": {"palu-0.5": run(7.0), "palu-0.013": run(8.0)}}
+    path = tmp_path / "serving.png"
+    bench_serving.plot([first, second], path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
