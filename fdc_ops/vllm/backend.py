@@ -125,7 +125,7 @@ class FDCAttentionMetadata:
     # the step's decode plans by (H_kv, G, window_left): one for every layer of that shape and window, whatever its
     # widths (see FDCAttentionImpl.decode_plan)
     decode_plans: dict = field(default_factory=dict)
-    # the Palu baseline's visible keys of the step by window_left (see PaluAttentionImpl.visible_keys)
+    # the Palu baseline's visible keys of the step by window_left (see PaluAttentionImpl.attention_inputs)
     visible_keys: dict = field(default_factory=dict)
 
     @property
@@ -264,34 +264,43 @@ class FDCAttentionImpl(AttentionImpl):
         padded = tokens < query.shape[0]
         if padded:
             query, key, value = query[:tokens], key[:tokens], value[:tokens]
-        H, Hkv, D, G = layer.num_heads, layer.num_kv_heads, layer.head_size, layer.group
-        qk_offsets, v_offsets = layer.qk_offsets, layer.v_offsets
-        rotation = layer.rotation
-        q = ops.rotate_compress(query.view(tokens, H, D), rotation, qk_offsets, G)  # (T, G * k_width)
-        k = ops.rotate_compress(key.view(tokens, Hkv, D), rotation, qk_offsets, 1)  # (T, k_width)
-        v = value  # (T, v_width)
-        k_pages, v_pages = self.paged_caches(kv_cache, layer)
-        ops.append_kv(k_pages, v_pages, k, v, meta.query_start_loc, meta.context_lens, qk_offsets, v_offsets,
-                      meta.block_table)
+        q, k_cache, v_cache, block_table, own_rows = self.attention_inputs(layer, query, key, value, kv_cache, meta)
+        G, qk_offsets, v_offsets = layer.group, layer.qk_offsets, layer.v_offsets
         decodes = meta.num_decodes
         if decodes:  # the leading requests, one row each: (num_decodes, G * v_width)
-            output[:decodes] = ops.decode_attention(q[:decodes], k_pages, v_pages, meta.decode_seq_lens, qk_offsets,
+            output[:decodes] = ops.decode_attention(q[:decodes], k_cache, v_cache, meta.decode_seq_lens, qk_offsets,
                                                     v_offsets, G, layer.scaling,
                                                     self.decode_plan(meta, layer, self.window_left),
-                                                    meta.decode_block_table, window_left=self.window_left)
+                                                    block_table[:decodes], window_left=self.window_left)
         prefill = meta.prefill
         if prefill is not None:  # the other requests' rows [decodes, tokens)
-            if prefill.has_context:  # each one's whole context, read in place from its pages
-                keys, values, block_table = k_pages, v_pages, prefill.block_table
+            if own_rows is None:  # each one's whole context, read in place from the pages
+                keys, values, prefill_table = k_cache, v_cache, block_table[decodes:]
             else:  # prompts from scratch: their keys are the step's own rows
-                keys, values, block_table = k[decodes:], v[decodes:], None
+                keys, values, prefill_table = own_rows[0][decodes:], own_rows[1][decodes:], None
             output[decodes:tokens] = ops.prefill_attention(q[decodes:], keys, values, prefill.query_start_loc,
                                                            prefill.cu_seqlens_k, qk_offsets, v_offsets, G,
                                                            layer.scaling, True, window_left=self.window_left,
-                                                           block_table=block_table)
+                                                           block_table=prefill_table)
         if padded:
             output[tokens:] = 0
         return output
+
+    def attention_inputs(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         kv_cache: torch.Tensor, meta: FDCAttentionMetadata):
+        """Writes the step's rows to the pages and returns what the step attends with: queries (T, G * k_width),
+        the paged K and V caches with their block table (B, max_blocks), and the step's own (K, V) rows, which the
+        prefill part attends instead of the pages when none of its requests has cached context (else None).
+        query: (T, H * D), key: (T, H_kv * D) post-RoPE; value: (T, v_width)."""
+        tokens = query.shape[0]
+        H, Hkv, D, G = layer.num_heads, layer.num_kv_heads, layer.head_size, layer.group
+        q = ops.rotate_compress(query.view(tokens, H, D), layer.rotation, layer.qk_offsets, G)  # (T, G * k_width)
+        k = ops.rotate_compress(key.view(tokens, Hkv, D), layer.rotation, layer.qk_offsets, 1)  # (T, k_width)
+        k_pages, v_pages = self.paged_caches(kv_cache, layer)
+        ops.append_kv(k_pages, v_pages, k, value, meta.query_start_loc, meta.context_lens, layer.qk_offsets,
+                      layer.v_offsets, meta.block_table)
+        own_rows = None if meta.prefill is None or meta.prefill.has_context else (k, value)
+        return q, k_pages, v_pages, meta.block_table, own_rows
 
     @staticmethod
     def decode_plan(meta: FDCAttentionMetadata, layer, window_left: int = -1) -> torch.Tensor:
@@ -377,22 +386,11 @@ class PaluAttentionImpl(FDCAttentionImpl):
     window, are extra work) because page-sized copies and one batched product cost less than gathering and
     scattering single rows."""
 
-    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                attn_metadata: FDCAttentionMetadata | None, output: torch.Tensor,
-                output_scale: torch.Tensor | None = None,
-                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """query: (N, H * D) post-RoPE; key: (N, k_width) pre-RoPE key latents; value: (N, v_width) compressed;
-        output: (N, G * v_width), written in place (rows past the step's tokens are zeroed)."""
-        if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError("fdc_ops.vllm: fused output quantization is not supported by the FDC backend")
-        if attn_metadata is None:  # vLLM's warm-up and profiling runs, with no cache bound yet
-            return output.zero_()
-        meta = attn_metadata
-        tokens = meta.num_actual_tokens
-        padded = tokens < query.shape[0]
-        if padded:
-            query, key, value = query[:tokens], key[:tokens], value[:tokens]
-        G = layer.group
+    def attention_inputs(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         kv_cache: torch.Tensor, meta: FDCAttentionMetadata):
+        """As FDCAttentionImpl's, for query: (T, H * D) post-RoPE, key: (T, k_width) pre-RoPE key latents, value:
+        (T, v_width): the queries as they are, the scratch pages of rebuilt keys and copied values with their block
+        table, and no own rows (the step's keys too are rebuilt from the pages)."""
         k_pages, v_pages = self.paged_caches(kv_cache, layer)
         ops.append_kv(k_pages, v_pages, key, value, meta.query_start_loc, meta.context_lens, layer.k_offsets,
                       layer.v_offsets, meta.block_table)
@@ -402,19 +400,4 @@ class PaluAttentionImpl(FDCAttentionImpl):
         latents = k_pages.index_select(0, visible.pages).transpose(1, 2)  # (P, block, k_width)
         key_pages = layer.rebuild_keys(latents, visible.positions).transpose(1, 2).contiguous()  # (P, H_kv*D, block)
         value_pages = v_pages.index_select(0, visible.pages)  # (P, v_width, block)
-        decodes = meta.num_decodes
-        if decodes:
-            output[:decodes] = ops.decode_attention(query[:decodes], key_pages, value_pages, meta.decode_seq_lens,
-                                                    layer.qk_offsets, layer.v_offsets, G, layer.scaling,
-                                                    self.decode_plan(meta, layer, self.window_left),
-                                                    visible.block_table[:decodes], window_left=self.window_left)
-        prefill = meta.prefill
-        if prefill is not None:
-            output[decodes:tokens] = ops.prefill_attention(query[decodes:], key_pages, value_pages,
-                                                           prefill.query_start_loc, prefill.cu_seqlens_k,
-                                                           layer.qk_offsets, layer.v_offsets, G, layer.scaling, True,
-                                                           window_left=self.window_left,
-                                                           block_table=visible.block_table[decodes:])
-        if padded:
-            output[tokens:] = 0
-        return output
+        return query, key_pages, value_pages, visible.block_table, None

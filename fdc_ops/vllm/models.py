@@ -168,6 +168,8 @@ class VllmCompressedAttention(nn.Module):
                              f"heads, the FDC partition {self.kv_heads.numel()}")
         self.v_dims = fdc.allocation.v_dims[layer, self.kv_heads]  # (H_kv local,)
         self.k_dims = fdc.allocation.qk_dims[layer, self.kv_heads]  # (H_kv local,): cached key widths
+        # (H_kv local + 1,) int32 CPU prefix sums of the cached key and value widths, as the ops take them
+        self.k_offsets, self.v_offsets = ops.prefix_sums(self.k_dims), ops.prefix_sums(self.v_dims)
         # Every rank's page of this layer has the widest rank's width (vLLM needs one spec per layer for all ranks).
         self.page = None if partition is None else (int(partition.page_key_widths[layer]),
                                                     int(partition.page_widths[layer]))
@@ -244,12 +246,11 @@ class VllmFDCAttention(VllmCompressedAttention):
 
     def __init__(self, original: nn.Module, hf_config, cache_config, fdc: FDCSettings, rank: int = 0):
         super().__init__(original, hf_config, fdc, rank)
-        k_offsets, v_offsets = ops.prefix_sums(self.k_dims), ops.prefix_sums(self.v_dims)
         # (H_kv local, D, max qk dim)
         rotation = fdc.artifact.qk_rotation[self.layer_index, self.kv_heads, :, :int(self.k_dims.max())]
         self.attn = FDCPagedAttention(self.num_heads, self.head_dim, self.scaling, self.num_kv_heads,
-                                      rotation.to(torch.get_default_dtype()), k_offsets, v_offsets, cache_config,
-                                      self.attn_prefix, self.page, sliding_window=self.sliding_window)
+                                      rotation.to(torch.get_default_dtype()), self.k_offsets, self.v_offsets,
+                                      cache_config, self.attn_prefix, self.page, sliding_window=self.sliding_window)
 
     def fold_keys(self, k_weight: torch.Tensor, k_bias: torch.Tensor | None):
         return k_weight, k_bias
@@ -271,11 +272,10 @@ class VllmPaluAttention(VllmCompressedAttention):
 
     def __init__(self, original: nn.Module, hf_config, cache_config, fdc: FDCSettings, rank: int = 0):
         super().__init__(original, hf_config, fdc, rank)
-        k_offsets, v_offsets = ops.prefix_sums(self.k_dims), ops.prefix_sums(self.v_dims)
         self.key_basis = fdc.artifact.key_basis[self.layer_index, self.kv_heads]  # (H_kv local, D, D)
         key_up = key_up_projection(self.key_basis, self.k_dims.tolist()).to(torch.get_default_dtype())
         self.attn = PaluPagedAttention(self.num_heads, self.head_dim, self.scaling, self.num_kv_heads, key_up,
-                                       k_offsets, v_offsets, self.k_norm if self.has_qk_norm else None,
+                                       self.k_offsets, self.v_offsets, self.k_norm if self.has_qk_norm else None,
                                        self.rotary_emb, cache_config, self.attn_prefix, self.page,
                                        sliding_window=self.sliding_window)
 

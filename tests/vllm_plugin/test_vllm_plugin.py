@@ -91,6 +91,21 @@ def expected_kv_tokens(bytes_per_token: int, block_size: int) -> int:
     return (KV_CACHE_GIB << 30) // (block_size * bytes_per_token) * block_size
 
 
+def batched_chunked_reused(model_dir: Path, overrides: dict):
+    """One engine's tokens for PROMPTS batched, then LONG_PROMPT prefilled in chunks, then LONG_PROMPT again, and its
+    KV capacity. Pages of 32 tokens: the long prompt and its continuation span three pages, and its first page can be
+    reused."""
+    engine = Engine(model_dir, overrides, block_size=FDC_BLOCK, max_num_batched_tokens=CHUNKED_PREFILL_TOKENS,
+                    enable_chunked_prefill=True, max_num_seqs=4, enable_prefix_caching=True)
+    try:
+        batched = engine.tokens(PROMPTS)  # three prompts prefilled together, then decoded together
+        chunked = engine.tokens([LONG_PROMPT])  # prefilled in chunks of 16 tokens over its own cached keys
+        reused = engine.tokens([LONG_PROMPT])  # again: its first full page comes from the prefix cache
+        return batched, chunked, reused, engine.kv_cache_tokens
+    finally:
+        engine.close()
+
+
 def test_full_rank_fdc_generates_what_vllm_generates(model_dir, artifact_dir, uncompressed):
     import fdc_ops.vllm
 
@@ -117,17 +132,8 @@ def test_compressed_fdc_generates_what_the_hf_fdc_model_generates(model_dir, art
     model, tokenizer = hf_model
     assert len(tokenizer(LONG_PROMPT)["input_ids"]) > 2 * CHUNKED_PREFILL_TOKENS
 
-    # Pages of 32 tokens: the long prompt and its continuation span three pages, and its first page can be reused.
-    engine = Engine(model_dir, fdc_ops.vllm.hf_overrides(model_dir, artifact_dir, compression=COMPRESSION),
-                    block_size=FDC_BLOCK, max_num_batched_tokens=CHUNKED_PREFILL_TOKENS, enable_chunked_prefill=True,
-                    max_num_seqs=4, enable_prefix_caching=True)
-    try:
-        batched = engine.tokens(PROMPTS)  # three prompts prefilled together, then decoded together
-        chunked = engine.tokens([LONG_PROMPT])  # prefilled in chunks of 16 tokens over its own cached keys
-        reused = engine.tokens([LONG_PROMPT])  # again: its first full page comes from the prefix cache
-        capacity = engine.kv_cache_tokens
-    finally:
-        engine.close()
+    batched, chunked, reused, capacity = batched_chunked_reused(
+        model_dir, fdc_ops.vllm.hf_overrides(model_dir, artifact_dir, compression=COMPRESSION))
     assert batched == expected[:3]
     assert chunked == expected[3:]
     assert reused == expected[3:]
@@ -153,17 +159,8 @@ def test_the_palu_baseline_generates_what_the_hf_palu_model_generates(model_dir,
     assert len(set(allocation.qk_dims.flatten().tolist())) > 1
     expected = hf_fdc_tokens(hf_model, artifact_dir, PROMPTS + [LONG_PROMPT], compression=COMPRESSION,
                              method="palu")
-    engine = Engine(model_dir, fdc_ops.vllm.hf_overrides(model_dir, artifact_dir, compression=COMPRESSION,
-                                                         method="palu"),
-                    block_size=FDC_BLOCK, max_num_batched_tokens=CHUNKED_PREFILL_TOKENS, enable_chunked_prefill=True,
-                    max_num_seqs=4, enable_prefix_caching=True)
-    try:
-        batched = engine.tokens(PROMPTS)
-        chunked = engine.tokens([LONG_PROMPT])
-        reused = engine.tokens([LONG_PROMPT])
-        capacity = engine.kv_cache_tokens
-    finally:
-        engine.close()
+    batched, chunked, reused, capacity = batched_chunked_reused(
+        model_dir, fdc_ops.vllm.hf_overrides(model_dir, artifact_dir, compression=COMPRESSION, method="palu"))
     assert batched == expected[:3]
     assert chunked == expected[3:]
     assert reused == expected[3:]
