@@ -98,7 +98,7 @@ def _prefill_inputs(rng, gen, layout, dtype):
     return q, k, v, cu_q, cu_k
 
 
-# Prefill runs bf16 on torch's bf16 GEMM micro-kernel where it runs (AVX-512-BF16 with oneDNN), everything else in
+# Prefill runs bf16 on torch's bf16 GEMM micro-kernel where it runs on AMX tiles (with oneDNN), everything else in
 # float32 (csrc/cpu/prefill_attention.cpp); "avx512" forces the float32 path with AVX-512 softmax loops, "portable"
 # with the portable ones.
 PREFILL_ISAS = ("", "avx512", "portable")

@@ -22,9 +22,13 @@ namespace {
 // (read_ahead_for; the A/B runs: bench/results/ops/README.md, "CPU decode"):
 // - kStream: prefetcht0 of the whole next block spread over the current block's loads (avx512::PrefetchStream):
 //   prefetches retire at once, so they overlap the arithmetic where a burst of missing loads would stall it;
+//   the choice on Intel, and on AMD wherever it beat kLoads;
 // - kLoads: plain loads of the next block in a burst, where the block's arithmetic is short next to its bytes
 //   (contiguous caches widened to float), where the stream lost on AMD;
-// - kPrefetchL2: prefetcht1 per cache line, a share of the block before each KV head: the best on Intel.
+// - kPrefetchL2: prefetcht1 per cache line, a share of the block before each KV head: the best on an Intel Xeon with
+//   AMX before the stream existed; on an Intel Xeon with AVX-512-BF16 and no AMX the stream took 0.54-0.90x its time
+//   in all 8 cases measured (bf16 and float32, contiguous and 128-token pages, B=4 x 8K and B=8 x 16K) and
+//   0.55-0.81x the time of kLoads, so no Intel CPU measured is left where either wins; kept for measuring new ones.
 enum class ReadAhead { kStream, kLoads, kPrefetchL2 };
 
 // The way for this CPU, a paged cache or not, and products without widening (bf16 by vdpbf16ps) or not, unless the
@@ -41,7 +45,7 @@ ReadAhead read_ahead_for(const char* op, bool paged, bool bf16_products) {
     TORCH_CHECK(false, "fdc::", op, ": FDC_CPU_READ_AHEAD must be stream, loads or prefetch_l2 but is '", name, "'");
   }
   static const bool intel = __builtin_cpu_is("intel");
-  if (intel) return ReadAhead::kPrefetchL2;
+  if (intel) return ReadAhead::kStream;
   return paged || bf16_products ? ReadAhead::kStream : ReadAhead::kLoads;
 }
 
