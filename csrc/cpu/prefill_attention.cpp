@@ -54,9 +54,22 @@ namespace cpublas = at::native::cpublas;
 constexpr int64_t kKeyBlock = 256;
 constexpr int64_t kRowTile = 256;
 // Rows per task of the widest head in the plan this op builds when given none (the planner's default, 64, is sized
-// for a GPU CTA's registers): tiles of the widest heads then fill kRowTile too (with 64, the 4K causal bf16 prefill
-// of bench_ops ran about 3% slower at 128 rows per tile).
-constexpr int32_t kCpuRowBlock = 256;
+// for a GPU CTA's registers): where some sequence has more than kShortQueryRows rows, kLongRowBlock, so tiles of the
+// widest heads fill kRowTile (with 64, the 4K causal bf16 prefill of bench_ops ran about 3% slower at 128 rows per
+// tile on an AMX Xeon); otherwise kShortRowBlock. A short causal sequence in one 256-row tile multiplies every key of
+// its block for every row, twice its useful work, and a batch of few sequences has few tasks to balance over the
+// workers: with 64 rows per task, prompts of 256 tokens took 0.78-0.93x the time of 256 (bench_ops' layout: 1 and 16
+// prompts, SmolLM2's: 1 and 8; float32 and bf16; a 2-core Intel Xeon without AMX), while 1-4K-token sequences
+// moved within the machine's noise either way.
+constexpr int32_t kLongRowBlock = 256;
+constexpr int32_t kShortRowBlock = 64;
+constexpr int32_t kShortQueryRows = 1024;
+
+int32_t cpu_row_block(const std::vector<int32_t>& cu_q) {
+  int32_t longest = 0;
+  for (size_t b = 1; b < cu_q.size(); ++b) longest = std::max(longest, cu_q[b] - cu_q[b - 1]);
+  return longest > kShortQueryRows ? kLongRowBlock : kShortRowBlock;
+}
 // Products are issued with rows rounded up to 16 (an AMX tile's rows) and keys to 64 (the ukernel's B block), so a
 // model sees few distinct shapes, each generated once per thread.
 constexpr int64_t kRowQuantum = 16;
@@ -462,7 +475,7 @@ at::Tensor prefill_attention_cpu(const at::Tensor& q, const at::Tensor& k, const
     checks::check_prefill_plan_header(op, schedule.data_ptr<int32_t>(), schedule.size(0), batch, layout, causal);
   } else {
     schedule = prefill_plan_cpu(cu_seqlens_q, cu_seqlens_k, qk_offsets, v_offsets, group, causal, std::nullopt,
-                                kCpuRowBlock, window_left);
+                                cpu_row_block(cu_q), window_left);
   }
   const PrefillPlanView view{schedule.data_ptr<int32_t>()};
   checks::check_prefill_plan_records(op, view, cu_q);
