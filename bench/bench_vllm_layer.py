@@ -2,18 +2,20 @@
 and step. For fdc's backend (``FDCAttentionImpl.forward``, which writes the step's rows itself) and vLLM's CPU backend
 (``CPUAttentionBackendImpl.do_kv_cache_update`` then ``forward``, as vLLM's layer calls them), on a SmolLM2-shaped
 layer (9 query heads, 3 KV heads of 64; fdc's widths a fixed layout near its 99% point), the time of the backend's
-calls against the time of the op calls they make, made directly through the ops' OpOverloads with the same tensors
-(vLLM: its cache write and attention; fdc: the two rotate_compress calls, append_kv, decode_attention and, for a
-step with a prompt, prefill_attention). The difference is the backend's own per-layer work: Python, views and slices,
-fdc's copy of the op results into vLLM's output. What both backends do once per step for every layer (fdc's metadata
-and decode plan, vLLM's metadata and scheduler metadata) is timed apart, per step.
+calls (step), the op calls they make, made directly through the ops' OpOverloads with the same tensors (ops; vLLM:
+its cache write and attention; fdc: the two rotate_compress calls, append_kv, decode_attention and, for a step with a
+prompt, prefill_attention), and the backend's calls with those ops replaced by functions that return their results,
+made beforehand (own: the backend's own per-layer work, its Python, views and slices, and fdc's copy of the op
+results into vLLM's output, without the kernels' time and its noise). What each backend does once per step for all
+its layers is timed apart (per step: fdc's metadata build and decode plan; vLLM's scheduler metadata op, its
+builder's Python not included).
 
 Runs in vLLM's environment, where fdc_ops is the installed copy (scripts/setup_vllm.sh):
 
     PYTHONSAFEPATH=1 .venv-vllm/bin/python bench/bench_vllm_layer.py
 
 Each measurement is the mean of ``--calls`` calls in a row; the methods take turns, ``--repeats`` rounds, medians
-reported. Target (issue 41): fdc's own work per layer at most vLLM's. Prints a table and writes JSON to
+reported. Target (issue 41, item 4): fdc's own work per layer at most vLLM's. Prints a table and writes JSON to
 bench/results/vllm/ (or --out).
 """
 
@@ -123,6 +125,7 @@ class FdcLayer:
         self.step()  # makes the step's decode plan, which every later layer of the step takes from the metadata
         self.plan = self.meta.decode_plans.get((NUM_KV_HEADS, GROUP, -1))
         self.k_pages, self.v_pages = self.impl.paged_caches(self.kv_cache, self.layer)
+        self.make_stubs()
 
     def step(self) -> torch.Tensor:
         return self.impl.forward(self.layer, self.query, self.key, self.value, self.kv_cache, self.meta, self.output)
@@ -147,6 +150,32 @@ class FdcLayer:
                                                          meta.prefill.query_start_loc, meta.prefill.cu_seqlens_k,
                                                          layer.qk_offsets, layer.v_offsets, GROUP, SCALE, True))
         return outputs
+
+    def own(self) -> torch.Tensor:
+        """step() with the backend's ops replaced by functions returning the results bare() made."""
+        from fdc_ops.vllm import backend
+
+        real = backend.ops
+        backend.ops = self.stubs
+        try:
+            return self.step()
+        finally:
+            backend.ops = real
+
+    def make_stubs(self) -> None:
+        from fdc_ops import ops
+
+        layer, meta = self.layer, self.meta
+        tokens, decodes = self.query.shape[0], meta.num_decodes
+        q = ops.rotate_compress(self.query.view(tokens, NUM_HEADS, HEAD_DIM), layer.rotation, layer.qk_offsets, GROUP)
+        k = ops.rotate_compress(self.key.view(tokens, NUM_KV_HEADS, HEAD_DIM), layer.rotation, layer.qk_offsets, 1)
+        results = self.bare()
+        decode_out = results[0] if decodes else None
+        prefill_out = results[-1] if meta.prefill is not None else None
+        self.stubs = SimpleNamespace(
+            rotate_compress=lambda x, rot, qk_offsets, group, out_width=None: q if group == GROUP else k,
+            append_kv=lambda *args, **kwargs: None, decode_attention=lambda *args, **kwargs: decode_out,
+            prefill_attention=lambda *args, **kwargs: prefill_out, decode_plan=lambda *args, **kwargs: self.plan)
 
     def per_step(self) -> None:
         """What fdc's backend does once per step for all its layers: the metadata and the decode plan."""
@@ -206,6 +235,20 @@ class VllmLayer:
             SCALE, True, None, -1, meta.block_table, 0.0, meta.scheduler_metadata, None, None, 1.0, 1.0, "auto")
         return self.bare_output
 
+    def own(self) -> torch.Tensor:
+        """step() with the backend's two ops replaced by functions that do nothing (both write in place)."""
+        from vllm.v1.attention.backends import cpu_attn
+
+        real = cpu_attn.ops
+        cpu_attn.ops = self.stubs
+        try:
+            return self.step()
+        finally:
+            cpu_attn.ops = real
+
+    stubs = SimpleNamespace(cpu_attention_with_kv_cache=lambda *args, **kwargs: None,
+                            cpu_attn_reshape_and_cache=lambda *args, **kwargs: None)
+
     def per_step(self) -> torch.Tensor:
         """What vLLM's CPU backend does once per step for all its layers beyond its builder's Python: the scheduler
         metadata."""
@@ -213,12 +256,14 @@ class VllmLayer:
 
 
 def check(fdc: FdcLayer, vllm: VllmLayer) -> None:
-    """Each backend's step returns what its bare op calls return: the bare calls are the work the step does."""
+    """Each backend's step returns what its bare op calls return (the bare calls are the work the step does), and
+    fdc's step with its ops stubbed writes the same output (the stubs stand for the step's ops)."""
     stepped = fdc.step().clone()
-    bare = torch.cat(fdc.bare())
-    if not torch.equal(stepped, bare):
+    if not torch.equal(stepped, torch.cat(fdc.bare())):
         raise RuntimeError("bench_vllm_layer: fdc's step and its bare op calls differ: the bare calls are not the "
                            "step's work")
+    if not torch.equal(stepped, fdc.own()):
+        raise RuntimeError("bench_vllm_layer: fdc's step with its ops stubbed does not write the step's output")
     if not torch.equal(vllm.step(), vllm.bare()):
         raise RuntimeError("bench_vllm_layer: vLLM's step and its bare op calls differ")
 
@@ -250,9 +295,9 @@ def measure(name: str, query_lens: list[int], cached: list[int], dtype: torch.dt
     fdc = FdcLayer(common_metadata(query_lens, seq_lens, table), dtype, blocks)
     vllm = VllmLayer(query_lens, seq_lens, table, dtype, blocks)
     check(fdc, vllm)
-    times = interleaved([fdc.step, fdc.bare, vllm.step, vllm.bare, fdc.per_step, vllm.per_step], calls, repeats)
-    fdc_step, fdc_bare, vllm_step, vllm_bare, fdc_per_step, vllm_per_step = (t * 1e6 for t in times)
-    fdc_own, vllm_own = fdc_step - fdc_bare, vllm_step - vllm_bare
+    times = interleaved([fdc.step, fdc.bare, fdc.own, vllm.step, vllm.bare, vllm.own, fdc.per_step, vllm.per_step],
+                        calls, repeats)
+    fdc_step, fdc_bare, fdc_own, vllm_step, vllm_bare, vllm_own, fdc_per_step, vllm_per_step = (t * 1e6 for t in times)
     return {"step": name, "dtype": str(dtype).removeprefix("torch."), "query_lens": query_lens, "cached": cached,
             "fdc_step_us": fdc_step, "fdc_ops_us": fdc_bare, "fdc_own_us": fdc_own,
             "vllm_step_us": vllm_step, "vllm_ops_us": vllm_bare, "vllm_own_us": vllm_own,

@@ -1,6 +1,7 @@
 """bench/bench_vllm_layer.py (one attention layer's step in fdc's and vLLM's backends, against the op calls each
 makes) runs end to end in vLLM's environment in its --quick configuration; each backend's step equals its bare op
-calls (the benchmark checks it before timing, and fails otherwise)."""
+calls, and fdc's step with its ops stubbed writes the same output (the benchmark checks both before timing, and fails
+otherwise)."""
 
 import json
 import os
@@ -23,8 +24,7 @@ def test_bench_vllm_layer_quick(tmp_path):
     assert {(r["dtype"], "prompt" in r["step"]) for r in rows} == {(d, p) for d in ("float32", "bfloat16")
                                                                     for p in (False, True)}
     for row in rows:
-        for key in ("fdc_step_us", "fdc_ops_us", "vllm_step_us", "vllm_ops_us", "fdc_per_step_us",
-                    "vllm_scheduler_metadata_us"):
+        for key in ("fdc_step_us", "fdc_ops_us", "fdc_own_us", "vllm_step_us", "vllm_ops_us", "vllm_own_us",
+                    "fdc_per_step_us", "vllm_scheduler_metadata_us"):
             assert row[key] > 0, (key, row)
-        assert row["fdc_own_us"] == row["fdc_step_us"] - row["fdc_ops_us"]
         assert row["verdict"] in ("PASS", "MISS")
