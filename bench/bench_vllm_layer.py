@@ -130,8 +130,9 @@ class FdcLayer:
     def step(self) -> torch.Tensor:
         return self.impl.forward(self.layer, self.query, self.key, self.value, self.kv_cache, self.meta, self.output)
 
-    def bare(self) -> torch.Tensor:
-        """The op calls of step(), through their OpOverloads, with what the backend keeps between layers."""
+    def bare(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The op calls of step(), through their OpOverloads, with what the backend keeps between layers; returns
+        the decode and prefill results (None where the step has none)."""
         fdc, layer, meta = torch.ops.fdc, self.layer, self.meta
         tokens, decodes = self.query.shape[0], meta.num_decodes
         q = fdc.rotate_compress.default(self.query.view(tokens, NUM_HEADS, HEAD_DIM), layer.rotation,
@@ -140,16 +141,16 @@ class FdcLayer:
                                         layer.qk_offsets, 1)
         fdc.append_kv.default(self.k_pages, self.v_pages, k, self.value, meta.query_start_loc, meta.context_lens,
                               layer.qk_offsets, layer.v_offsets, meta.block_table)
-        outputs = []
-        if decodes:
-            outputs.append(fdc.decode_attention.default(q[:decodes], self.k_pages, self.v_pages, meta.decode_seq_lens,
-                                                        layer.qk_offsets, layer.v_offsets, GROUP, SCALE, self.plan,
-                                                        meta.decode_block_table))
+        decoded = prefilled = None
         if meta.prefill is not None:  # the steps here have no cached prefix: prompts attend their own rows
-            outputs.append(fdc.prefill_attention.default(q[decodes:], k[decodes:], self.value[decodes:],
-                                                         meta.prefill.query_start_loc, meta.prefill.cu_seqlens_k,
-                                                         layer.qk_offsets, layer.v_offsets, GROUP, SCALE, True))
-        return outputs
+            rows = meta.prefill.query_rows
+            prefilled = fdc.prefill_attention.default(q, k, self.value, rows, rows, layer.qk_offsets,
+                                                      layer.v_offsets, GROUP, SCALE, True)
+        if decodes:
+            decoded = fdc.decode_attention.default(q if decodes == tokens else q[:decodes], self.k_pages,
+                                                   self.v_pages, meta.decode_seq_lens, layer.qk_offsets,
+                                                   layer.v_offsets, GROUP, SCALE, self.plan, meta.decode_block_table)
+        return decoded, prefilled
 
     def own(self) -> torch.Tensor:
         """step() with the backend's ops replaced by functions returning the results bare() made."""
@@ -165,13 +166,11 @@ class FdcLayer:
     def make_stubs(self) -> None:
         from fdc_ops import ops
 
-        layer, meta = self.layer, self.meta
-        tokens, decodes = self.query.shape[0], meta.num_decodes
+        layer = self.layer
+        tokens = self.query.shape[0]
         q = ops.rotate_compress(self.query.view(tokens, NUM_HEADS, HEAD_DIM), layer.rotation, layer.qk_offsets, GROUP)
         k = ops.rotate_compress(self.key.view(tokens, NUM_KV_HEADS, HEAD_DIM), layer.rotation, layer.qk_offsets, 1)
-        results = self.bare()
-        decode_out = results[0] if decodes else None
-        prefill_out = results[-1] if meta.prefill is not None else None
+        decode_out, prefill_out = self.bare()
         self.stubs = SimpleNamespace(
             rotate_compress=lambda x, rot, qk_offsets, group, out_width=None: q if group == GROUP else k,
             append_kv=lambda *args, **kwargs: None, decode_attention=lambda *args, **kwargs: decode_out,
@@ -259,7 +258,11 @@ def check(fdc: FdcLayer, vllm: VllmLayer) -> None:
     """Each backend's step returns what its bare op calls return (the bare calls are the work the step does), and
     fdc's step with its ops stubbed writes the same output (the stubs stand for the step's ops)."""
     stepped = fdc.step().clone()
-    if not torch.equal(stepped, torch.cat(fdc.bare())):
+    decoded, prefilled = fdc.bare()
+    expected = prefilled.clone() if prefilled is not None else torch.empty_like(stepped)
+    if decoded is not None:
+        expected[:decoded.shape[0]] = decoded
+    if not torch.equal(stepped, expected):
         raise RuntimeError("bench_vllm_layer: fdc's step and its bare op calls differ: the bare calls are not the "
                            "step's work")
     if not torch.equal(stepped, fdc.own()):

@@ -208,6 +208,35 @@ def test_prefill_attention_nan_queries_stay_in_their_sequence(causal, dtype, isa
         assert_close_to_reference(out[rows], expected, torch_lowp, f"prefill_attention beside NaN queries {first}")
 
 
+@pytest.mark.parametrize("isa", PREFILL_ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_attention_rows_outside_the_sequences(dtype, isa, monkeypatch):
+    """Boundaries that start after row 0 and end before the last row (the vLLM backend hands a step's rows whole,
+    its prefill requests' after its decodes): the rows outside every sequence come back zero whatever they hold (NaN
+    queries, keys and values there), the others as the same sequences passed alone."""
+    monkeypatch.setenv("FDC_CPU_ISA", isa)
+    gen = torch.Generator().manual_seed(11)
+    qk_dims, v_dims, group = [16, 40], [24, 8], 3
+    qk_offsets, v_offsets = offsets(qk_dims), offsets(v_dims)
+    lead, lengths, tail = 5, [37, 300], 3
+    rows = lead + sum(lengths) + tail
+    cu = offsets(lengths) + lead
+    q = randn((rows, group * sum(qk_dims)), dtype, gen)
+    k = randn((rows, sum(qk_dims)), dtype, gen)
+    v = randn((rows, sum(v_dims)), dtype, gen)
+    for t in (q, k, v):
+        t[:lead] = float("nan")
+        t[rows - tail:] = float("nan")
+    out = ops.prefill_attention(q, k, v, cu, cu, qk_offsets, v_offsets, group, 0.125, True)
+    assert not out[:lead].any() and not out[rows - tail:].any()
+    inside = slice(lead, rows - tail)
+    alone = offsets(lengths)
+    args = (q[inside], k[inside], v[inside], alone, alone, qk_offsets, v_offsets, group, 0.125, True)
+    assert_close_to_reference(out[inside], reference.prefill_attention_ref(*args),
+                              reference.prefill_attention_ref(*args, compute_dtype=dtype),
+                              f"prefill_attention rows outside the sequences isa={isa!r}")
+
+
 def test_prefill_attention_bf16_without_onednn():
     """With torch's oneDNN switched off (torch.backends.mkldnn), bf16 prefill takes the float32 path: same results
     within bf16's tolerance."""

@@ -97,8 +97,10 @@ class FDCPrefillMetadata:
     """The prefill part of a step: its requests (every request after the step's decodes, P of them) and what
     ``prefill_attention`` takes for them."""
 
-    query_start_loc: torch.Tensor  # (P + 1,) int32: each request's new tokens among the prefill part's tokens
-    cu_seqlens_k: torch.Tensor  # (P + 1,) int32 prefix sums of the requests' seq_lens (their keys)
+    # (P + 1,) int32: each request's new tokens among the step's tokens (from num_decodes on), so the step's query,
+    # key and value rows are handed to prefill_attention whole, unsliced
+    query_rows: torch.Tensor
+    cu_seqlens_k: torch.Tensor  # (P + 1,) int32 prefix sums of the requests' seq_lens (their keys in the pages)
     has_context: bool  # whether some of these requests attends cached tokens from earlier steps
     block_table: torch.Tensor  # (P, max_blocks) int32: their block table rows, which prefill_attention reads
 
@@ -176,7 +178,7 @@ class FDCAttentionMetadataBuilder(AttentionMetadataBuilder[FDCAttentionMetadata]
             num_decodes = 0
         prefill = None
         if num_decodes < num_reqs:
-            prefill = self._build_prefill(query_start_loc[num_decodes:] - num_decodes, seq_lens[num_decodes:],
+            prefill = self._build_prefill(query_start_loc[num_decodes:], seq_lens[num_decodes:],
                                           context_lens[num_decodes:], block_table[num_decodes:])
         return FDCAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens, num_reqs=num_reqs, max_query_len=common.max_query_len,
@@ -184,11 +186,11 @@ class FDCAttentionMetadataBuilder(AttentionMetadataBuilder[FDCAttentionMetadata]
             num_decodes=num_decodes, decode_seq_lens=seq_lens[:num_decodes],
             decode_block_table=block_table[:num_decodes], prefill=prefill, block_size=self.block_size)
 
-    def _build_prefill(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, context_lens: torch.Tensor,
+    def _build_prefill(self, query_rows: torch.Tensor, seq_lens: torch.Tensor, context_lens: torch.Tensor,
                        block_table: torch.Tensor) -> FDCPrefillMetadata:
-        """query_start_loc: (P + 1,) int32 from 0; seq_lens, context_lens: (P,) int32; block_table: (P, max_blocks)
-        int32: the prefill requests' rows of the step's metadata."""
-        return FDCPrefillMetadata(query_start_loc=query_start_loc, cu_seqlens_k=ops.prefix_sums(seq_lens),
+        """query_rows: (P + 1,) int32, from num_decodes; seq_lens, context_lens: (P,) int32; block_table: (P,
+        max_blocks) int32: the prefill requests' parts of the step's metadata."""
+        return FDCPrefillMetadata(query_rows=query_rows, cu_seqlens_k=ops.prefix_sums(seq_lens),
                                   has_context=bool((context_lens > 0).any()), block_table=block_table)
 
 
@@ -264,24 +266,33 @@ class FDCAttentionImpl(AttentionImpl):
         padded = tokens < query.shape[0]
         if padded:
             query, key, value = query[:tokens], key[:tokens], value[:tokens]
-        q, k_cache, v_cache, block_table, own_rows = self.attention_inputs(layer, query, key, value, kv_cache, meta)
+        q, k_cache, v_cache, (decode_table, prefill_table), own_rows = self.attention_inputs(layer, query, key, value,
+                                                                                             kv_cache, meta)
         G, qk_offsets, v_offsets = layer.group, layer.qk_offsets, layer.v_offsets
-        decodes = meta.num_decodes
-        if decodes:  # the leading requests, one row each: (num_decodes, G * v_width)
-            output[:decodes] = ops.decode_attention(q[:decodes], k_cache, v_cache, meta.decode_seq_lens, qk_offsets,
-                                                    v_offsets, G, layer.scaling,
-                                                    self.decode_plan(meta, layer, self.window_left),
-                                                    block_table[:decodes], window_left=self.window_left)
-        prefill = meta.prefill
-        if prefill is not None:  # the other requests' rows [decodes, tokens)
+        decodes, prefill = meta.num_decodes, meta.prefill
+        # Each op's result is copied into vLLM's output whole where it covers it, so a step slices as little as it
+        # can: a slice or a partial copy costs 1.5-2.5 us of dispatch each, per layer (bench/bench_vllm_layer.py).
+        if prefill is not None:  # the requests after the decodes, whose rows prefill_attention finds by query_rows
             if own_rows is None:  # each one's whole context, read in place from the pages
-                keys, values, prefill_table = k_cache, v_cache, block_table[decodes:]
-            else:  # prompts from scratch: their keys are the step's own rows
-                keys, values, prefill_table = own_rows[0][decodes:], own_rows[1][decodes:], None
-            output[decodes:tokens] = ops.prefill_attention(q[decodes:], keys, values, prefill.query_start_loc,
-                                                           prefill.cu_seqlens_k, qk_offsets, v_offsets, G,
-                                                           layer.scaling, True, window_left=self.window_left,
-                                                           block_table=prefill_table)
+                keys, values, cu_seqlens_k = k_cache, v_cache, prefill.cu_seqlens_k
+            else:  # prompts from scratch: their keys are the step's own rows, beside their queries
+                keys, values, cu_seqlens_k, prefill_table = own_rows[0], own_rows[1], prefill.query_rows, None
+            result = ops.prefill_attention(q, keys, values, prefill.query_rows, cu_seqlens_k, qk_offsets, v_offsets,
+                                           G, layer.scaling, True, window_left=self.window_left,
+                                           block_table=prefill_table)  # (tokens, G * v_width), decode rows zero
+            if padded:
+                output[:tokens] = result
+            else:
+                output.copy_(result)
+        if decodes:  # the leading requests, one row each: (num_decodes, G * v_width)
+            result = ops.decode_attention(q if decodes == tokens else q[:decodes], k_cache, v_cache,
+                                          meta.decode_seq_lens, qk_offsets, v_offsets, G, layer.scaling,
+                                          self.decode_plan(meta, layer, self.window_left), decode_table,
+                                          window_left=self.window_left)
+            if decodes == output.shape[0]:
+                output.copy_(result)
+            else:
+                output[:decodes] = result
         if padded:
             output[tokens:] = 0
         return output
@@ -289,7 +300,8 @@ class FDCAttentionImpl(AttentionImpl):
     def attention_inputs(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          kv_cache: torch.Tensor, meta: FDCAttentionMetadata):
         """Writes the step's rows to the pages and returns what the step attends with: queries (T, G * k_width),
-        the paged K and V caches with their block table (B, max_blocks), and the step's own (K, V) rows, which the
+        the paged K and V caches, the block tables of the decodes and of the other requests (their rows of the
+        step's (B, max_blocks) table; None where the step has none), and the step's own (K, V) rows, which the
         prefill part attends instead of the pages when none of its requests has cached context (else None).
         query: (T, H * D), key: (T, H_kv * D) post-RoPE; value: (T, v_width)."""
         tokens = query.shape[0]
@@ -299,8 +311,10 @@ class FDCAttentionImpl(AttentionImpl):
         k_pages, v_pages = self.paged_caches(kv_cache, layer)
         ops.append_kv(k_pages, v_pages, k, value, meta.query_start_loc, meta.context_lens, layer.qk_offsets,
                       layer.v_offsets, meta.block_table)
-        own_rows = None if meta.prefill is None or meta.prefill.has_context else (k, value)
-        return q, k_pages, v_pages, meta.block_table, own_rows
+        prefill = meta.prefill
+        own_rows = None if prefill is None or prefill.has_context else (k, value)
+        return q, k_pages, v_pages, (meta.decode_block_table, None if prefill is None else prefill.block_table), \
+            own_rows
 
     @staticmethod
     def decode_plan(meta: FDCAttentionMetadata, layer, window_left: int = -1) -> torch.Tensor:
@@ -351,6 +365,8 @@ class VisibleKeys:
 
     pages: torch.Tensor  # (P,) int64: the pages holding some visible key, request after request (vLLM's indices)
     block_table: torch.Tensor  # (B, max_blocks) int32: each request's pages among the P (0 for pages it does not see)
+    decode_block_table: torch.Tensor  # (num_decodes, max_blocks) int32: its rows of the step's decodes
+    prefill_block_table: torch.Tensor  # (B - num_decodes, max_blocks) int32: its rows of the other requests
     # (P, block_size) int64: the position of each slot's key in its request; slots past the request's last key (not
     # written yet: never read) take that key's position, so every position has a RoPE entry
     positions: torch.Tensor
@@ -371,7 +387,9 @@ class VisibleKeys:
         block_table[requests, columns] = torch.arange(requests.shape[0], dtype=block_table.dtype)
         positions = columns[:, None] * block_size + torch.arange(block_size)
         positions = torch.minimum(positions, (seq_lens[requests] - 1)[:, None])
-        return cls(pages=meta.block_table[requests, columns].long(), block_table=block_table, positions=positions)
+        return cls(pages=meta.block_table[requests, columns].long(), block_table=block_table,
+                   decode_block_table=block_table[:meta.num_decodes],
+                   prefill_block_table=block_table[meta.num_decodes:], positions=positions)
 
 
 class PaluAttentionImpl(FDCAttentionImpl):
@@ -400,4 +418,4 @@ class PaluAttentionImpl(FDCAttentionImpl):
         latents = k_pages.index_select(0, visible.pages).transpose(1, 2)  # (P, block, k_width)
         key_pages = layer.rebuild_keys(latents, visible.positions).transpose(1, 2).contiguous()  # (P, H_kv*D, block)
         value_pages = v_pages.index_select(0, visible.pages)  # (P, v_width, block)
-        return query, key_pages, value_pages, visible.block_table, None
+        return query, key_pages, value_pages, (visible.decode_block_table, visible.prefill_block_table), None

@@ -85,7 +85,8 @@ def test_a_step_is_split_into_decodes_and_prefills(batch):
     prefill = meta.prefill
     assert not meta.is_decode_only
     rest_q, rest_k = query_lens[expected_decodes:], seq_lens[expected_decodes:]
-    assert prefill.query_start_loc.tolist() == offsets(tuple(rest_q)).tolist()
+    # the prefill requests' rows among the step's rows, after the decodes' (the step's rows are handed over whole)
+    assert prefill.query_rows.tolist() == (offsets(tuple(rest_q)) + expected_decodes).tolist()
     assert prefill.cu_seqlens_k.tolist() == offsets(tuple(rest_k)).tolist()
     contexts = [s - q for q, s in zip(rest_q, rest_k)]
     assert prefill.has_context == any(contexts)
