@@ -27,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 # bench_results sits beside this script; run with PYTHONSAFEPATH, Python puts no folder on sys.path by itself.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -156,12 +157,8 @@ class FdcLayer:
         """step() with the backend's ops replaced by functions returning the results bare() made."""
         from fdc_ops.vllm import backend
 
-        real = backend.ops
-        backend.ops = self.stubs
-        try:
+        with mock.patch.object(backend, "ops", self.stubs):
             return self.step()
-        finally:
-            backend.ops = real
 
     def make_stubs(self) -> None:
         from fdc_ops import ops
@@ -195,12 +192,8 @@ class VllmLayer:
         from fdc_ops import ops
 
         config = SimpleNamespace(model_config=SimpleNamespace(dtype=dtype))
-        real_config = cpu_attn.get_current_vllm_config
-        cpu_attn.get_current_vllm_config = lambda: config
-        try:
+        with mock.patch.object(cpu_attn, "get_current_vllm_config", lambda: config):
             self.impl = cpu_attn.CPUAttentionBackendImpl(NUM_HEADS, HEAD_DIM, SCALE, NUM_KV_HEADS, None, None, "auto")
-        finally:
-            cpu_attn.get_current_vllm_config = real_config
         isa = cpu_attn._get_attn_isa(dtype, BLOCK, HEAD_DIM)
         self.layer = SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
         tokens = sum(query_lens)
@@ -238,12 +231,8 @@ class VllmLayer:
         """step() with the backend's two ops replaced by functions that do nothing (both write in place)."""
         from vllm.v1.attention.backends import cpu_attn
 
-        real = cpu_attn.ops
-        cpu_attn.ops = self.stubs
-        try:
+        with mock.patch.object(cpu_attn, "ops", self.stubs):
             return self.step()
-        finally:
-            cpu_attn.ops = real
 
     stubs = SimpleNamespace(cpu_attention_with_kv_cache=lambda *args, **kwargs: None,
                             cpu_attn_reshape_and_cache=lambda *args, **kwargs: None)

@@ -3,11 +3,10 @@
 //
 // Both products of a tile are torch's batch-reduce GEMM micro-kernel, at::native::cpublas::brgemm (oneDNN's JIT
 // ukernel, the one torch's own CPU flash attention calls), on blocks packed once per call:
-// - bfloat16 inputs on CPUs with AVX-512-BF16 where the ukernel runs (torch's oneDNN enabled): bf16 x bf16 -> fp32 on
-//   AMX tiles (CPUs with AVX-512-BF16 but no AMX take the float32 products: see bf16_brgemm_runs), with K^T and V
-//   packed in VNNI pairs (V zero-padded to the
-//   ukernel's column block) and the probabilities rounded to bf16, as torch's flash attention does, after one pass
-//   that exponentiates a row's block against its running reference (see kReferenceSumLimit);
+// - bfloat16 inputs on CPUs with AMX where the ukernel runs (torch's oneDNN enabled; see bf16_brgemm_runs): bf16 x
+//   bf16 -> fp32 on AMX tiles, with K^T and V packed in VNNI pairs (V zero-padded to the ukernel's column block) and
+//   the probabilities rounded to bf16, as torch's flash attention does, after one pass that exponentiates a row's
+//   block against its running reference (see kReferenceSumLimit);
 // - everything else (float32, float16, bf16 where that ukernel does not run): float32 operands, K^T packed, V copied
 //   with zero columns to a multiple of 16.
 // Packing each (sequence, KV head) once costs one pass over K and V and lets every product run with a fixed leading

@@ -17,6 +17,21 @@ SKIP_REASON = ("vLLM is not installed in this environment: the plugin tests run 
                "(scripts/setup_vllm.sh makes it; scripts/test.sh runs them there)")
 
 
+def quick_benchmark_report(script: str, tmp_path: Path, kind: str) -> tuple[dict, str]:
+    """Runs bench/<script> --quick as documented (PYTHONSAFEPATH: the installed fdc_ops), its JSON into tmp_path;
+    returns the one report named *-<kind>-quick-*.json and what the script printed."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    result = subprocess.run([sys.executable, str(REPOSITORY / "bench" / script), "--quick", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (written,) = tmp_path.glob(f"*-{kind}-quick-*.json")
+    return json.loads(written.read_text()), result.stdout
+
+
 def vllm_installed() -> bool:
     """Whether the real vLLM is importable (its spec has a file: a namespace package, such as a folder named vllm on
     sys.path, has none)."""
