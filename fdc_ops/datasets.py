@@ -106,3 +106,27 @@ def calibration_windows(token_ids: torch.Tensor, document_starts: torch.Tensor, 
         raise ValueError(f"fdc_ops: {count} windows of {seq_len} tokens do not fit apart in the first {limit} tokens "
                          "of the text; ask for fewer or shorter windows")
     return [token_ids[start: start + seq_len][None] for start in picks.tolist()]
+
+
+def held_out_windows(token_ids: torch.Tensor, document_starts: torch.Tensor, count: int,
+                     seq_len: int) -> torch.Tensor:
+    """(count, seq_len) windows of held-out text (after the first CALIBRATION_SHARE of the stream), each inside one
+    document, so that a window's later tokens can lean on its earlier ones (the long-context measure of
+    ``fdc_ops eval --metric long_perplexity``). Windows do not overlap; they are taken from the documents in turn
+    (one from each long enough document, then a second from each, ...), from each document's start on.
+
+    token_ids: (N,) int64; document_starts: (num_documents,) int64, ascending."""
+    total = token_ids.numel()
+    cut = int(total * CALIBRATION_SHARE)
+    ends = torch.cat([document_starts[1:], torch.tensor([total])]).tolist()
+    spans = [(max(start, cut), end) for start, end in zip(document_starts.tolist(), ends) if end - max(start, cut)
+             >= seq_len]
+    fits = [(end - start) // seq_len for start, end in spans]
+    if count <= 0 or sum(fits) < count:
+        raise ValueError(f"fdc_ops: the held-out text has room for {sum(fits)} windows of {seq_len} tokens inside "
+                         f"documents, fewer than the {count} asked for")
+    picks = []
+    for turn in range(max(fits)):
+        picks.extend(start + turn * seq_len for (start, _), room in zip(spans, fits) if turn < room)
+    return torch.stack([token_ids[start: start + seq_len] for start in picks[:count]])
+

@@ -201,3 +201,75 @@ def append_kv_ref(k_cache, v_cache, k, v, cu_seqlens, cache_seqlens, block_table
                 k_cache[page, :, t % page_size] = k[cu[b] + i]
                 v_cache[page, :, t % page_size] = v[cu[b] + i]
     return k_cache, v_cache
+
+
+def window_scores_ref(q, cu_seqlens_q, k_cache, cache_seqlens, qk_offsets, group, scale, policy, softcap=0.0,
+                      seed=None):
+    """fdc_ops.eviction.window_scores, request by request and query head by query head. Keyformer's noise is drawn
+    as the function draws it (per request, a generator seeded with ``seed`` draws a (G, window, length) float32
+    uniform tensor per KV head, in head order), then used in float64."""
+    B, S = k_cache.shape[0], k_cache.shape[1]
+    bounds, dims = qk_offsets.tolist(), _dims(qk_offsets)
+    window = policy.window
+    keyformer = policy.method == "keyformer"
+    scores = torch.zeros(B, len(dims), S, dtype=torch.float64)
+    for b in range(B):
+        end, length = int(cu_seqlens_q[b + 1]), int(cache_seqlens[b])
+        generator = torch.Generator().manual_seed(policy.seed if seed is None else seed)
+        noise = [torch.rand((group, window, length), generator=generator) for _ in dims] if keyformer else None
+        taken = min(window, end - int(cu_seqlens_q[b]))
+        if taken == 0:
+            continue
+        positions = torch.arange(length - taken, length)
+        visible = torch.arange(length)[None, :] <= positions[:, None]  # (taken, length)
+        for j, dim in enumerate(dims):
+            rows = q[end - taken: end, group * bounds[j]: group * bounds[j + 1]].double().view(taken, group, dim)
+            keys = k_cache[b, :length, bounds[j]: bounds[j + 1]].double()
+            total = torch.zeros(length, dtype=torch.float64)
+            for g in range(group):
+                logits = scale * (rows[:, g] @ keys.T)
+                if softcap > 0:
+                    logits = softcap * torch.tanh(logits / softcap)
+                logits = logits.masked_fill(~visible, float("-inf"))
+                if keyformer:
+                    uniform = noise[j][g, window - taken:].double().clamp(1e-20, 1.0 - 1e-7)
+                    logits = (logits - torch.log(-torch.log(uniform))) / policy.temperature
+                total += torch.softmax(logits, dim=1).sum(0)
+            if keyformer:
+                scores[b, j, :length] = total
+            else:
+                mean, half = total / (taken * group), policy.kernel // 2
+                scores[b, j, :length] = torch.stack([mean[max(0, i - half): i + half + 1].max()
+                                                     for i in range(length)]) if length else mean
+    return scores
+
+
+def select_tokens_ref(scores, cache_seqlens, policy):
+    """fdc_ops.eviction.select_tokens as lists: request b keeps its last min(recent, kept) tokens and the highest
+    scores of the others (ties to the earlier token), in increasing order."""
+    selections = []
+    for b, length in enumerate(cache_seqlens.tolist()):
+        kept = policy.kept_tokens(length)
+        recent = min(policy.recent_tokens, kept)
+        older = sorted(range(length - recent), key=lambda i: (-float(scores[b, i]), i))[: kept - recent]
+        selections.append(sorted(older) + list(range(length - recent, length)))
+    return selections
+
+
+def compact_kv_ref(k_cache, v_cache, selections, block_table=None):
+    """fdc_ops.eviction.compact_kv on copies: request b's kept tokens ``selections[b]`` become its first tokens;
+    every other slot keeps what it held. Returns (k_cache, v_cache)."""
+    out = []
+    for cache in (k_cache, v_cache):
+        result = cache.clone()
+        for b, kept in enumerate(selections):
+            for i, token in enumerate(kept):
+                if block_table is None:
+                    result[b, i] = cache[b, token]
+                else:
+                    page_size = cache.shape[2]
+                    source = int(block_table[b, token // page_size])
+                    target = int(block_table[b, i // page_size])
+                    result[target, :, i % page_size] = cache[source, :, token % page_size]
+        out.append(result)
+    return out[0], out[1]

@@ -30,3 +30,22 @@ def test_uniform_allocation_is_the_widest_uniform_pair_within_the_budget(compres
 def test_run_rejects_a_grid_outside_zero_to_one_before_loading_the_model(grid, tmp_path):
     with pytest.raises(ValueError, match="fdc_ops.apps.eval.run: grid must be budgets in"):
         eval_app.run(out=str(tmp_path), grid=grid)
+
+
+def test_eviction_methods_need_the_long_context_metric(tmp_path):
+    with pytest.raises(ValueError, match=r"\['KF-F'\] evict after a prompt, which only the long_perplexity"):
+        eval_app.run(out=str(tmp_path), methods=("FDC (defaults)", "KF-F"))
+
+
+def test_held_out_windows_lie_inside_held_out_documents_and_do_not_overlap():
+    import torch
+
+    from fdc_ops import datasets
+
+    tokens = torch.arange(1000)
+    starts = torch.tensor([0, 850, 905, 930, 990])  # held out from 900: [900, 905), [905, 930), [930, 990), ...
+    windows = datasets.held_out_windows(tokens, starts, 4, 12)
+    assert windows.tolist() == [list(range(905, 917)), list(range(930, 942)), list(range(917, 929)),
+                                list(range(942, 954))]  # a window from each document in turn, from its start
+    with pytest.raises(ValueError, match="room for 7 windows of 12 tokens"):
+        datasets.held_out_windows(tokens, starts, 8, 12)

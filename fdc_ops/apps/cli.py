@@ -137,11 +137,14 @@ def main() -> None:
     evaluate = commands.add_parser("eval", help="accuracy vs KV compression: FDC (paper, defaults), uniform, Palu")
     evaluate.add_argument("--out", type=output_directory, default="bench/results/eval",
                           help="directory for the JSON and PNG")
-    evaluate.add_argument("--metric", choices=["perplexity", "edit_similarity"], default="perplexity")
+    evaluate.add_argument("--metric", choices=["perplexity", "edit_similarity", "long_perplexity"],
+                          default="perplexity", help="long_perplexity: 256 tokens after a 1536-token prompt whose "
+                          "cache is compressed (and evicted), for the eviction methods")
     evaluate.add_argument("--text", choices=["random", "wikipedia", "humaneval"], default="wikipedia",
                           help="calibration text of every method")
     evaluate.add_argument("--methods", nargs="+", default=None,
-                          help="methods to measure (default: the four compared; fdc_ops/apps/eval.py lists ablations)")
+                          help="methods to measure (default: the four compared, or FDC, Palu, Keyformer, KF-F and "
+                               "KF-P for long_perplexity; fdc_ops/apps/eval.py lists ablations)")
     evaluate.add_argument("--refine", type=share(0.0, 1.0, True), nargs="+", default=[0.99, 0.9],
                           help="accuracy levels to refine the grid around by bisection")
     evaluate.add_argument("--refine-steps", type=whole(0), default=3,
@@ -151,6 +154,8 @@ def main() -> None:
                                "0.5); a coarser grid for slow metrics")
     evaluate.add_argument("--eval-tokens", type=whole(PERPLEXITY_WINDOW), default=4096,
                           help=f"held-out Wikipedia tokens (perplexity; at least one window of {PERPLEXITY_WINDOW})")
+    evaluate.add_argument("--windows", type=whole(1), default=16,
+                          help="held-out windows of 1792 tokens (long_perplexity)")
     evaluate.add_argument("--problems", type=whole(1), default=16, help="HumanEval problems (the first N)")
     evaluate.add_argument("--max-new-tokens", type=whole(1), default=64)
     evaluate.add_argument("--budget-s", type=share(0.0, math.inf, False), default=None,
@@ -220,7 +225,7 @@ def _run(args) -> None:
         eval_app.run(out=args.out, metric=args.metric, text=args.text, methods=args.methods, refine=tuple(args.refine),
                      refine_steps=args.refine_steps, grid=tuple(args.grid) if args.grid else None,
                     eval_tokens=args.eval_tokens, problems=args.problems, max_new_tokens=args.max_new_tokens,
-                    budget_s=args.budget_s)
+                    budget_s=args.budget_s, windows=args.windows)
     elif args.command == "calibrate":
         _calibrate(args)
     elif args.command == "report":

@@ -18,6 +18,14 @@ similarity visibly does not), so the compression reported for a level is the lar
 and the score of every smaller tried compression, stay at or above it: never one that only bisection's monotonicity
 assumption would give.
 
+Eviction (``--metric long_perplexity``: the perplexity score of 256 held-out tokens after a 1536-token prompt of the
+same article, the prompt's cache compressed and evicted before the continuation is scored, as the FDC paper scores
+PG-19): ``Keyformer`` alone (every layer keeps a share of each prompt's tokens, chosen by Keyformer's scores; the
+modules at full width, which compute what the original model computes), and the paper's combinations ``KF-F`` and
+``KF-P``, eviction and FDC (or Palu) each contributing half of the total compression (both keep sqrt(1 - c) of what
+they act on); ``SnapKV`` and ``SnapKV-F`` the same with SnapKV's scores. A point's compression is the share of the
+prompt's KV bytes removed.
+
 Every evaluation is appended to ``<out>/<model>-eval-<metric>-points.json`` as it finishes (keyed by the widths, so
 an interrupted run resumes and equal allocations are measured once, and tagged with its artifact's calibration
 settings, so a point of an artifact calibrated differently since is measured again); each run rewrites the curves,
@@ -29,12 +37,14 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import math
 import time
 from pathlib import Path
 
 import torch
 
 from .. import calibration, datasets, files, hf
+from .. import eviction as evictions
 from ..calibration import RankAllocation
 from ..hf import families, loading
 from . import metrics, provenance
@@ -52,11 +62,22 @@ ABLATIONS = {
     "activation V, sensitivity": {"artifact": "activation"},
     "output V, sensitivity": {"artifact": "output"},
 }
+# Token eviction, alone (its whole compression from evicting) and with FDC or Palu (half from each): long_perplexity
+EVICTION = {
+    "Keyformer": {"artifact": "default", "eviction": "keyformer", "split": "eviction"},
+    "KF-F": {"artifact": "default", "eviction": "keyformer", "split": "equal"},
+    "KF-P": {"artifact": "default", "method": "palu", "eviction": "keyformer", "split": "equal"},
+    "SnapKV": {"artifact": "default", "eviction": "snapkv", "split": "eviction"},
+    "SnapKV-F": {"artifact": "default", "eviction": "snapkv", "split": "equal"},
+}
+LONG_CONTEXT_METHODS = ("FDC (defaults)", "Palu", "Keyformer", "KF-F", "KF-P")  # the paper's combination table
+LONG_PROMPT, LONG_SCORED = 1536, 256  # tokens of each window's prompt and of its scored continuation
 # load_or_calibrate's settings beyond the text, per artifact a method names
 ARTIFACTS = {"default": {}, "activation": {"v_method": "activation"}, "output": {"v_method": "output"}}
 GRID = (0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)  # dense where 99% is decided, to 0.5
 LEVELS = tuple(round(0.90 + 0.01 * i, 2) for i in range(10))  # accuracy levels tabulated: 0.90 .. 0.99
-METRICS = ("perplexity", "edit_similarity")
+LONG_GRID = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)  # eviction reaches far higher compressions
+METRICS = ("perplexity", "edit_similarity", "long_perplexity")
 
 
 def uniform_allocation(shape, compression: float, multiple: int = 8) -> RankAllocation:
@@ -89,20 +110,25 @@ def _key(name: str, allocation: RankAllocation) -> str:
 def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str = "wikipedia",
         methods: tuple[str, ...] | None = None, refine: tuple[float, ...] = (0.99, 0.9), refine_steps: int = 3,
         eval_tokens: int = 4096, problems: int = 16, max_new_tokens: int = 64, budget_s: float | None = None,
-        grid: tuple[float, ...] | None = None) -> dict:
+        grid: tuple[float, ...] | None = None, windows: int = 16) -> dict:
     """Measures what is missing (see the module docstring), for at most ``budget_s`` seconds of evaluations, and
-    writes the curves. ``grid``: the budgets measured before refinement (default GRID). Returns the results
-    dictionary."""
+    writes the curves. ``grid``: the budgets measured before refinement (default GRID; LONG_GRID for
+    long_perplexity); ``windows``: held-out windows of long_perplexity. Returns the results dictionary."""
     if metric not in METRICS:
         raise ValueError(f"fdc_ops.apps.eval.run: metric must be one of {METRICS}, got {metric!r}")
-    grid = tuple(grid or GRID)
+    long_context = metric == "long_perplexity"
+    grid = tuple(grid or (LONG_GRID if long_context else GRID))
     if not grid or any(not 0.0 < budget < 1.0 for budget in grid):
         raise ValueError(f"fdc_ops.apps.eval.run: grid must be budgets in (0, 1), got {grid}")
-    table = {**METHODS, **ABLATIONS}
-    methods = tuple(methods or METHODS)
+    table = {**METHODS, **ABLATIONS, **EVICTION}
+    methods = tuple(methods or (LONG_CONTEXT_METHODS if long_context else METHODS))
     unknown = [name for name in methods if name not in table]
     if unknown:
         raise ValueError(f"fdc_ops.apps.eval.run: unknown methods {unknown}; known: {list(table)}")
+    evicting = [name for name in methods if "eviction" in table[name]]
+    if evicting and not long_context:
+        raise ValueError(f"fdc_ops.apps.eval.run: {evicting} evict after a prompt, which only the long_perplexity "
+                         f"metric has; run them with metric='long_perplexity'")
     begin = time.time()
     torch.manual_seed(0)
     model, tokenizer = loading.load_model()
@@ -112,10 +138,16 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
     calibrations = {name: calibration_tag(artifact.metadata["calibration"]) for name, artifact in artifacts.items()}
     wiki = datasets.text_tokens(tokenizer, "wikipedia")[-eval_tokens:]
     tasks = list(datasets.humaneval_problems()[:problems])
+    long_windows = None
+    if long_context:
+        long_windows = datasets.held_out_windows(*datasets.text_documents(tokenizer, "wikipedia"), windows,
+                                                 LONG_PROMPT + LONG_SCORED)
 
     def measure() -> float:
         if metric == "perplexity":
             return 1.0 / metrics.perplexity(model, wiki, progress=False)  # exp(-mean NLL): higher is better
+        if long_context:
+            return 1.0 / metrics.continuation_perplexity(model, long_windows, LONG_PROMPT, progress=False)
         scores = metrics.humaneval_scores(model, tokenizer, tasks, max_new_tokens=max_new_tokens, progress=False)
         return scores["edit_similarity"]
 
@@ -125,6 +157,9 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
     points_path = directory / f"{model_name}-eval-{metric}-points.json"
     settings_tag = {"metric": metric, "text": text, "eval_tokens": eval_tokens, "problems": problems,
                     "max_new_tokens": max_new_tokens, "fingerprint": families.fingerprint(model)}
+    if long_context:  # what the other metrics' settings would be is irrelevant to it
+        settings_tag = {"metric": metric, "text": text, "windows": windows, "prompt_tokens": LONG_PROMPT,
+                        "scored_tokens": LONG_SCORED, "fingerprint": families.fingerprint(model)}
     store = _read_points(points_path)
     if store.get("settings") != settings_tag:
         store = {"settings": settings_tag, "base": None, "points": {}}
@@ -134,11 +169,23 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
     base = store["base"]
 
     def allocation_for(settings: dict, compression: float) -> RankAllocation:
-        if settings.get("uniform"):
+        if settings.get("uniform") or compression == 0.0:
             return uniform_allocation(shape, compression)
         artifact = artifacts[settings["artifact"]]
         return artifact.allocate(compression=compression, rule=settings.get("rule"),
                                  method=settings.get("method", "fdc"))
+
+    def plan(settings: dict, compression: float):
+        """(allocation, eviction policy or None, total compression of the prompt's KV bytes) for a budget."""
+        split = settings.get("split")
+        if split is None:
+            allocation = allocation_for(settings, compression)
+            return allocation, None, allocation.compression_rate
+        share = 1.0 - compression if split == "eviction" else math.sqrt(1.0 - compression)  # kept by eviction
+        allocation = allocation_for(settings, 0.0 if split == "eviction" else 1.0 - share)
+        policy = evictions.EvictionPolicy(settings["eviction"], keep=share)
+        kept = policy.kept_tokens(LONG_PROMPT) / LONG_PROMPT
+        return allocation, policy, 1.0 - (1.0 - allocation.compression_rate) * kept
 
     class OutOfTime(Exception):
         pass
@@ -146,27 +193,29 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
     def relative(name: str, compression: float) -> tuple[float, float]:
         """(actual compression, relative score) of ``name`` at a byte budget, measured once per allocation."""
         settings = table[name]
-        allocation = allocation_for(settings, compression)
-        key = _key(name, allocation)
+        allocation, policy, total = plan(settings, compression)
+        key = _key(name if policy is None else f"{name}|keep={policy.keep!r}", allocation)
         point = store["points"].get(key)
         if point is None or point.get("calibration") != calibrations[settings["artifact"]]:
             if budget_s is not None and time.time() - begin > budget_s:
                 raise OutOfTime
             started = time.time()
             hf.compress(model, artifacts[settings["artifact"]], allocation=allocation,
-                        method=settings.get("method", "fdc"))
+                        method=settings.get("method", "fdc"), eviction=policy)
             try:
                 score = measure()
             finally:
                 hf.restore(model)
             store["points"][key] = {"method": name, "calibration": calibrations[settings["artifact"]],
-                                    "requested": compression,
-                                    "compression": allocation.compression_rate, "relative_score": score / base,
+                                    "requested": compression, "compression": total,
+                                    "dimension_compression": allocation.compression_rate,
+                                    "eviction_keep": None if policy is None else policy.keep,
+                                    "relative_score": score / base,
                                     "mean_qk_dim": float(allocation.qk_dims.double().mean()),
                                     "mean_v_dim": float(allocation.v_dims.double().mean()),
                                     "seconds": time.time() - started}
             files.write_json_atomically(points_path, store, indent=1)
-            print(f"{name:<28} budget {compression:.4f}  KV compression {allocation.compression_rate:.4f}  relative "
+            print(f"{name:<28} budget {compression:.4f}  KV compression {total:.4f}  relative "
                   f"{metric} score {score / base:.4f}", flush=True)
         point = store["points"][key]
         return point["compression"], point["relative_score"]
@@ -203,6 +252,10 @@ def _write(directory: Path, model_name: str, metric: str, store: dict, current: 
         gaps = {level: curves["FDC (defaults)"]["compression_at"][level] - curves["Palu"]["compression_at"][level]
                 for level in curves["Palu"]["compression_at"]}
         print(f"{'defaults - Palu':<28}" + "".join(f"{gap:>7.3f}" for gap in gaps.values()))
+    if "KF-F" in curves and "KF-P" in curves:
+        gaps = {level: curves["KF-F"]["compression_at"][level] - curves["KF-P"]["compression_at"][level]
+                for level in curves["KF-P"]["compression_at"]}
+        print(f"{'KF-F - KF-P':<28}" + "".join(f"{gap:>7.3f}" for gap in gaps.values()))
     commit, dirty = provenance.git_commit()
     utc = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     results = {"model": model_name, "settings": store["settings"], "calibration": used, "base_score": store["base"],
@@ -249,7 +302,7 @@ def _plot(path: Path, curves: dict, metric: str) -> None:
         axis.plot(xs, ys, "o-", markersize=3, label=name)
     for level in (0.99, 0.9):
         axis.axhline(level, color="grey", linewidth=0.8, linestyle="--")
-    axis.set_xlim(0, 0.5)
+    axis.set_xlim(0, max([0.5] + [p["compression"] for curve in curves.values() for p in curve["points"]]))
     scores = [p["relative_score"] for curve in curves.values() for p in curve["points"]] or [1.0]
     # perplexity stays within 0.2 .. 1.01 to 0.5 compression; a noisy metric (edit similarity) can leave that range
     axis.set_ylim(min(0.2, min(scores) - 0.02), max(1.01, max(scores) + 0.01))

@@ -41,6 +41,38 @@ def perplexity(model, token_ids: torch.Tensor, seq_len: int = PERPLEXITY_WINDOW,
     return math.exp(total / count)
 
 
+def continuation_perplexity(model, windows: torch.Tensor, prompt_tokens: int, batch_size: int = 4,
+                            progress: bool = True, description: str = "long-context perplexity") -> float:
+    """exp(mean next-token negative log-likelihood) of each window's tokens after its first ``prompt_tokens``, the
+    prompt given first, in one call into a fresh cache (where compressed modules evict, when asked to), then the
+    rest in one call over that cache: what a request's continuation sees after its prompt was compressed, as the
+    FDC paper scores PG-19. windows: (N, prompt_tokens + scored tokens) int64."""
+    from transformers import DynamicCache
+
+    from ..hf.compat import cache_keyword
+
+    if windows.dim() != 2 or not 0 < prompt_tokens < windows.shape[1]:
+        raise ValueError(f"fdc_ops: continuation_perplexity needs (N, length) windows longer than the "
+                         f"{prompt_tokens}-token prompt, got {tuple(windows.shape)}")
+    keyword = cache_keyword(model)
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    with torch.inference_mode():
+        for batch in progress_bar(windows.split(batch_size), description, "batch", enabled=progress):
+            batch = batch.to(device)
+            prompt, scored = batch[:, :prompt_tokens], batch[:, prompt_tokens:]
+            cache = DynamicCache()
+            first = model(input_ids=prompt, use_cache=True, logits_to_keep=1, **{keyword: cache}).logits
+            logits = first[:, -1:]  # predicts scored[:, 0]
+            if scored.shape[1] > 1:
+                later = model(input_ids=scored[:, :-1], use_cache=True, **{keyword: cache}).logits
+                logits = torch.cat([logits, later], dim=1)
+            nll = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), scored.flatten(), reduction="sum")
+            total += nll.item()
+            count += scored.numel()
+    return math.exp(total / count)
+
+
 def edit_similarity(first: str, second: str) -> float:
     """1 - Levenshtein distance / length of the longer string (1.0 for two empty strings)."""
     if not first and not second:

@@ -23,6 +23,7 @@ from . import compat
 compat.check_transformers()
 
 from .. import artifact as artifacts  # noqa: E402
+from .. import eviction as evictions  # noqa: E402
 from ..artifact import resolve_allocation  # noqa: E402  (fdc_ops.hf.resolve_allocation, as before; vLLM's too)
 from . import families  # noqa: E402
 from .compat import cache_keyword, returned_cache  # noqa: E402,F401  (re-exported for step-by-step callers)
@@ -35,15 +36,19 @@ METHODS = ("fdc", "palu")
 def compress(model, artifact: artifacts.FDCArtifact | str, removal_rate: float | None = None, *,
              compression: float | None = None, allocation: artifacts.RankAllocation | None = None, qk_dims=None,
              v_dims=None, method: str = "fdc", weighting: str | None = None, rule: str | None = None,
-             uniform: bool = False) -> artifacts.RankAllocation:
+             uniform: bool = False, eviction: str | evictions.EvictionPolicy | None = None,
+             keep: float | None = None) -> artifacts.RankAllocation:
     """Replaces every attention module of ``model`` in place by FDCAttention (``method="fdc"``) or the Palu baseline
     (``method="palu"``; ``qk_dims`` are then the widths of the cached key latent). Widths: a KV byte budget
     (``compression=0.1`` removes at least 10% of the cache, widths by ``rule``, default the measured sensitivities:
     ``calibration.FDCArtifact.allocate(compression=...)``), one removal
     rate (the paper's rule on the artifact's singular values; ``weighting="explained_variance"`` uses s^2), an
     allocation, or explicit (L, H_kv) ``qk_dims`` and ``v_dims``; ``uniform=True`` gives every head the mean width
-    (the /AC ablation). ``artifact``: an FDCArtifact, or ``"bundled"`` for the bundled SmolLM2's. Returns the
-    allocation used. generate() and forward() work unchanged; fdc_ops.hf.restore undoes it."""
+    (the /AC ablation). ``artifact``: an FDCArtifact, or ``"bundled"`` for the bundled SmolLM2's. ``eviction``:
+    after each prompt, keep ``keep`` of its tokens in every layer's cache, chosen by ``"keyformer"`` or
+    ``"snapkv"`` scores (or an fdc_ops.eviction.EvictionPolicy for its other settings; dynamic caches only, models
+    without sliding windows). Returns the allocation used. generate() and forward() work unchanged;
+    fdc_ops.hf.restore undoes it."""
     if not isinstance(method, str) or method not in METHODS:
         raise ValueError(f"fdc_ops.hf.compress: method must be one of {METHODS}, got {method!r}")
     if not hasattr(model, "get_decoder") or not hasattr(model, "config"):
@@ -58,13 +63,18 @@ def compress(model, artifact: artifacts.FDCArtifact | str, removal_rate: float |
                         f"(FDCArtifact.load(directory), calibrate or load_or_calibrate) or \"{artifacts.BUNDLED}\" "
                         f"(the bundled SmolLM2's), got {type(artifact).__name__}")
     artifact.check_model(model)
+    policy = _eviction_policy(eviction, keep)
+    config = families.text_config(model)
+    if policy is not None and any(families.layer_window(config, layer) >= 0
+                                  for layer in range(len(families.attention_modules(model)))):
+        raise NotImplementedError("fdc_ops.hf.compress: eviction on a model with sliding-window layers is not "
+                                  "supported (a windowed layer already drops its rows by position)")
     allocation = resolve_allocation(artifact, method, removal_rate, compression, allocation, qk_dims, v_dims,
                                     weighting, rule, uniform)
     shape = families.attention_shape(model)
     H, Hkv, D, G = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.group
     decoder = model.get_decoder()
     padding = PaddingState()
-    config = families.text_config(model)
     originals = families.attention_modules(model)
     v_encoder, v_decoder = artifact.v_factors(method)
     for layer, original in enumerate(originals):
@@ -91,13 +101,34 @@ def compress(model, artifact: artifacts.FDCArtifact | str, removal_rate: float |
             latent_bias = None if keys.latent_bias is None else keys.latent_bias.to(dtype)
             module = PaluAttention(**common, latent_weight=keys.latent_weight.to(dtype), latent_bias=latent_bias,
                                    key_up=keys.key_up.to(dtype), latent_offsets=qk_offsets, rotary=decoder.rotary_emb)
+        module.eviction = policy
         decoder.layers[layer].self_attn = module.to(device)
 
     hook = decoder.register_forward_pre_hook(_MaskRecorder(padding), with_kwargs=True)
     model._fdc_compression = {"method": method, "allocation": allocation, "originals": originals, "hook": hook,
-                              "artifact": artifact}
+                              "artifact": artifact, "eviction": policy}
     model.save_pretrained = _refuse_save_pretrained  # this instance only; restore() removes it
     return allocation
+
+
+def _eviction_policy(eviction, keep) -> evictions.EvictionPolicy | None:
+    if isinstance(eviction, evictions.EvictionPolicy):
+        if keep is not None:
+            raise ValueError("fdc_ops.hf.compress: keep is part of the EvictionPolicy given as eviction; pass one "
+                             "or the other")
+        return eviction
+    if eviction is None:
+        if keep is not None:
+            raise ValueError(f"fdc_ops.hf.compress: keep={keep!r} needs an eviction method "
+                             f"(eviction= one of {evictions.METHODS})")
+        return None
+    if not isinstance(eviction, str) or eviction not in evictions.METHODS:
+        raise ValueError(f"fdc_ops.hf.compress: eviction must be one of {evictions.METHODS}, an "
+                         f"fdc_ops.eviction.EvictionPolicy or None, got {eviction!r}")
+    if keep is None:
+        raise ValueError(f"fdc_ops.hf.compress: eviction={eviction!r} needs keep, the share of each prompt's tokens "
+                         "kept, in (0, 1]")
+    return evictions.EvictionPolicy(eviction, keep)
 
 
 class _MaskRecorder:

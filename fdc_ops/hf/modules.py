@@ -20,6 +20,7 @@ import sys
 import torch
 from torch import nn
 
+from .. import eviction as evictions
 from .. import ops
 from .compat import cache_argument
 
@@ -127,7 +128,11 @@ class CompressedKVLayer(DynamicLayer):
 
     A sliding-window layer (``window_left`` >= 0) drops the rows no later query can see whenever its buffers are
     full, instead of growing them: its memory stops growing with the context (at most about twice the window plus
-    the longest call's rows), and a request's row i then holds its token ``first_positions[b] + i``."""
+    the longest call's rows), and a request's row i then holds its token ``first_positions[b] + i``.
+
+    Eviction (``evict``) keeps a chosen subset of each request's rows, compacted to the front; from then on the
+    layer records each row's position (``row_positions``), which Palu's key rebuild rotates by, and how many tokens
+    each request has lost (``evicted``)."""
 
     is_sliding = False
     is_compileable = False
@@ -142,6 +147,8 @@ class CompressedKVLayer(DynamicLayer):
         self.host_lengths: list[int] = []  # the same on the host, so appends read nothing back from the device
         self.first_positions: torch.Tensor | None = None  # (B,) int64: the token in row 0 (rows dropped before it)
         self.host_first_positions: list[int] = []
+        self.row_positions: torch.Tensor | None = None  # (B, capacity) int64 once rows were evicted: row i's token
+        self.evicted: torch.Tensor | None = None  # (B,) int64: tokens evicted per request
         self.positions = 0  # positions seen, padding included (what transformers calls the sequence length)
         self.keys = self.values = None
         self.is_initialized = True
@@ -162,6 +169,7 @@ class CompressedKVLayer(DynamicLayer):
             self.host_lengths = [0] * batch
             self.first_positions = torch.zeros(batch, dtype=torch.int64, device=k_rows.device)
             self.host_first_positions = [0] * batch
+            self.evicted = torch.zeros(batch, dtype=torch.int64, device=k_rows.device)
             self._allocate(batch, max([INITIAL_CAPACITY, *rows.host_counts]), k_rows.dtype, k_rows.device)
         elif batch != self.k_cache.shape[0]:
             raise ValueError(f"fdc_ops.hf.modules: the cache holds {self.k_cache.shape[0]} requests, the call has "
@@ -177,6 +185,15 @@ class CompressedKVLayer(DynamicLayer):
             self._allocate(batch, max(needed, 2 * old_k.shape[1]), old_k.dtype, old_k.device)
             self.k_cache[:, : old_k.shape[1]] = old_k
             self.v_cache[:, : old_v.shape[1]] = old_v
+            if self.row_positions is not None:
+                old_positions, self.row_positions = self.row_positions, _row_positions_for(self.k_cache)
+                self.row_positions[:, : old_positions.shape[1]] = old_positions
+        if self.row_positions is not None:  # the new rows' positions follow each request's last seen token
+            steps = torch.arange(max(rows.host_counts, default=0), device=k_rows.device)
+            new = steps[None, :] < rows.counts[:, None]  # (B, most new rows)
+            slots = (self.lengths[:, None] + steps[None, :])[new]
+            requests = torch.arange(batch, device=k_rows.device)[:, None].expand_as(new)[new]
+            self.row_positions[requests, slots] = (self.seen_tokens()[:, None] + steps[None, :])[new]
         ops.append_kv(self.k_cache, self.v_cache, k_rows, v_rows, rows.cu, self.lengths, self.k_offsets,
                       self.v_offsets)
         self.lengths += rows.counts
@@ -202,6 +219,32 @@ class CompressedKVLayer(DynamicLayer):
         self.host_lengths = kept
         self.first_positions += first
         self.host_first_positions = [position + gone for position, gone in zip(self.host_first_positions, dead)]
+
+    def seen_tokens(self) -> torch.Tensor:
+        """(B,) int64: each request's real tokens so far, dropped and evicted ones included (the next one's
+        position)."""
+        return self.first_positions + self.evicted + self.lengths
+
+    def positions_of_rows(self, rows: int) -> torch.Tensor:
+        """(B, rows) int64: the token position each of the first ``rows`` rows holds."""
+        if self.row_positions is not None:
+            return self.row_positions[:, :rows]
+        return self.first_positions[:, None] + torch.arange(rows, device=self.first_positions.device)[None, :]
+
+    def evict(self, index: torch.Tensor, kept: list[int]) -> None:
+        """Keeps request b's rows index[b, :kept[b]] (increasing) as its first rows and drops the others
+        (fdc_ops.eviction.compact_kv: checked whole before anything is written). index: (B, max kept) int64."""
+        if self.window_left >= 0:
+            raise NotImplementedError("fdc_ops.hf.modules: eviction on a sliding-window layer is not supported (its "
+                                      "rows past the window are dropped by position)")
+        positions = self.positions_of_rows(max(self.host_lengths)).gather(1, index)  # (B, max kept), read first
+        before = self.lengths.clone()
+        evictions.compact_kv(self.k_cache, self.v_cache, self.lengths, index, kept)
+        if self.row_positions is None:
+            self.row_positions = _row_positions_for(self.k_cache)
+        self.row_positions[:, : index.shape[1]] = positions
+        self.evicted += (before - self.lengths).to(torch.int64)
+        self.host_lengths = list(kept)
 
     def _allocate(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
         # empty, not zeros: only rows below `lengths` are ever read, and zeroing would touch every page up front
@@ -232,6 +275,7 @@ class CompressedKVLayer(DynamicLayer):
 
     def reset(self) -> None:
         self.k_cache = self.v_cache = self.lengths = self.first_positions = None
+        self.row_positions = self.evicted = None
         self.host_lengths = []
         self.host_first_positions = []
         self.positions = 0
@@ -244,6 +288,9 @@ class CompressedKVLayer(DynamicLayer):
             indices = indices.to(self.k_cache.device)
             self.k_cache, self.v_cache = self.k_cache[indices], self.v_cache[indices]
             self.lengths, self.first_positions = self.lengths[indices], self.first_positions[indices]
+            self.evicted = self.evicted[indices]
+            if self.row_positions is not None:
+                self.row_positions = self.row_positions[indices]
             chosen = indices.tolist()
             self.host_lengths = [self.host_lengths[i] for i in chosen]
             self.host_first_positions = [self.host_first_positions[i] for i in chosen]
@@ -254,12 +301,20 @@ class CompressedKVLayer(DynamicLayer):
             self.v_cache = self.v_cache.repeat_interleave(repeats, dim=0)
             self.lengths = self.lengths.repeat_interleave(repeats, dim=0)
             self.first_positions = self.first_positions.repeat_interleave(repeats, dim=0)
+            self.evicted = self.evicted.repeat_interleave(repeats, dim=0)
+            if self.row_positions is not None:
+                self.row_positions = self.row_positions.repeat_interleave(repeats, dim=0)
             self.host_lengths = [length for length in self.host_lengths for _ in range(repeats)]
             self.host_first_positions = [first for first in self.host_first_positions for _ in range(repeats)]
 
     def crop(self, *args, **kwargs) -> None:
         raise NotImplementedError("fdc_ops.hf.modules: cropping a compressed cache (assisted decoding) is not "
                                   "supported")
+
+
+def _row_positions_for(cache: torch.Tensor) -> torch.Tensor:
+    """(B, capacity) int64 zeros: room for the row positions of a cache (B, capacity, width)."""
+    return torch.zeros(cache.shape[:2], dtype=torch.int64, device=cache.device)
 
 
 class StaticCompressedKVLayer(CompressedKVLayer):
@@ -382,6 +437,7 @@ class _CompressedAttentionBase(nn.Module):
         super().__init__()
         self.layer_idx = layer
         self.window_left, self.softcap = window_left, softcap  # the ops' attention variants for this layer
+        self.eviction: evictions.EvictionPolicy | None = None  # what a prompt keeps of its cache (compress sets it)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
         self.scaling = getattr(original, "scaling", head_dim**-0.5)
@@ -460,6 +516,10 @@ class FDCAttention(_CompressedAttentionBase):
         where the ops ignore them. hidden_states: (B, S, hidden). Returns (B, S, hidden)."""
         B, S, _ = hidden_states.shape
         H, Hkv, G = self.num_heads, self.num_kv_heads, self.group
+        if self.eviction is not None:
+            raise NotImplementedError("fdc_ops.hf.modules.FDCAttention: eviction runs with the dynamic cache only "
+                                      "(it compacts each request's rows, whose counts a static cache's compiled "
+                                      "graph cannot follow)")
         if layer.k_cache is None:
             layer.allocate(B, hidden_states.dtype, hidden_states.device)
         past = layer.cumulative_length
@@ -535,8 +595,24 @@ def _attend(module, q_rows, k_rows, v_rows, rows: CallRows, new_positions, layer
     else:  # requests' cached rows gathered back to back, as prefill_attention takes them
         mask = torch.arange(k_cache.shape[1], device=rows.counts.device)[None, :] < layer.lengths[:, None]
         k_rows_all, v_rows_all = k_cache[mask], v_cache[mask]
-    return ops.prefill_attention(q_rows, k_rows_all, v_rows_all, rows.cu, cu_k, k_offsets, module.v_offsets, G,
-                                 scale, True, **variant)
+    out = ops.prefill_attention(q_rows, k_rows_all, v_rows_all, rows.cu, cu_k, k_offsets, module.v_offsets, G,
+                                scale, True, **variant)
+    if module.eviction is not None and was_empty:  # the prompt is processed: keep what its last queries attend to
+        _evict(module, layer, q_rows, rows, k_cache, k_offsets)
+    return out
+
+
+def _evict(module, layer: CompressedKVLayer, q_rows, rows: CallRows, k_cache, k_offsets) -> None:
+    """Scores every cached key of the layer by the attention of the prompt's last queries (fdc_ops.eviction), one
+    selection per request for all KV heads, and compacts the layer's rows. k_cache: (B, >= longest, k width) keys
+    as attended (Palu: rebuilt at full width)."""
+    policy = module.eviction
+    longest = max(layer.host_lengths)
+    seed = policy.seed * 65537 + module.layer_idx  # Keyformer's noise differs by layer, and repeats run to run
+    scores = evictions.window_scores(q_rows, rows.cu, k_cache[:, :longest], layer.lengths, k_offsets, module.group,
+                                     module.scaling, policy, module.softcap, seed)  # (B, H_kv, longest)
+    index, kept = evictions.select_tokens(scores.sum(1), layer.lengths, policy, layer.host_lengths)
+    layer.evict(index, kept)
 
 
 class PaluAttention(_CompressedAttentionBase):
@@ -598,7 +674,7 @@ class PaluAttention(_CompressedAttentionBase):
                                       "FDC takes a static cache")
         past = torch.zeros_like(rows.counts, dtype=torch.int64)  # real tokens before the call, dropped rows included
         if layer is not None and layer.lengths is not None:
-            past = layer.first_positions + layer.lengths
+            past = layer.seen_tokens()
         compact = past[:, None] + valid.cumsum(1) - 1  # (B, S): each real token's position among its request's
         position_ids = kwargs.get("position_ids")
         if position_ids is not None and not torch.equal(position_ids.expand(B, S)[valid], compact[valid]):
@@ -614,7 +690,7 @@ class PaluAttention(_CompressedAttentionBase):
         else:
             def keys_from_cache(layer):  # rebuilds the rows in use only, not the spare capacity
                 used = max(layer.host_lengths)
-                positions = torch.arange(used, device=latent.device)[None, :] + layer.first_positions[:, None]
+                positions = layer.positions_of_rows(used)  # (B, used)
                 return self._keys(layer.k_cache[:, :used], positions).contiguous(), layer.v_cache[:, :used]
 
             out = _attend(self, q_rows, latent_rows, v_rows, rows, S, layer, keys_from_cache=keys_from_cache)

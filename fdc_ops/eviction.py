@@ -1,0 +1,266 @@
+"""Token eviction on the packed, compressed KV cache (docs/design.md section 5, "Eviction"): after a prompt is
+processed, each request keeps a share of its tokens, chosen by a score, and its cache is compacted in place.
+
+Scores come from the attention of the last ``window`` prompt queries (the observation window) over every key of
+the request, which the prompt's forward has at hand: no second pass over the prompt, and ``window x length`` work
+per head against the prompt's ``length x length``.
+
+- ``"snapkv"`` (SnapKV): each key's attention probability averaged over the window's queries and the KV head's
+  query heads, max-pooled over neighbouring keys (``kernel``), so that a kept token keeps its neighbours.
+- ``"keyformer"`` (Keyformer, the FDC paper's eviction): Gumbel noise added to the scaled logits before the softmax
+  at temperature ``temperature`` (Keyformer's regularisation of the scores of the tokens that remain), the
+  probabilities summed over the window's queries and the group's query heads.
+
+Either way the last ``recent`` tokens are always kept, and the rest of the budget goes to the highest scores. One
+selection serves all KV heads of a layer: a packed row holds every KV head of one token, so a token is kept or
+evicted whole (scores of the heads are summed; each head's probabilities sum to one per query, so every head weighs
+the same). ``window_scores`` returns the per-head scores, for studies of per-head selection.
+
+Functions here are device-neutral tensor code; they validate their inputs before writing anything, so a refused
+call leaves the cache as it was.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+METHODS = ("snapkv", "keyformer")
+
+
+@dataclass(frozen=True)
+class EvictionPolicy:
+    """What to keep of each request's prompt. ``keep``: share of its tokens kept, in (0, 1] (at least one token);
+    ``window``: queries that score (the observation window); ``recent``: last tokens always kept (default: the
+    window); ``kernel``: SnapKV's pooling width (odd); ``temperature``: Keyformer's softmax temperature at the
+    prompt; ``seed``: Keyformer's noise (fixed, so a run is reproducible)."""
+
+    method: str
+    keep: float
+    window: int = 32  # SnapKV's observation window; Keyformer's scores are taken over the same queries
+    recent: int | None = None
+    kernel: int = 7  # SnapKV's pooling kernel
+    temperature: float = 1.0  # Keyformer's tau at the prompt (its schedule starts at 1)
+    seed: int = 0
+
+    def __post_init__(self):
+        where = "fdc_ops.eviction.EvictionPolicy"
+        if self.method not in METHODS:
+            raise ValueError(f"{where}: method must be one of {METHODS}, got {self.method!r}")
+        if not isinstance(self.keep, (int, float)) or not math.isfinite(self.keep) or not 0.0 < self.keep <= 1.0:
+            raise ValueError(f"{where}: keep must be a share of the tokens in (0, 1], got {self.keep!r}")
+        for name in ("window", "kernel"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{where}: {name} must be a positive int, got {value!r}")
+        if self.kernel % 2 == 0:
+            raise ValueError(f"{where}: kernel must be odd (centred pooling), got {self.kernel}")
+        if self.recent is not None and (not isinstance(self.recent, int) or isinstance(self.recent, bool)
+                                        or self.recent < 0):
+            raise ValueError(f"{where}: recent must be an int >= 0 or None (the window), got {self.recent!r}")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
+                or self.temperature <= 0:
+            raise ValueError(f"{where}: temperature must be positive, got {self.temperature!r}")
+
+    @property
+    def recent_tokens(self) -> int:
+        return self.window if self.recent is None else self.recent
+
+    def kept_tokens(self, length: int) -> int:
+        """Tokens a request of ``length`` keeps: ceil(keep * length), at least one (none of none)."""
+        return min(length, max(1, math.ceil(self.keep * length - 1e-9))) if length > 0 else 0
+
+
+def window_scores(q: torch.Tensor, cu_seqlens_q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+                  qk_offsets: torch.Tensor, group: int, scale: float, policy: EvictionPolicy, softcap: float = 0.0,
+                  seed: int | None = None) -> torch.Tensor:
+    """Per-KV-head scores of every cached key: (B, H_kv, S) float32, zero past each request's length.
+
+    q: (T, G * qk_offsets[-1]) packed queries of the call, request b's at rows [cu_seqlens_q[b], cu_seqlens_q[b+1]),
+    which are the last tokens of its cache (the call appended them); k_cache: (B, S, qk_offsets[-1]) packed keys;
+    cache_seqlens: (B,) int32 cached tokens; qk_offsets: (H_kv + 1,) int32 CPU; softcap as in prefill_attention;
+    seed: Keyformer's noise (default policy.seed). Request b's noise depends on nothing but the seed and its own
+    length: a generator seeded with ``seed`` draws a (G, window, length) uniform tensor per KV head, in head order,
+    so a request scores the same alone and in any batch."""
+    where = "fdc_ops.eviction.window_scores"
+    _check_rows(where, q, cu_seqlens_q, k_cache, cache_seqlens, qk_offsets, group)
+    B, S = k_cache.shape[0], k_cache.shape[1]
+    device = q.device
+    window = policy.window
+    counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(device=device, dtype=torch.int64)  # (B,)
+    steps = torch.arange(window, device=device)
+    rows = cu_seqlens_q[1:].to(device=device, dtype=torch.int64)[:, None] - window + steps  # (B, window)
+    scoring = steps[None, :] >= window - counts.clamp_max(window)[:, None]  # (B, window): a query of the window
+    lengths = cache_seqlens.to(device=device, dtype=torch.int64)
+    positions = lengths[:, None] - window + steps  # (B, window): each window query's position among the keys
+    keys = torch.arange(S, device=device)
+    visible = (keys[None, None, :] <= positions[:, :, None]) & scoring[:, :, None]  # (B, window, S)
+    queries = q[rows.clamp_min(0).clamp_max(max(q.shape[0] - 1, 0))] if q.shape[0] else q.new_zeros(B, window,
+                                                                                                     q.shape[1])
+    host_lengths = cache_seqlens.tolist()
+    generators = []
+    if policy.method == "keyformer":
+        seed = policy.seed if seed is None else seed
+        generators = [torch.Generator(device=device).manual_seed(seed) for _ in host_lengths]
+    bounds = qk_offsets.tolist()
+    scores = torch.zeros(B, len(bounds) - 1, S, dtype=torch.float32, device=device)
+    if S == 0:
+        return scores
+    for j in range(len(bounds) - 1):
+        dim = bounds[j + 1] - bounds[j]
+        q_head = queries[:, :, group * bounds[j]: group * bounds[j + 1]].float().view(B, window, group, dim)
+        k_head = k_cache[:, :, bounds[j]: bounds[j + 1]].float()  # (B, S, dim)
+        logits = scale * torch.einsum("bwgd,bsd->bgws", q_head, k_head)  # (B, G, window, S)
+        if softcap > 0:
+            logits = softcap * torch.tanh(logits / softcap)
+        logits = logits.masked_fill(~visible[:, None], float("-inf"))
+        if policy.method == "keyformer":
+            uniform = torch.full(logits.shape, 0.5, device=device)  # (B, G, window, S)
+            for b, length in enumerate(host_lengths):
+                uniform[b, :, :, :length] = torch.rand((group, window, length), generator=generators[b],
+                                                       device=device)
+            uniform.clamp_(1e-20, 1.0 - 1e-7)
+            logits = (logits - torch.log(-torch.log(uniform))) / policy.temperature
+        weights = torch.softmax(logits, dim=-1)
+        weights = torch.where(scoring[:, None, :, None], weights, weights.new_zeros(()))  # rows of no query
+        if policy.method == "keyformer":
+            scores[:, j] = weights.sum(dim=(1, 2))
+        else:
+            taken = counts.clamp(1, window).to(torch.float32)[:, None] * group  # queries averaged over
+            mean = weights.sum(dim=(1, 2)) / taken
+            scores[:, j] = torch.nn.functional.max_pool1d(mean[:, None], policy.kernel, stride=1,
+                                                          padding=policy.kernel // 2)[:, 0]
+    return torch.where(keys[None, None, :] < lengths[:, None, None], scores, scores.new_zeros(()))
+
+
+def select_tokens(scores: torch.Tensor, cache_seqlens: torch.Tensor, policy: EvictionPolicy,
+                  host_lengths: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+    """Which tokens each request keeps. scores: (B, S) float (one selection per request: a layer's heads summed);
+    cache_seqlens: (B,) int32. Returns (index (B, max kept) int64, kept counts): request b keeps tokens
+    index[b, :kept[b]], in increasing order (the rest of its row repeats its last kept token): its last
+    ``recent`` tokens, then the highest scores of the others (ties to the earlier token)."""
+    where = "fdc_ops.eviction.select_tokens"
+    if scores.dim() != 2 or scores.shape[0] != cache_seqlens.numel():
+        raise ValueError(f"{where}: scores must be (B, S) with B = cache_seqlens' {cache_seqlens.numel()}, got "
+                         f"{tuple(scores.shape)}")
+    lengths = cache_seqlens.tolist() if host_lengths is None else list(host_lengths)
+    if any(length > scores.shape[1] or length < 0 for length in lengths):
+        raise ValueError(f"{where}: cache_seqlens {lengths} exceed the scores' {scores.shape[1]} keys")
+    B, S = scores.shape
+    device = scores.device
+    kept = [policy.kept_tokens(length) for length in lengths]
+    recent = torch.tensor([min(policy.recent_tokens, count) for count in kept], device=device)
+    length = torch.tensor(lengths, dtype=torch.int64, device=device)
+    keys = torch.arange(S, device=device)
+    ranked = scores.double().masked_fill(keys[None, :] >= (length - recent)[:, None], float("inf"))
+    ranked = ranked.masked_fill(keys[None, :] >= length[:, None], float("-inf"))
+    ranked = ranked.masked_fill(torch.isnan(ranked), float("-inf"))
+    order = torch.sort(ranked, dim=1, descending=True, stable=True).indices  # (B, S)
+    width = max(kept, default=0)
+    if width == 0:
+        return torch.zeros(B, 0, dtype=torch.int64, device=device), kept
+    counts = torch.tensor(kept, dtype=torch.int64, device=device)
+    taken = torch.arange(width, device=device)[None, :] < counts[:, None]  # (B, width)
+    chosen = torch.sort(torch.where(taken, order[:, :width], order.new_full((), S)), dim=1).values
+    last = chosen.gather(1, (counts - 1).clamp_min(0)[:, None])  # padding of a row: its last kept token
+    return torch.where(taken, chosen, last).clamp_(0, max(S - 1, 0)), kept
+
+
+def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor, index: torch.Tensor,
+               kept: list[int], block_table: torch.Tensor | None = None) -> None:
+    """Keeps request b's tokens index[b, :kept[b]] (increasing) as its first kept[b] tokens, in place, and sets
+    cache_seqlens to kept. Contiguous caches (B, S, width), or paged ones (num_pages, width, page_size) with
+    block_table (B, max_pages) int32, laid out as the ops read them; later appends and attention read the compacted
+    cache as any other. Everything is checked before anything is written, and the kept rows are read out before any
+    is written: a refused call changes nothing, and no kept row is overwritten before it is read."""
+    where = "fdc_ops.eviction.compact_kv"
+    B = cache_seqlens.numel()
+    if cache_seqlens.dim() != 1 or cache_seqlens.dtype != torch.int32:
+        raise ValueError(f"{where}: cache_seqlens must be (B,) int32, got {cache_seqlens.dtype} "
+                         f"{tuple(cache_seqlens.shape)}")
+    if index.dim() != 2 or index.shape[0] != B or index.dtype != torch.int64:
+        raise ValueError(f"{where}: index must be (B={B}, max kept) int64, got {index.dtype} {tuple(index.shape)}")
+    if len(kept) != B or any(count < 0 or count > index.shape[1] for count in kept):
+        raise ValueError(f"{where}: kept must be {B} counts within index's {index.shape[1]} columns, got {kept}")
+    lengths = cache_seqlens.tolist()
+    if any(count > length for count, length in zip(kept, lengths)):
+        raise ValueError(f"{where}: kept {kept} exceeds the cached tokens {lengths}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.dim() != 3 or cache.device != index.device:
+            raise ValueError(f"{where}: {name} must be a 3-D cache on index's device, got {tuple(cache.shape)} on "
+                             f"{cache.device}")
+    taken = torch.arange(index.shape[1], device=index.device)[None, :] < torch.tensor(kept, device=index.device)[:,
+                                                                                                                 None]
+    if bool(taken.any()):
+        bound = torch.tensor(lengths, device=index.device)[:, None]
+        rising = torch.ones_like(taken)
+        rising[:, 1:] = index[:, 1:] > index[:, :-1]
+        bad = taken & ((index < 0) | (index >= bound) | ~rising)
+        if bool(bad.any()):
+            b = int(bad.any(dim=1).nonzero()[0])
+            raise ValueError(f"{where}: index[{b}, :{kept[b]}] must be increasing token positions below its length "
+                             f"{lengths[b]}, got {index[b, : kept[b]].tolist()}")
+    if block_table is None:
+        if k_cache.shape[0] != B or v_cache.shape[0] != B or k_cache.shape[1] != v_cache.shape[1]:
+            raise ValueError(f"{where}: contiguous caches must be (B={B}, S, width) with one S, got "
+                             f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        width = index.shape[1]
+        if width > k_cache.shape[1]:
+            raise ValueError(f"{where}: index has {width} columns, the cache {k_cache.shape[1]} rows")
+        source = index.clamp(0, max(k_cache.shape[1] - 1, 0))
+        moved = [torch.gather(cache, 1, source[:, :, None].expand(-1, -1, cache.shape[2])) for cache in
+                 (k_cache, v_cache)]  # (B, max kept, width) each, read whole before any write
+        for cache, rows in zip((k_cache, v_cache), moved):
+            cache[:, :width] = torch.where(taken[:, :, None], rows, cache[:, :width])
+    else:
+        page_size = k_cache.shape[2]
+        if block_table.dim() != 2 or block_table.shape[0] != B or block_table.dtype != torch.int32:
+            raise ValueError(f"{where}: block_table must be (B={B}, max pages) int32, got {block_table.dtype} "
+                             f"{tuple(block_table.shape)}")
+        if v_cache.shape[0] != k_cache.shape[0] or v_cache.shape[2] != page_size:
+            raise ValueError(f"{where}: paged caches must be (num_pages, width, page_size) with one page count and "
+                             f"size, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        pages_used = [-(-length // page_size) for length in lengths]
+        if max(pages_used, default=0) > block_table.shape[1]:
+            raise ValueError(f"{where}: block_table has {block_table.shape[1]} pages per request, the lengths "
+                             f"{lengths} need {max(pages_used)}")
+        table = block_table.to(index.device, torch.int64)
+        used = torch.arange(table.shape[1], device=index.device)[None, :] < torch.tensor(pages_used,
+                                                                                          device=index.device)[:, None]
+        if bool((used & ((table < 0) | (table >= k_cache.shape[0]))).any()):
+            raise ValueError(f"{where}: block_table's entries for the cached tokens must be pages in "
+                             f"[0, {k_cache.shape[0]})")
+        b_rows, i_cols = taken.nonzero(as_tuple=True)
+        source = index[b_rows, i_cols]
+        source_page, source_slot = table[b_rows, source // page_size], source % page_size
+        target_page, target_slot = table[b_rows, i_cols // page_size], i_cols % page_size
+        for cache in (k_cache, v_cache):
+            by_slot = cache.transpose(1, 2)  # (num_pages, page_size, width): a view, written through
+            rows = by_slot[source_page, source_slot]  # (kept tokens, width), read whole before any write
+            by_slot[target_page, target_slot] = rows
+    cache_seqlens.copy_(torch.tensor(kept, dtype=torch.int32, device=cache_seqlens.device))
+
+
+def _check_rows(where: str, q, cu_seqlens_q, k_cache, cache_seqlens, qk_offsets, group) -> None:
+    if qk_offsets.dim() != 1 or qk_offsets.device.type != "cpu":
+        raise ValueError(f"{where}: qk_offsets must be a 1-D CPU tensor of prefix sums")
+    width = int(qk_offsets[-1])
+    B = cache_seqlens.numel()
+    if k_cache.dim() != 3 or k_cache.shape[0] != B or k_cache.shape[2] != width:
+        raise ValueError(f"{where}: k_cache must be (B={B}, S, {width}), got {tuple(k_cache.shape)}")
+    if q.dim() != 2 or q.shape[1] != group * width:
+        raise ValueError(f"{where}: q must be (T, group * {width} = {group * width}), got {tuple(q.shape)}")
+    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.numel() != B + 1:
+        raise ValueError(f"{where}: cu_seqlens_q must be (B + 1 = {B + 1},), got {tuple(cu_seqlens_q.shape)}")
+    if int(cu_seqlens_q[-1]) > q.shape[0]:
+        raise ValueError(f"{where}: cu_seqlens_q ends at {int(cu_seqlens_q[-1])}, past q's {q.shape[0]} rows")
+    counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).cpu()
+    if bool((counts < 0).any()) or bool((counts > cache_seqlens.cpu()).any()):
+        raise ValueError(f"{where}: each request's queries must be its last cached tokens: query counts "
+                         f"{counts.tolist()}, cached {cache_seqlens.tolist()}")
+    if cache_seqlens.numel() and int(cache_seqlens.max()) > k_cache.shape[1]:
+        raise ValueError(f"{where}: cache_seqlens exceed k_cache's {k_cache.shape[1]} rows")
+
+

@@ -1,0 +1,194 @@
+"""Token eviction (fdc_ops.eviction) against its float64 reference: the window scores of both methods, the selection,
+and the in-place compaction of contiguous and paged caches (NaN-poisoned unused slots), plus the refusals."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from fdc_ops import eviction, ops, reference
+from tests.conftest import case_generator, randn, random_block_table, random_layout, to_pages
+
+CASES = 24
+
+
+def _policy(rng: random.Random, method: str) -> eviction.EvictionPolicy:
+    return eviction.EvictionPolicy(method, keep=rng.choice([0.05, 0.3, 0.5, 0.77, 1.0]),
+                                   window=rng.choice([1, 4, 8, 32]), recent=rng.choice([None, 0, 3]),
+                                   kernel=rng.choice([1, 3, 7]), temperature=rng.choice([1.0, 1.5]),
+                                   seed=rng.randrange(100))
+
+
+def _cache_case(rng, gen, dtype, max_dim=64):
+    """A layout, lengths, a NaN-poisoned contiguous K cache and each request's last ``queries`` packed query rows."""
+    layout = random_layout(rng, max_kv_heads=4, max_group=4, max_dim=max_dim)
+    batch = rng.randint(1, 4)
+    lengths = [rng.choice([0, 1, 5, 17, 40, 97]) for _ in range(batch)]
+    capacity = max(lengths) + rng.randint(0, 9)
+    k_cache = torch.full((batch, capacity, layout.qk_width), float("nan"), dtype=dtype)
+    for b, length in enumerate(lengths):
+        k_cache[b, :length] = randn((length, layout.qk_width), dtype, gen)
+    counts = [rng.choice([length, length, rng.randint(0, length)]) for length in lengths]
+    q = randn((sum(counts), layout.group * layout.qk_width), dtype, gen)
+    return layout, lengths, k_cache, q, ops.prefix_sums(counts)
+
+
+@pytest.mark.parametrize("method", eviction.METHODS)
+def test_window_scores_match_the_reference(method):
+    for case in range(CASES):
+        gen, rng, replay = case_generator(f"window_scores_{method}", case)
+        dtype = rng.choice([torch.float32, torch.bfloat16])
+        layout, lengths, k_cache, q, cu = _cache_case(rng, gen, dtype)
+        policy = _policy(rng, method)
+        softcap = rng.choice([0.0, 0.0, 5.0])
+        scale = layout.qk_dims[0] ** -0.5
+        seqlens = torch.tensor(lengths, dtype=torch.int32)
+        args = (q, cu, k_cache, seqlens, layout.qk_offsets, layout.group, scale, policy, softcap)
+        actual = eviction.window_scores(*args, seed=7)
+        expected = reference.window_scores_ref(*args, seed=7)
+        assert actual.dtype == torch.float32 and actual.shape == expected.shape, replay
+        assert torch.isfinite(actual).all(), replay
+        bound = policy.window * layout.group
+        torch.testing.assert_close(actual.double(), expected, rtol=1e-4, atol=1e-5 * bound, msg=replay)
+        for b, length in enumerate(lengths):  # each query's probabilities sum to 1: the total is the query count
+            queries = min(policy.window, int(cu[b + 1] - cu[b]))
+            if method == "keyformer" and queries:
+                totals = actual[b].sum(1).double()
+                torch.testing.assert_close(totals, torch.full_like(totals, float(queries * layout.group)),
+                                           rtol=1e-4, atol=1e-4, msg=replay)
+            assert (actual[b, :, length:] == 0).all(), replay
+
+
+def test_keyformer_noise_is_seeded_and_a_request_scores_the_same_in_any_batch():
+    gen, rng, _ = case_generator("keyformer_seed", 0)
+    layout = random_layout(rng, max_kv_heads=3, max_group=3, max_dim=32)
+    lengths = [30, 9, 17]
+    k_cache = randn((3, 32, layout.qk_width), torch.float32, gen)
+    q = randn((sum(lengths), layout.group * layout.qk_width), torch.float32, gen)
+    cu, seqlens = ops.prefix_sums(lengths), torch.tensor(lengths, dtype=torch.int32)
+
+    policy = eviction.EvictionPolicy("keyformer", 0.5, window=8)
+
+    def scores(seed):
+        return eviction.window_scores(q, cu, k_cache, seqlens, layout.qk_offsets, layout.group, 0.1, policy, seed=seed)
+
+    together = scores(1)
+    assert torch.equal(together, scores(1))
+    assert not torch.equal(together, scores(2))
+    alone = eviction.window_scores(q[lengths[0]: lengths[0] + lengths[1]], ops.prefix_sums(lengths[1:2]),
+                                   k_cache[1:2], seqlens[1:2], layout.qk_offsets, layout.group, 0.1, policy, seed=1)
+    assert torch.equal(alone[0, :, : lengths[1]], together[1, :, : lengths[1]])
+
+
+def test_selection_matches_the_reference():
+    for case in range(CASES):
+        gen, rng, replay = case_generator("select_tokens", case)
+        batch = rng.randint(1, 5)
+        lengths = [rng.choice([0, 1, 2, 9, 33, 64]) for _ in range(batch)]
+        width = max(lengths) + rng.randint(0, 5)
+        if rng.random() < 0.5:  # ties: scores on a few levels, broken to the earlier token
+            scores = torch.randint(0, 3, (batch, width), generator=gen).double()
+        else:
+            scores = torch.rand((batch, width), generator=gen, dtype=torch.float64)
+        scores[:, max(lengths):] = float("nan")  # past every length: never read
+        policy = _policy(rng, rng.choice(eviction.METHODS))
+        seqlens = torch.tensor(lengths, dtype=torch.int32)
+        index, kept = eviction.select_tokens(scores, seqlens, policy)
+        expected = reference.select_tokens_ref(scores, seqlens, policy)
+        assert kept == [len(tokens) for tokens in expected], replay
+        for b, tokens in enumerate(expected):
+            assert index[b, : kept[b]].tolist() == tokens, replay
+            assert kept[b] == (0 if lengths[b] == 0 else max(1, math.ceil(policy.keep * lengths[b] - 1e-9))), replay
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_compaction_matches_the_reference(paged):
+    for case in range(CASES):
+        gen, rng, replay = case_generator(f"compact_kv_{paged}", case)
+        dtype = rng.choice([torch.float32, torch.float16, torch.bfloat16])
+        batch = rng.randint(1, 4)
+        lengths = [rng.choice([0, 1, 6, 16, 45, 70]) for _ in range(batch)]
+        capacity = max(lengths) + rng.randint(0, 7)
+        k_width, v_width = 8 * rng.randint(1, 6), 8 * rng.randint(1, 6)
+        k_cache = torch.full((batch, capacity, k_width), float("nan"), dtype=dtype)
+        v_cache = torch.full((batch, capacity, v_width), float("nan"), dtype=dtype)
+        for b, length in enumerate(lengths):
+            k_cache[b, :length] = randn((length, k_width), dtype, gen)
+            v_cache[b, :length] = randn((length, v_width), dtype, gen)
+        policy = _policy(rng, "snapkv")
+        seqlens = torch.tensor(lengths, dtype=torch.int32)
+        scores = torch.rand((batch, capacity), generator=gen)
+        index, kept = eviction.select_tokens(scores, seqlens, policy)
+        selections = [index[b, : kept[b]].tolist() for b in range(batch)]
+        table = None
+        if paged:
+            page_size = rng.choice([1, 4, 16])
+            table, num_pages = random_block_table(lengths, capacity, page_size, rng)
+            k_cache = to_pages(k_cache, lengths, table, num_pages, page_size)
+            v_cache = to_pages(v_cache, lengths, table, num_pages, page_size)
+        expected_k, expected_v = reference.compact_kv_ref(k_cache, v_cache, selections, table)
+        eviction.compact_kv(k_cache, v_cache, seqlens, index, kept, table)
+        assert seqlens.tolist() == kept, replay
+        torch.testing.assert_close(k_cache, expected_k, rtol=0, atol=0, equal_nan=True, msg=replay)
+        torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0, equal_nan=True, msg=replay)
+
+
+def test_decode_after_compaction_attends_the_kept_tokens():
+    """The compacted cache is a cache like any other: decode over it equals decode over the kept rows alone."""
+    gen, rng, _ = case_generator("decode_after_compaction", 0)
+    layout = random_layout(rng, max_kv_heads=3, max_group=3, max_dim=48)
+    lengths = [37, 80, 5]
+    k_cache = randn((3, 96, layout.qk_width), torch.float32, gen)
+    v_cache = randn((3, 96, layout.v_width), torch.float32, gen)
+    q = randn((3, layout.group * layout.qk_width), torch.float32, gen)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    policy = eviction.EvictionPolicy("snapkv", keep=0.4, window=4)
+    index, kept = eviction.select_tokens(torch.rand((3, 96), generator=gen), seqlens, policy)
+    kept_k = [k_cache[b, index[b, : kept[b]]] for b in range(3)]
+    kept_v = [v_cache[b, index[b, : kept[b]]] for b in range(3)]
+    eviction.compact_kv(k_cache, v_cache, seqlens, index, kept)
+    out = ops.decode_attention(q, k_cache, v_cache, seqlens, layout.qk_offsets, layout.v_offsets, layout.group, 0.2)
+    alone = torch.nn.utils.rnn.pad_sequence(kept_k, batch_first=True), torch.nn.utils.rnn.pad_sequence(kept_v,
+                                                                                                       batch_first=True)
+    expected = reference.decode_attention_ref(q.double(), alone[0].double(), alone[1].double(), seqlens,
+                                              layout.qk_offsets, layout.v_offsets, layout.group, 0.2)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("keep", [0, 0.0, -0.5, 1.5, float("nan"), float("inf"), "half"])
+def test_bad_budgets_are_refused(keep):
+    with pytest.raises(ValueError, match=r"fdc_ops.eviction.EvictionPolicy: keep must be a share"):
+        eviction.EvictionPolicy("keyformer", keep=keep)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("method", "h2o", "method must be one of"), ("window", 0, "window must be a positive int"),
+    ("kernel", 4, "kernel must be odd"), ("recent", -1, "recent must be an int"),
+    ("temperature", 0.0, "temperature must be positive")])
+def test_bad_policies_are_refused(field, value, message):
+    settings = {"method": "snapkv", "keep": 0.5, field: value}
+    with pytest.raises(ValueError, match=message):
+        eviction.EvictionPolicy(**settings)
+
+
+def test_a_refused_compaction_changes_nothing():
+    k_cache, v_cache = torch.randn(2, 10, 8), torch.randn(2, 10, 16)
+    seqlens = torch.tensor([6, 9], dtype=torch.int32)
+    before = (k_cache.clone(), v_cache.clone(), seqlens.clone())
+    decreasing, past_the_length = torch.tensor([[0, 2, 1], [0, 1, 2]]), torch.tensor([[0, 1, 6], [0, 1, 2]])
+    for index in (decreasing, past_the_length):
+        with pytest.raises(ValueError, match=r"fdc_ops.eviction.compact_kv: index\[0, :3\] must be increasing"):
+            eviction.compact_kv(k_cache, v_cache, seqlens, index, [3, 3])
+    with pytest.raises(ValueError, match="exceeds the cached tokens"):
+        eviction.compact_kv(k_cache, v_cache, seqlens, torch.arange(7).repeat(2, 1), [7, 7])
+    with pytest.raises(ValueError, match="index must be"):
+        eviction.compact_kv(k_cache, v_cache, seqlens, torch.zeros(2, 3, dtype=torch.int32), [1, 1])
+    table = torch.tensor([[0, 1], [2, -1]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="block_table's entries"):
+        eviction.compact_kv(torch.zeros(3, 8, 8), torch.zeros(3, 16, 8), seqlens, torch.zeros(2, 1,
+                                                                                                dtype=torch.int64),
+                            [1, 1], table)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1]) and torch.equal(seqlens, before[2])

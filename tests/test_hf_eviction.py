@@ -1,0 +1,208 @@
+"""Eviction in compressed Hugging Face models (fdc_ops.hf.compress(..., eviction=..., keep=...)): after a prompt
+each layer keeps the tokens its scores choose, and the continuation equals the original model attending, layer by
+layer, to exactly those tokens; keeping everything changes nothing; left-padded batches generate what each prompt
+generates alone."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import case_generator
+from fdc_ops import eviction, hf, reference
+from fdc_ops.hf.modules import CompressedKVLayer
+from test_hf import calibrated, generate, left_padded
+from tiny_models import FAMILIES
+
+transformers = pytest.importorskip("transformers", reason="the model side needs transformers")
+METHODS = ("fdc", "palu")
+
+
+def _run(model, ids, mask, continuation):
+    """Prompt then continuation through one dynamic cache: (continuation logits, cache)."""
+    cache = transformers.DynamicCache()
+    keyword = hf.cache_keyword(model)
+    positions = (mask.cumsum(1) - 1).clamp_min(0)
+    full_mask = torch.cat([mask, torch.ones_like(continuation)], dim=1)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{keyword: cache})
+        later = positions[:, -1:] + 1 + torch.arange(continuation.shape[1])[None, :]
+        logits = model(input_ids=continuation, attention_mask=full_mask, position_ids=later, use_cache=True,
+                       **{keyword: cache}).logits
+    return logits, cache
+
+
+def _kept(cache) -> list[list[list[int]]]:
+    """Per layer, per request: the positions (real tokens counted from 0) its rows hold."""
+    kept = []
+    for layer in cache.layers:
+        assert isinstance(layer, CompressedKVLayer)
+        rows = layer.positions_of_rows(max(layer.host_lengths))
+        kept.append([rows[b, :length].tolist() for b, length in enumerate(layer.host_lengths)])
+    return kept
+
+
+def _original_attending(model, ids, mask, continuation, kept):
+    """The original model's logits of the continuation when, in each layer, the continuation's queries see only
+    that layer's kept prompt tokens (eager attention, one 4-D mask per layer put in by a pre-hook)."""
+    B, P = ids.shape
+    C = continuation.shape[1]
+    sequence = torch.cat([ids, continuation], dim=1)
+    real = torch.cat([mask, torch.ones_like(continuation)], dim=1).bool()
+    positions = (real.cumsum(1) - 1).clamp_min(0)
+    causal = torch.ones(P + C, P + C, dtype=torch.bool).tril()
+    masks = []
+    for layer_kept in kept:
+        visible = causal[None].repeat(B, 1, 1) & real[:, None, :]
+        for b, tokens in enumerate(layer_kept):
+            padding = P - int(mask[b].sum())
+            allowed = torch.zeros(P, dtype=torch.bool)
+            allowed[[padding + token for token in tokens]] = True
+            visible[b, P:, :P] &= allowed[None, :]
+        additive = torch.zeros(B, 1, P + C, P + C).masked_fill(~visible[:, None], torch.finfo(torch.float32).min)
+        masks.append(additive)
+    hooks = []
+    for layer, additive in zip(model.get_decoder().layers, masks):
+        def put_mask(_module, args, kwargs, additive=additive):
+            kwargs["attention_mask"] = additive
+            return args, kwargs
+
+        hooks.append(layer.self_attn.register_forward_pre_hook(put_mask, with_kwargs=True))
+    model.config._attn_implementation = "eager"
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=sequence, attention_mask=real.long(), position_ids=positions,
+                           use_cache=False).logits
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return logits[:, P:]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("policy_name", eviction.METHODS)
+def test_continuation_equals_the_original_model_attending_the_kept_tokens(method, policy_name):
+    generator, rng, replay = case_generator(f"hf_eviction_{method}_{policy_name}", 0)
+    family = rng.choice(FAMILIES)
+    model, artifact = calibrated(family, rng.randrange(1000))
+    lengths = [rng.randrange(12, 40) for _ in range(3)]
+    ids, mask = left_padded(generator, model.config.vocab_size, lengths)
+    continuation = torch.randint(1, model.config.vocab_size, (3, 5), generator=generator)
+    policy = eviction.EvictionPolicy(policy_name, keep=rng.choice([0.3, 0.5]), window=rng.choice([2, 4, 8]),
+                                     recent=rng.choice([None, 1]), kernel=3, seed=rng.randrange(100))
+    hf.compress(model, artifact, removal_rate=0.0, method=method, eviction=policy)
+    logits, cache = _run(model, ids, mask, continuation)
+    kept = _kept(cache)
+    for layer_kept in kept:
+        for tokens, length in zip(layer_kept, lengths):
+            budget = policy.kept_tokens(length)
+            assert len(tokens) == budget + 5, replay  # the prompt's kept tokens, then the continuation's
+            recent = min(policy.recent_tokens, budget)
+            assert tokens[budget - recent: budget] == list(range(length - recent, length)), replay
+            assert tokens == sorted(set(tokens)), replay
+    assert hf.kv_cache_nbytes(cache) < sum(lengths) * len(kept) * 2 * 2 * 16 * 4
+    hf.restore(model)
+    expected = _original_attending(model, ids, mask, continuation, [[tokens[: policy.kept_tokens(length)]
+                                                                     for tokens, length in zip(layer, lengths)]
+                                                                    for layer in kept])
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item(),
+                               msg=f"{family}: {replay}")
+    if policy_name == "snapkv":  # the choice itself: SnapKV's rule on the original model's eager attention
+        model.config._attn_implementation = "eager"
+        real = mask.bool()
+        with torch.no_grad():
+            attentions = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp_min(0),
+                               output_attentions=True, use_cache=False).attentions
+        group = model.config.num_attention_heads // model.config.num_key_value_heads
+        for layer, weights in enumerate(attentions):  # (B, H, P, P)
+            for b, length in enumerate(lengths):
+                w = weights[b][:, real[b]][:, :, real[b]].double()  # (H, length, length), real tokens only
+                taken = min(policy.window, length)
+                mean = w[:, length - taken:].sum(1).view(-1, group, length).sum(1) / (taken * group)  # (H_kv, L)
+                half = policy.kernel // 2
+                pooled = torch.stack([torch.stack([row[max(0, i - half): i + half + 1].max() for i in range(length)])
+                                      for row in mean])
+                choice = reference.select_tokens_ref(pooled.sum(0)[None], torch.tensor([length]), policy)[0]
+                assert kept[layer][b][: len(choice)] == choice, f"layer {layer} request {b}: {replay}"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_keeping_every_token_changes_nothing(method):
+    generator, rng, replay = case_generator(f"hf_eviction_keep_all_{method}", 0)
+    family = rng.choice(FAMILIES)
+    model, artifact = calibrated(family, rng.randrange(1000))
+    ids, mask = left_padded(generator, model.config.vocab_size, [rng.randrange(4, 30) for _ in range(3)])
+    hf.compress(model, artifact, compression=0.3, method=method)
+    expected = generate(model, ids, mask)
+    hf.restore(model)
+    hf.compress(model, artifact, compression=0.3, method=method, eviction="keyformer", keep=1.0)
+    assert torch.equal(generate(model, ids, mask), expected), f"{family}: {replay}"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_left_padded_batch_with_eviction_generates_what_each_prompt_generates_alone(method):
+    generator, rng, replay = case_generator(f"hf_eviction_padding_{method}", 0)
+    family = rng.choice(FAMILIES)
+    model, artifact = calibrated(family, rng.randrange(1000))
+    lengths = [rng.randrange(10, 30) for _ in range(3)]
+    ids, mask = left_padded(generator, model.config.vocab_size, lengths)
+    hf.compress(model, artifact, compression=0.2, method=method, eviction="keyformer", keep=0.5)
+    batched = generate(model, ids, mask)
+    width = ids.shape[1]
+    for row, length in enumerate(lengths):
+        prompt = ids[row, width - length:]
+        alone = generate(model, prompt[None])[0, length:]
+        assert torch.equal(alone, batched[row, width: width + len(alone)]), f"{family} row {row}: {replay}"
+
+
+def test_eviction_shrinks_the_cache_by_the_kept_share():
+    generator, rng, _ = case_generator("hf_eviction_bytes", 0)
+    model, artifact = calibrated("llama", rng.randrange(1000))
+    ids = torch.randint(1, model.config.vocab_size, (2, 60), generator=generator)
+    hf.compress(model, artifact, compression=0.25)
+    sizes = {}
+    for keep in (None, 0.25):
+        hf.restore(model)
+        hf.compress(model, artifact, compression=0.25, **({} if keep is None else {"eviction": "snapkv",
+                                                                                  "keep": keep}))
+        cache = transformers.DynamicCache()
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=True, **{hf.cache_keyword(model): cache})
+        sizes[keep] = hf.kv_cache_nbytes(cache)
+        assert cache.get_seq_length() == 60  # positions seen, not rows kept: the next token's position
+    assert sizes[0.25] * 60 == sizes[None] * math.ceil(0.25 * 60)
+
+
+def test_eviction_refuses_what_it_cannot_do():
+    model, artifact = calibrated("llama", 3)
+    with pytest.raises(ValueError, match="keep must be a share"):
+        hf.compress(model, artifact, compression=0.2, eviction="keyformer", keep=0.0)
+    with pytest.raises(ValueError, match="needs keep"):
+        hf.compress(model, artifact, compression=0.2, eviction="snapkv")
+    with pytest.raises(ValueError, match="needs an eviction method"):
+        hf.compress(model, artifact, compression=0.2, keep=0.5)
+    with pytest.raises(ValueError, match="eviction must be one of"):
+        hf.compress(model, artifact, compression=0.2, eviction="h2o", keep=0.5)
+    assert getattr(model, "_fdc_compression", None) is None  # nothing was swapped in
+    hf.compress(model, artifact, compression=0.2, eviction="snapkv", keep=0.5)
+    ids = torch.randint(1, model.config.vocab_size, (1, 12))
+    with pytest.raises(NotImplementedError, match="eviction runs with the dynamic cache only"):
+        generate(model, ids, cache_implementation="static")
+    windowed, windowed_artifact = calibrated("mistral", 3, sliding_window=8)
+    with pytest.raises(NotImplementedError, match="sliding-window layers"):
+        hf.compress(windowed, windowed_artifact, compression=0.2, eviction="snapkv", keep=0.5)
+
+
+def test_continuation_perplexity_scores_the_tokens_after_the_prompt():
+    from fdc_ops.apps import metrics
+
+    generator, rng, _ = case_generator("continuation_perplexity", 0)
+    model, _ = calibrated("qwen2", rng.randrange(1000))
+    windows = torch.randint(1, model.config.vocab_size, (3, 40), generator=generator)
+    with torch.no_grad():
+        logits = model(input_ids=windows, use_cache=False).logits[:, 29:-1]
+    nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), windows[:, 30:].flatten())
+    actual = metrics.continuation_perplexity(model, windows, 30, batch_size=2, progress=False)
+    assert actual == pytest.approx(math.exp(nll.item()), rel=1e-5)
