@@ -33,7 +33,7 @@ def test_run_rejects_a_grid_outside_zero_to_one_before_loading_the_model(grid, t
 
 
 def test_eviction_methods_need_the_long_context_metric(tmp_path):
-    with pytest.raises(ValueError, match=r"\['KF-F'\] evict after a prompt, which only the long_perplexity"):
+    with pytest.raises(ValueError, match=r"\['KF-F'\] evict after a prompt, which only the long-context"):
         eval_app.run(out=str(tmp_path), methods=("FDC (defaults)", "KF-F"))
 
 
@@ -49,3 +49,61 @@ def test_held_out_windows_lie_inside_held_out_documents_and_do_not_overlap():
                                 list(range(942, 954))]  # a window from each document in turn, from its start
     with pytest.raises(ValueError, match="room for 7 windows of 12 tokens"):
         datasets.held_out_windows(tokens, starts, 8, 12)
+
+
+class _CharacterTokenizer:
+    """One token per character (ids are code points), enough for the retrieval probe's prompts and answers."""
+
+    pad_token_id = 0
+    eos_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False, return_tensors=None):
+        import torch
+
+        class Encoded:
+            input_ids = torch.tensor([[ord(c) for c in text]])
+
+        return Encoded()
+
+    def batch_decode(self, rows, skip_special_tokens=True):
+        return ["".join(chr(int(i)) for i in row if int(i) != 0) for row in rows]
+
+
+class _Reader:
+    """A stand-in model whose generate() answers the number the prompt states (or a wrong one)."""
+
+    def __init__(self, honest: bool):
+        import torch
+
+        self.honest = honest
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+
+    def parameters(self):
+        return iter([self.weight])
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, **_):
+        import re
+
+        import torch
+
+        answers = []
+        for row, mask in zip(input_ids, attention_mask):
+            text = "".join(chr(int(i)) for i in row[mask.bool()])
+            stated = re.findall(r"The secret number is (\d{5})\. Remember it\.", text)
+            assert len(stated) == 1 and text.endswith("The secret number is")
+            answers.append(" " + (stated[0] if self.honest else "00000") + ".")
+        width = max(len(a) for a in answers)
+        new = torch.tensor([[ord(c) for c in a.ljust(width, chr(0))] for a in answers])
+        return torch.cat([input_ids, new], dim=1)
+
+
+def test_retrieval_probes_state_one_number_each_and_score_the_answers():
+    import torch
+
+    from fdc_ops.apps import metrics
+
+    fillers = torch.randint(ord("a"), ord("z") + 1, (5, 200))
+    for honest, expected in ((True, 1.0), (False, 0.0)):
+        accuracy = metrics.retrieval_accuracy(_Reader(honest), _CharacterTokenizer(), fillers, batch_size=2,
+                                              progress=False)
+        assert accuracy == expected

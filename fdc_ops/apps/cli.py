@@ -137,9 +137,10 @@ def main() -> None:
     evaluate = commands.add_parser("eval", help="accuracy vs KV compression: FDC (paper, defaults), uniform, Palu")
     evaluate.add_argument("--out", type=output_directory, default="bench/results/eval",
                           help="directory for the JSON and PNG")
-    evaluate.add_argument("--metric", choices=["perplexity", "edit_similarity", "long_perplexity"],
+    evaluate.add_argument("--metric", choices=["perplexity", "edit_similarity", "long_perplexity", "retrieval"],
                           default="perplexity", help="long_perplexity: 256 tokens after a 1536-token prompt whose "
-                          "cache is compressed (and evicted), for the eviction methods")
+                          "cache is compressed (and evicted); retrieval: a number stated early in a 1400-token "
+                          "text, asked at its end; both take the eviction methods")
     evaluate.add_argument("--text", choices=["random", "wikipedia", "humaneval"], default="wikipedia",
                           help="calibration text of every method")
     evaluate.add_argument("--methods", nargs="+", default=None,
@@ -155,7 +156,7 @@ def main() -> None:
     evaluate.add_argument("--eval-tokens", type=whole(PERPLEXITY_WINDOW), default=4096,
                           help=f"held-out Wikipedia tokens (perplexity; at least one window of {PERPLEXITY_WINDOW})")
     evaluate.add_argument("--windows", type=whole(1), default=16,
-                          help="held-out windows of 1792 tokens (long_perplexity)")
+                          help="held-out windows: of 1792 tokens for long_perplexity, probes for retrieval")
     evaluate.add_argument("--problems", type=whole(1), default=16, help="HumanEval problems (the first N)")
     evaluate.add_argument("--max-new-tokens", type=whole(1), default=64)
     evaluate.add_argument("--budget-s", type=share(0.0, math.inf, False), default=None,

@@ -24,7 +24,8 @@ PG-19): ``Keyformer`` alone (every layer keeps a share of each prompt's tokens, 
 modules at full width, which compute what the original model computes), and the paper's combinations ``KF-F`` and
 ``KF-P``, eviction and FDC (or Palu) each contributing half of the total compression (both keep sqrt(1 - c) of what
 they act on); ``SnapKV`` and ``SnapKV-F`` the same with SnapKV's scores. A point's compression is the share of the
-prompt's KV bytes removed.
+prompt's KV bytes removed. ``--metric retrieval`` asks for a number stated once early in a held-out text of 1400
+tokens (what eviction loses that perplexity hides); the same methods run on it.
 
 Every evaluation is appended to ``<out>/<model>-eval-<metric>-points.json`` as it finishes (keyed by the widths, so
 an interrupted run resumes and equal allocations are measured once, and tagged with its artifact's calibration
@@ -72,12 +73,14 @@ EVICTION = {
 }
 LONG_CONTEXT_METHODS = ("FDC (defaults)", "Palu", "Keyformer", "KF-F", "KF-P")  # the paper's combination table
 LONG_PROMPT, LONG_SCORED = 1536, 256  # tokens of each window's prompt and of its scored continuation
+RETRIEVAL_TOKENS = 1400  # held-out text around each retrieval probe's fact (about 1430 tokens with the question)
 # load_or_calibrate's settings beyond the text, per artifact a method names
 ARTIFACTS = {"default": {}, "activation": {"v_method": "activation"}, "output": {"v_method": "output"}}
 GRID = (0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)  # dense where 99% is decided, to 0.5
 LEVELS = tuple(round(0.90 + 0.01 * i, 2) for i in range(10))  # accuracy levels tabulated: 0.90 .. 0.99
 LONG_GRID = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)  # eviction reaches far higher compressions
-METRICS = ("perplexity", "edit_similarity", "long_perplexity")
+METRICS = ("perplexity", "edit_similarity", "long_perplexity", "retrieval")
+LONG_CONTEXT_METRICS = ("long_perplexity", "retrieval")  # where a prompt is long enough to evict from
 
 
 def uniform_allocation(shape, compression: float, multiple: int = 8) -> RankAllocation:
@@ -113,10 +116,11 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
         grid: tuple[float, ...] | None = None, windows: int = 16) -> dict:
     """Measures what is missing (see the module docstring), for at most ``budget_s`` seconds of evaluations, and
     writes the curves. ``grid``: the budgets measured before refinement (default GRID; LONG_GRID for
-    long_perplexity); ``windows``: held-out windows of long_perplexity. Returns the results dictionary."""
+    the long-context metrics); ``windows``: held-out windows of the long-context metrics (retrieval: one probe
+    each). Returns the results dictionary."""
     if metric not in METRICS:
         raise ValueError(f"fdc_ops.apps.eval.run: metric must be one of {METRICS}, got {metric!r}")
-    long_context = metric == "long_perplexity"
+    long_context = metric in LONG_CONTEXT_METRICS
     grid = tuple(grid or (LONG_GRID if long_context else GRID))
     if not grid or any(not 0.0 < budget < 1.0 for budget in grid):
         raise ValueError(f"fdc_ops.apps.eval.run: grid must be budgets in (0, 1), got {grid}")
@@ -127,8 +131,8 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
         raise ValueError(f"fdc_ops.apps.eval.run: unknown methods {unknown}; known: {list(table)}")
     evicting = [name for name in methods if "eviction" in table[name]]
     if evicting and not long_context:
-        raise ValueError(f"fdc_ops.apps.eval.run: {evicting} evict after a prompt, which only the long_perplexity "
-                         f"metric has; run them with metric='long_perplexity'")
+        raise ValueError(f"fdc_ops.apps.eval.run: {evicting} evict after a prompt, which only the long-context "
+                         f"metrics have; run them with metric in {LONG_CONTEXT_METRICS}")
     begin = time.time()
     torch.manual_seed(0)
     model, tokenizer = loading.load_model()
@@ -140,14 +144,16 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
     tasks = list(datasets.humaneval_problems()[:problems])
     long_windows = None
     if long_context:
-        long_windows = datasets.held_out_windows(*datasets.text_documents(tokenizer, "wikipedia"), windows,
-                                                 LONG_PROMPT + LONG_SCORED)
+        length = LONG_PROMPT + LONG_SCORED if metric == "long_perplexity" else RETRIEVAL_TOKENS
+        long_windows = datasets.held_out_windows(*datasets.text_documents(tokenizer, "wikipedia"), windows, length)
 
     def measure() -> float:
         if metric == "perplexity":
             return 1.0 / metrics.perplexity(model, wiki, progress=False)  # exp(-mean NLL): higher is better
-        if long_context:
+        if metric == "long_perplexity":
             return 1.0 / metrics.continuation_perplexity(model, long_windows, LONG_PROMPT, progress=False)
+        if metric == "retrieval":
+            return metrics.retrieval_accuracy(model, tokenizer, long_windows, progress=False)
         scores = metrics.humaneval_scores(model, tokenizer, tasks, max_new_tokens=max_new_tokens, progress=False)
         return scores["edit_similarity"]
 
@@ -158,13 +164,17 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
     settings_tag = {"metric": metric, "text": text, "eval_tokens": eval_tokens, "problems": problems,
                     "max_new_tokens": max_new_tokens, "fingerprint": families.fingerprint(model)}
     if long_context:  # what the other metrics' settings would be is irrelevant to it
-        settings_tag = {"metric": metric, "text": text, "windows": windows, "prompt_tokens": LONG_PROMPT,
-                        "scored_tokens": LONG_SCORED, "fingerprint": families.fingerprint(model)}
+        settings_tag = {"metric": metric, "text": text, "windows": windows, "fingerprint": families.fingerprint(model),
+                        **({"prompt_tokens": LONG_PROMPT, "scored_tokens": LONG_SCORED}
+                           if metric == "long_perplexity" else {"filler_tokens": RETRIEVAL_TOKENS})}
     store = _read_points(points_path)
     if store.get("settings") != settings_tag:
         store = {"settings": settings_tag, "base": None, "points": {}}
     if store["base"] is None:
         store["base"] = measure()
+        if store["base"] <= 0:
+            raise RuntimeError(f"fdc_ops.apps.eval.run: the uncompressed model scores {store['base']} on {metric}; "
+                               "nothing can be measured relative to it")
         files.write_json_atomically(points_path, store, indent=1)
     base = store["base"]
 
@@ -184,7 +194,8 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
         share = 1.0 - compression if split == "eviction" else math.sqrt(1.0 - compression)  # kept by eviction
         allocation = allocation_for(settings, 0.0 if split == "eviction" else 1.0 - share)
         policy = evictions.EvictionPolicy(settings["eviction"], keep=share)
-        kept = policy.kept_tokens(LONG_PROMPT) / LONG_PROMPT
+        prompt = LONG_PROMPT if metric == "long_perplexity" else RETRIEVAL_TOKENS
+        kept = policy.kept_tokens(prompt) / prompt
         return allocation, policy, 1.0 - (1.0 - allocation.compression_rate) * kept
 
     class OutOfTime(Exception):

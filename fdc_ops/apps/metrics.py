@@ -4,6 +4,7 @@ time to first token and time between tokens. Compression itself is fdc_ops.hf.co
 from __future__ import annotations
 
 import math
+import random
 import re
 import statistics
 import time
@@ -71,6 +72,42 @@ def continuation_perplexity(model, windows: torch.Tensor, prompt_tokens: int, ba
             total += nll.item()
             count += scored.numel()
     return math.exp(total / count)
+
+
+def retrieval_accuracy(model, tokenizer, fillers: torch.Tensor, seed: int = 0, batch_size: int = 8,
+                       progress: bool = True, description: str = "retrieval") -> float:
+    """Share of probes answered: in each filler text a sentence stating a random five-digit secret number is put at
+    10%, 30% or 50% of its depth, the text ends with the question, and the probe is answered when the greedy
+    continuation (left-padded batches through generate(), so compressed modules evict after the prompt as they
+    would) starts with the number. What eviction loses that perplexity hides: one fact, seen once, far back.
+    fillers: (N, L) token ids, one probe each."""
+    rng = random.Random(seed)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    question = tokenizer("\n\nWhat is the secret number? The secret number is", add_special_tokens=False,
+                         return_tensors="pt").input_ids[0]
+    probes = []
+    for filler in fillers:
+        number = rng.randrange(10000, 100000)
+        fact = tokenizer(f" The secret number is {number}. Remember it.", add_special_tokens=False,
+                         return_tensors="pt").input_ids[0]
+        depth = int(filler.numel() * rng.choice((0.1, 0.3, 0.5)))
+        probes.append((torch.cat([filler[:depth], fact, filler[depth:], question]), str(number)))
+    device = next(model.parameters()).device
+    answered = 0
+    for start in progress_bar(range(0, len(probes), batch_size), description, "batch", enabled=progress):
+        batch = probes[start: start + batch_size]
+        width = max(ids.numel() for ids, _ in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, (prompt, _) in enumerate(batch):
+            ids[row, width - prompt.numel():] = prompt
+            mask[row, width - prompt.numel():] = 1
+        with torch.inference_mode():
+            output = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=7,
+                                    do_sample=False, pad_token_id=pad)
+        answers = tokenizer.batch_decode(output[:, width:], skip_special_tokens=True)
+        answered += sum(answer.strip().startswith(number) for answer, (_, number) in zip(answers, batch))
+    return answered / len(probes)
 
 
 def edit_similarity(first: str, second: str) -> float:
