@@ -12,7 +12,10 @@ What is measured, for each prompt length P, batch B and model (greedy decoding o
 - attention share of a step: time inside the decoder layers' self-attention modules (forward pre/post hooks, Q/K/V
   and output projections included) over the step's time, summed over the decode steps.
 Targets, each printed PASS or MISS: at 0% compression TBT <= 1.03 x uncompressed; at 50% compression and the longest
-prompt (8K by default), TBT <= 0.75 x uncompressed.
+prompt (8K by default), TBT <= 0.75 x uncompressed. With --evict K (shares kept, fdc_ops.eviction, Keyformer scores),
+each compression rate also runs with eviction after the prompt, and against the same widths without eviction: the
+prompt's TTFT (scoring included) <= 1.05 x, and attention time per decode step <= (K + 0.1) x (it reads K of the
+prompt's rows; what does not scale with the rows is the projections and the rotation) at the longest prompt.
 
 --profile: torch.profiler tables of one decode step of each model (self CPU time by op), printed and kept in the
 JSON. Timing: every model is loaded at once; for each prompt they prefill in turn (TTFT above; the last round's
@@ -158,6 +161,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per request")
     parser.add_argument("--compressions", type=floats, default=[0.0, 0.25, 0.5],
                         help="KV compression rates (share of each head's dims removed), comma-separated")
+    parser.add_argument("--evict", type=floats, default=[],
+                        help="shares of each prompt kept by Keyformer eviction, comma-separated (each compression "
+                             "rate also runs with each)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--profile", action="store_true", help="profile one decode step of each model")
     parser.add_argument("--ttft-rounds", type=int, default=3,
@@ -170,10 +176,12 @@ def main() -> None:
     timer = Timer(device, repeats=1, warmup=0)
     gen = torch.Generator().manual_seed(0)
 
-    specs: list[tuple[str, float | None]] = [("uncompressed (sdpa)", None)]
-    specs += [(f"fdc {rate:.0%} compressed", rate) for rate in args.compressions]
+    specs: list[tuple[str, float | None, float | None]] = [("uncompressed (sdpa)", None, None)]
+    for rate in args.compressions:
+        specs.append((f"fdc {rate:.0%} compressed", rate, None))
+        specs += [(f"fdc {rate:.0%}, keep {keep:.0%}", rate, keep) for keep in args.evict]
     models, artifact = [], None
-    for name, rate in specs:
+    for name, rate, keep in specs:
         model, tokenizer = load_model(dtype=dtype)
         model.to(device)
         width = None
@@ -181,8 +189,10 @@ def main() -> None:
             if artifact is None:
                 artifact = calibration.load_or_calibrate(model, tokenizer, text="wikipedia", progress=False)
             dims, width = uniform_widths(model, rate)
-            hf.compress(model, artifact, qk_dims=dims, v_dims=dims)
+            eviction = {} if keep is None else {"eviction": "keyformer", "keep": keep}
+            hf.compress(model, artifact, qk_dims=dims, v_dims=dims, **eviction)
         models.append((name, rate, width, model, AttentionClock(model)))
+    keeps = {name: keep for name, _, keep in specs}
     vocab = models[0][3].config.vocab_size
 
     # The models' decode steps interleave (step i of every model, then step i + 1), so a slow moment of a shared
@@ -210,7 +220,7 @@ def main() -> None:
                         run.step(timer)
                 for (name, rate, width, model, clock), run, ttft, samples in zip(models, runs, ttfts, ttft_samples):
                     steps = run.steps
-                    rows.append({"model": name, "compression": rate, "width": width,
+                    rows.append({"model": name, "compression": rate, "width": width, "eviction_keep": keeps[name],
                                  "attn_implementation": model.config._attn_implementation, "prompt": prompt_len,
                                  "batch": batch, "new_tokens": args.new_tokens, "ttft_ms": ttft * 1e3,
                                  "ttft_samples_ms": [t * 1e3 for t in samples],
@@ -218,7 +228,7 @@ def main() -> None:
                                  "tbt_p90_ms": sorted(steps)[int(0.9 * (len(steps) - 1))] * 1e3,
                                  "attention_share": clock.seconds / sum(steps)})
                     r = rows[-1]
-                    print(f"{name:<22} P={prompt_len:<5} B={batch}  TTFT {r['ttft_ms']:9.1f} ms  TBT "
+                    print(f"{name:<24} P={prompt_len:<5} B={batch}  TTFT {r['ttft_ms']:9.1f} ms  TBT "
                           f"{r['tbt_ms']:7.2f} ms  attention {r['attention_share']:.0%} of a step", flush=True)
                 del runs
         for name, _, _, model, clock in models:
@@ -229,9 +239,24 @@ def main() -> None:
                 print(f"\none decode step of {name}, P={args.prompts[0]}, B={args.batches[0]}:\n{profiles[name]}")
 
     base = {(r["prompt"], r["batch"]): r for r in rows if r["compression"] is None}
+    whole = {(r["compression"], r["prompt"], r["batch"]): r for r in rows if r["eviction_keep"] is None}
     targets = []
     for r in rows:
         if r["compression"] is None:
+            continue
+        if r["eviction_keep"] is not None:  # against the same widths keeping every token
+            same = whole[(r["compression"], r["prompt"], r["batch"])]
+            r["ttft_vs_all_tokens"] = r["ttft_ms"] / same["ttft_ms"]
+            r["attention_step_vs_all_tokens"] = (r["attention_share"] * r["tbt_ms"]) / (same["attention_share"]
+                                                                                         * same["tbt_ms"])
+            where = f"{r['compression']:.0%} keep {r['eviction_keep']:.0%} P={r['prompt']} B={r['batch']}"
+            targets.append({"where": where, "what": "TTFT <= 1.05x without eviction",
+                            "value": r["ttft_vs_all_tokens"], "verdict": verdict(r["ttft_vs_all_tokens"] <= 1.05)})
+            if r["prompt"] == max(args.prompts):
+                bound = r["eviction_keep"] + 0.1
+                targets.append({"where": where, "what": f"attention per step <= {bound:.2f}x without eviction",
+                                "value": r["attention_step_vs_all_tokens"],
+                                "verdict": verdict(r["attention_step_vs_all_tokens"] <= bound)})
             continue
         ref = base[(r["prompt"], r["batch"])]
         r["tbt_vs_uncompressed"] = r["tbt_ms"] / ref["tbt_ms"]
@@ -249,9 +274,9 @@ def main() -> None:
     commit, dirty = git_commit()
     print(f"\ndevice: {name}; torch {torch.__version__}; threads {torch.get_num_threads()}; commit {commit[:12]}"
           f"{' (dirty)' if dirty else ''}; SmolLM2-135M {args.dtype}, {args.new_tokens} new tokens")
-    print(f"{'model':<22} {'P':>5} {'B':>2} {'TTFT ms':>9} {'x':>6} {'TBT ms':>8} {'x':>6} {'attn':>5}")
+    print(f"{'model':<24} {'P':>5} {'B':>2} {'TTFT ms':>9} {'x':>6} {'TBT ms':>8} {'x':>6} {'attn':>5}")
     for r in rows:
-        print(f"{r['model']:<22} {r['prompt']:>5} {r['batch']:>2} {r['ttft_ms']:>9.1f} "
+        print(f"{r['model']:<24} {r['prompt']:>5} {r['batch']:>2} {r['ttft_ms']:>9.1f} "
               f"{r.get('ttft_vs_uncompressed', 1.0):>6.3f} {r['tbt_ms']:>8.2f} "
               f"{r.get('tbt_vs_uncompressed', 1.0):>6.3f} "
               f"{r['attention_share']:>5.0%}")
