@@ -62,6 +62,7 @@ METHODS = {
 ABLATIONS = {
     "activation V, sensitivity": {"artifact": "activation"},
     "output V, sensitivity": {"artifact": "output"},
+    "FDC, 2048-token calibration": {"artifact": "long windows"},  # long prompts: positions past 1024 calibrated
 }
 # Token eviction, alone (its whole compression from evicting) and with FDC or Palu (half from each): long_perplexity
 EVICTION = {
@@ -70,12 +71,14 @@ EVICTION = {
     "KF-P": {"artifact": "default", "method": "palu", "eviction": "keyformer", "split": "equal"},
     "SnapKV": {"artifact": "default", "eviction": "snapkv", "split": "eviction"},
     "SnapKV-F": {"artifact": "default", "eviction": "snapkv", "split": "equal"},
+    "KF-F, 2048-token calibration": {"artifact": "long windows", "eviction": "keyformer", "split": "equal"},
 }
 LONG_CONTEXT_METHODS = ("FDC (defaults)", "Palu", "Keyformer", "KF-F", "KF-P")  # the paper's combination table
 LONG_PROMPT, LONG_SCORED = 1536, 256  # tokens of each window's prompt and of its scored continuation
 RETRIEVAL_TOKENS = 1400  # held-out text around each retrieval probe's fact (about 1430 tokens with the question)
 # load_or_calibrate's settings beyond the text, per artifact a method names
-ARTIFACTS = {"default": {}, "activation": {"v_method": "activation"}, "output": {"v_method": "output"}}
+ARTIFACTS = {"default": {}, "activation": {"v_method": "activation"}, "output": {"v_method": "output"},
+             "long windows": {"seq_len": 2048}}
 GRID = (0.025, 0.05, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)  # dense where 99% is decided, to 0.5
 LEVELS = tuple(round(0.90 + 0.01 * i, 2) for i in range(10))  # accuracy levels tabulated: 0.90 .. 0.99
 LONG_GRID = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)  # eviction reaches far higher compressions
