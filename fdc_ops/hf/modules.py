@@ -131,8 +131,8 @@ class CompressedKVLayer(DynamicLayer):
     the longest call's rows), and a request's row i then holds its token ``first_positions[b] + i``.
 
     Eviction (``evict``) keeps a chosen subset of each request's rows, compacted to the front; from then on the
-    layer records each row's position (``row_positions``), which Palu's key rebuild rotates by, and how many tokens
-    each request has lost (``evicted``)."""
+    layer records the positions of the rows it kept (``kept_positions``; rows appended later follow each request's
+    last token), which Palu's key rebuild rotates by, and how many tokens each request has lost (``evicted``)."""
 
     is_sliding = False
     is_compileable = False
@@ -147,7 +147,8 @@ class CompressedKVLayer(DynamicLayer):
         self.host_lengths: list[int] = []  # the same on the host, so appends read nothing back from the device
         self.first_positions: torch.Tensor | None = None  # (B,) int64: the token in row 0 (rows dropped before it)
         self.host_first_positions: list[int] = []
-        self.row_positions: torch.Tensor | None = None  # (B, capacity) int64 once rows were evicted: row i's token
+        self.kept_positions: torch.Tensor | None = None  # (B, most kept) int64 once rows were evicted: their tokens
+        self.kept_rows: torch.Tensor | None = None  # (B,) int64: rows kept by the last eviction (the first ones)
         self.evicted: torch.Tensor | None = None  # (B,) int64: tokens evicted per request
         self.positions = 0  # positions seen, padding included (what transformers calls the sequence length)
         self.keys = self.values = None
@@ -185,15 +186,6 @@ class CompressedKVLayer(DynamicLayer):
             self._allocate(batch, max(needed, 2 * old_k.shape[1]), old_k.dtype, old_k.device)
             self.k_cache[:, : old_k.shape[1]] = old_k
             self.v_cache[:, : old_v.shape[1]] = old_v
-            if self.row_positions is not None:
-                old_positions, self.row_positions = self.row_positions, _row_positions_for(self.k_cache)
-                self.row_positions[:, : old_positions.shape[1]] = old_positions
-        if self.row_positions is not None:  # the new rows' positions follow each request's last seen token
-            steps = torch.arange(max(rows.host_counts, default=0), device=k_rows.device)
-            new = steps[None, :] < rows.counts[:, None]  # (B, most new rows)
-            slots = (self.lengths[:, None] + steps[None, :])[new]
-            requests = torch.arange(batch, device=k_rows.device)[:, None].expand_as(new)[new]
-            self.row_positions[requests, slots] = (self.seen_tokens()[:, None] + steps[None, :])[new]
         ops.append_kv(self.k_cache, self.v_cache, k_rows, v_rows, rows.cu, self.lengths, self.k_offsets,
                       self.v_offsets)
         self.lengths += rows.counts
@@ -226,10 +218,17 @@ class CompressedKVLayer(DynamicLayer):
         return self.first_positions + self.evicted + self.lengths
 
     def positions_of_rows(self, rows: int) -> torch.Tensor:
-        """(B, rows) int64: the token position each of the first ``rows`` rows holds."""
-        if self.row_positions is not None:
-            return self.row_positions[:, :rows]
-        return self.first_positions[:, None] + torch.arange(rows, device=self.first_positions.device)[None, :]
+        """(B, rows) int64: the token position each of the first ``rows`` rows holds: consecutive from the request's
+        first kept one, except the rows an eviction kept (recorded; the rows after them are consecutive again, since
+        they were appended after it)."""
+        consecutive = torch.arange(rows, device=self.first_positions.device)[None, :] + self.first_positions[:, None]
+        if self.kept_positions is None:
+            return consecutive
+        recorded = self.kept_positions[:, :rows]
+        if recorded.shape[1] < rows:
+            recorded = torch.nn.functional.pad(recorded, (0, rows - recorded.shape[1]))
+        after = consecutive + self.evicted[:, None]
+        return torch.where(consecutive - self.first_positions[:, None] < self.kept_rows[:, None], recorded, after)
 
     def evict(self, index: torch.Tensor, kept: list[int]) -> None:
         """Keeps request b's rows index[b, :kept[b]] (increasing) as its first rows and drops the others
@@ -240,9 +239,7 @@ class CompressedKVLayer(DynamicLayer):
         positions = self.positions_of_rows(max(self.host_lengths)).gather(1, index)  # (B, max kept), read first
         before = self.lengths.clone()
         evictions.compact_kv(self.k_cache, self.v_cache, self.lengths, index, kept)
-        if self.row_positions is None:
-            self.row_positions = _row_positions_for(self.k_cache)
-        self.row_positions[:, : index.shape[1]] = positions
+        self.kept_positions, self.kept_rows = positions, self.lengths.to(torch.int64)
         self.evicted += (before - self.lengths).to(torch.int64)
         self.host_lengths = list(kept)
 
@@ -275,7 +272,7 @@ class CompressedKVLayer(DynamicLayer):
 
     def reset(self) -> None:
         self.k_cache = self.v_cache = self.lengths = self.first_positions = None
-        self.row_positions = self.evicted = None
+        self.kept_positions = self.kept_rows = self.evicted = None
         self.host_lengths = []
         self.host_first_positions = []
         self.positions = 0
@@ -289,8 +286,8 @@ class CompressedKVLayer(DynamicLayer):
             self.k_cache, self.v_cache = self.k_cache[indices], self.v_cache[indices]
             self.lengths, self.first_positions = self.lengths[indices], self.first_positions[indices]
             self.evicted = self.evicted[indices]
-            if self.row_positions is not None:
-                self.row_positions = self.row_positions[indices]
+            if self.kept_positions is not None:
+                self.kept_positions, self.kept_rows = self.kept_positions[indices], self.kept_rows[indices]
             chosen = indices.tolist()
             self.host_lengths = [self.host_lengths[i] for i in chosen]
             self.host_first_positions = [self.host_first_positions[i] for i in chosen]
@@ -302,19 +299,15 @@ class CompressedKVLayer(DynamicLayer):
             self.lengths = self.lengths.repeat_interleave(repeats, dim=0)
             self.first_positions = self.first_positions.repeat_interleave(repeats, dim=0)
             self.evicted = self.evicted.repeat_interleave(repeats, dim=0)
-            if self.row_positions is not None:
-                self.row_positions = self.row_positions.repeat_interleave(repeats, dim=0)
+            if self.kept_positions is not None:
+                self.kept_positions = self.kept_positions.repeat_interleave(repeats, dim=0)
+                self.kept_rows = self.kept_rows.repeat_interleave(repeats, dim=0)
             self.host_lengths = [length for length in self.host_lengths for _ in range(repeats)]
             self.host_first_positions = [first for first in self.host_first_positions for _ in range(repeats)]
 
     def crop(self, *args, **kwargs) -> None:
         raise NotImplementedError("fdc_ops.hf.modules: cropping a compressed cache (assisted decoding) is not "
                                   "supported")
-
-
-def _row_positions_for(cache: torch.Tensor) -> torch.Tensor:
-    """(B, capacity) int64 zeros: room for the row positions of a cache (B, capacity, width)."""
-    return torch.zeros(cache.shape[:2], dtype=torch.int64, device=cache.device)
 
 
 class StaticCompressedKVLayer(CompressedKVLayer):
