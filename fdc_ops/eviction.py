@@ -82,8 +82,8 @@ def window_scores(q: torch.Tensor, cu_seqlens_q: torch.Tensor, k_cache: torch.Te
     which are the last tokens of its cache (the call appended them); k_cache: (B, S, qk_offsets[-1]) packed keys;
     cache_seqlens: (B,) int32 cached tokens; qk_offsets: (H_kv + 1,) int32 CPU; softcap as in prefill_attention;
     seed: Keyformer's noise (default policy.seed). Request b's noise depends on nothing but the seed and its own
-    length: a generator seeded with ``seed`` draws a (G, window, length) uniform tensor per KV head, in head order,
-    so a request scores the same alone and in any batch."""
+    length: a generator seeded with ``seed`` draws a (G, window, length) uniform tensor u per KV head, in head order,
+    so a request scores the same alone and in any batch; -log(-log u) is Gumbel(0, 1) noise."""
     where = "fdc_ops.eviction.window_scores"
     _check_rows(where, q, cu_seqlens_q, k_cache, cache_seqlens, qk_offsets, group)
     B, S = k_cache.shape[0], k_cache.shape[1]
@@ -100,6 +100,7 @@ def window_scores(q: torch.Tensor, cu_seqlens_q: torch.Tensor, k_cache: torch.Te
     queries = q[rows.clamp_min(0).clamp_max(max(q.shape[0] - 1, 0))] if q.shape[0] else q.new_zeros(B, window,
                                                                                                      q.shape[1])
     host_lengths = cache_seqlens.tolist()
+    every_query_scores = min((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist(), default=window) >= window
     generators = []
     if policy.method == "keyformer":
         seed = policy.seed if seed is None else seed
@@ -110,21 +111,19 @@ def window_scores(q: torch.Tensor, cu_seqlens_q: torch.Tensor, k_cache: torch.Te
         return scores
     for j in range(len(bounds) - 1):
         dim = bounds[j + 1] - bounds[j]
-        q_head = queries[:, :, group * bounds[j]: group * bounds[j + 1]].float().view(B, window, group, dim)
+        # the scale goes on the window's queries, a tensor S / dim times smaller than the logits
+        q_head = (scale * queries[:, :, group * bounds[j]: group * bounds[j + 1]].float()).view(B, window, group, dim)
         k_head = k_cache[:, :, bounds[j]: bounds[j + 1]].float()  # (B, S, dim)
-        logits = scale * torch.einsum("bwgd,bsd->bgws", q_head, k_head)  # (B, G, window, S)
+        logits = torch.einsum("bwgd,bsd->bgws", q_head, k_head)  # (B, G, window, S)
         if softcap > 0:
             logits = softcap * torch.tanh(logits / softcap)
-        logits = logits.masked_fill(~visible[:, None], float("-inf"))
+        logits.masked_fill_(~visible[:, None], float("-inf"))
         if policy.method == "keyformer":
-            uniform = torch.full(logits.shape, 0.5, device=device)  # (B, G, window, S)
-            for b, length in enumerate(host_lengths):
-                uniform[b, :, :, :length] = torch.rand((group, window, length), generator=generators[b],
-                                                       device=device)
-            uniform.clamp_(1e-20, 1.0 - 1e-7)
-            logits = (logits - torch.log(-torch.log(uniform))) / policy.temperature
-        weights = torch.softmax(logits, dim=-1)
-        weights = torch.where(scoring[:, None, :, None], weights, weights.new_zeros(()))  # rows of no query
+            weights = _gumbel_softmax(logits, generators, host_lengths, policy.temperature)
+        else:
+            weights = torch.softmax(logits, dim=-1)
+        if not every_query_scores:
+            weights = torch.where(scoring[:, None, :, None], weights, weights.new_zeros(()))  # rows of no query
         if policy.method == "keyformer":
             scores[:, j] = weights.sum(dim=(1, 2))
         else:
@@ -133,6 +132,26 @@ def window_scores(q: torch.Tensor, cu_seqlens_q: torch.Tensor, k_cache: torch.Te
             scores[:, j] = torch.nn.functional.max_pool1d(mean[:, None], policy.kernel, stride=1,
                                                           padding=policy.kernel // 2)[:, 0]
     return torch.where(keys[None, None, :] < lengths[:, None, None], scores, scores.new_zeros(()))
+
+
+def _gumbel_softmax(logits: torch.Tensor, generators: list, lengths: list[int], temperature: float) -> torch.Tensor:
+    """softmax((logits + g) / temperature) over the last dim, g = -log(-log u) Gumbel noise, computed as
+    exp((logits - max) / temperature) * (-log u)^(-1 / temperature), normalised: one log per score where the
+    additive form takes two and an exp.
+    logits: (B, G, window, S) float32 with -inf where invisible; u from generators[b] as window_scores says."""
+    B, G, window, S = logits.shape
+    if B == 1 and lengths[0] == S:
+        uniform = torch.rand((1, G, window, S), generator=generators[0], device=logits.device)
+    else:
+        uniform = torch.full(logits.shape, 0.5, device=logits.device)  # past a length: never visible
+        for b, length in enumerate(lengths):
+            uniform[b, :, :, :length] = torch.rand((G, window, length), generator=generators[b], device=logits.device)
+    factor = uniform.clamp_(1e-20, 1.0 - 1e-7).log_().neg_()  # -log u in (1e-7, 46): no overflow below
+    factor = factor.reciprocal_() if temperature == 1.0 else factor.pow_(-1.0 / temperature)
+    top = logits.amax(dim=-1, keepdim=True)
+    top = torch.where(torch.isfinite(top), top, top.new_zeros(()))  # a row that sees no key: weights 0
+    weights = logits.sub_(top).div_(temperature).exp_().mul_(factor)
+    return weights.div_(weights.sum(dim=-1, keepdim=True).clamp_min_(1e-30))
 
 
 def select_tokens(scores: torch.Tensor, cache_seqlens: torch.Tensor, policy: EvictionPolicy,

@@ -207,7 +207,7 @@ def window_scores_ref(q, cu_seqlens_q, k_cache, cache_seqlens, qk_offsets, group
                       seed=None):
     """fdc_ops.eviction.window_scores, request by request and query head by query head. Keyformer's noise is drawn
     as the function draws it (per request, a generator seeded with ``seed`` draws a (G, window, length) float32
-    uniform tensor per KV head, in head order), then used in float64."""
+    uniform tensor u per KV head, in head order; Gumbel noise is -log(-log u)), then used in float64."""
     B, S = k_cache.shape[0], k_cache.shape[1]
     bounds, dims = qk_offsets.tolist(), _dims(qk_offsets)
     window = policy.window
