@@ -206,3 +206,15 @@ def test_continuation_perplexity_scores_the_tokens_after_the_prompt():
     nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), windows[:, 30:].flatten())
     actual = metrics.continuation_perplexity(model, windows, 30, batch_size=2, progress=False)
     assert actual == pytest.approx(math.exp(nll.item()), rel=1e-5)
+
+
+def test_a_saved_model_loads_back_with_the_eviction_asked_for(tmp_path):
+    generator, rng, _ = case_generator("hf_eviction_saved", 0)
+    model, artifact = calibrated("llama", rng.randrange(1000))
+    ids = torch.randint(1, model.config.vocab_size, (1, 40), generator=generator)
+    hf.compress(model, artifact, compression=0.2, eviction="keyformer", keep=0.5)
+    expected = generate(model, ids)
+    hf.save_compressed(model, tmp_path / "saved")
+    loaded = hf.load_compressed(tmp_path / "saved", eviction="keyformer", keep=0.5)
+    assert loaded._fdc_compression["eviction"] == eviction.EvictionPolicy("keyformer", 0.5)
+    assert torch.equal(generate(loaded, ids), expected)

@@ -23,7 +23,8 @@ from ..artifact import save_compression, saved_compression
 def save_compressed(model, directory: str | os.PathLike, tokenizer=None) -> Path:
     """Writes a model compressed by fdc_ops.hf.compress to ``directory`` (created; an existing saved model there is
     replaced): the original checkpoint (save_pretrained of the uncompressed attention), ``tokenizer`` when given,
-    and ``fdc/``. Returns the directory."""
+    and ``fdc/``. Eviction is a run-time choice, not part of the model: load_compressed takes it again. Returns the
+    directory."""
     from transformers import PreTrainedModel
 
     state = getattr(model, "_fdc_compression", None)
@@ -50,10 +51,11 @@ def save_compressed(model, directory: str | os.PathLike, tokenizer=None) -> Path
     return directory
 
 
-def load_compressed(directory: str | os.PathLike, **from_pretrained):
+def load_compressed(directory: str | os.PathLike, *, eviction=None, keep: float | None = None, **from_pretrained):
     """The model saved by save_compressed in ``directory``, loaded by ``AutoModelForCausalLM.from_pretrained``
     (keyword arguments go to it, such as ``dtype=torch.bfloat16``; ``dtype`` defaults to the checkpoint's) and
-    compressed as it was saved. Its tokenizer, when saved, loads with ``AutoTokenizer.from_pretrained(directory)``."""
+    compressed as it was saved, with ``eviction`` and ``keep`` as fdc_ops.hf.compress takes them. Its tokenizer,
+    when saved, loads with ``AutoTokenizer.from_pretrained(directory)``."""
     from transformers import AutoModelForCausalLM
 
     from . import compress
@@ -65,5 +67,5 @@ def load_compressed(directory: str | os.PathLike, **from_pretrained):
     artifact, method, allocation = saved_compression(directory)
     from_pretrained.setdefault("dtype", "auto")
     model = AutoModelForCausalLM.from_pretrained(directory, **from_pretrained).eval()
-    compress(model, artifact, allocation=allocation, method=method)
+    compress(model, artifact, allocation=allocation, method=method, eviction=eviction, keep=keep)
     return model
