@@ -262,14 +262,11 @@ def _write(directory: Path, model_name: str, metric: str, store: dict, current: 
     print(f"{'method':<28}" + "".join(f"{level:>7.2f}" for level in LEVELS))
     for name, curve in curves.items():
         print(f"{name:<28}" + "".join(f"{curve['compression_at'][f'{level:.2f}']:>7.3f}" for level in LEVELS))
-    if "FDC (defaults)" in curves and "Palu" in curves:
-        gaps = {level: curves["FDC (defaults)"]["compression_at"][level] - curves["Palu"]["compression_at"][level]
-                for level in curves["Palu"]["compression_at"]}
-        print(f"{'defaults - Palu':<28}" + "".join(f"{gap:>7.3f}" for gap in gaps.values()))
-    if "KF-F" in curves and "KF-P" in curves:
-        gaps = {level: curves["KF-F"]["compression_at"][level] - curves["KF-P"]["compression_at"][level]
-                for level in curves["KF-P"]["compression_at"]}
-        print(f"{'KF-F - KF-P':<28}" + "".join(f"{gap:>7.3f}" for gap in gaps.values()))
+    for first, second, label in (("FDC (defaults)", "Palu", "defaults - Palu"), ("KF-F", "KF-P", "KF-F - KF-P")):
+        if first in curves and second in curves:
+            gaps = [curves[first]["compression_at"][level] - curves[second]["compression_at"][level]
+                    for level in curves[second]["compression_at"]]
+            print(f"{label:<28}" + "".join(f"{gap:>7.3f}" for gap in gaps))
     commit, dirty = provenance.git_commit()
     utc = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     results = {"model": model_name, "settings": store["settings"], "calibration": used, "base_score": store["base"],

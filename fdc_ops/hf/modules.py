@@ -227,8 +227,8 @@ class CompressedKVLayer(DynamicLayer):
         recorded = self.kept_positions[:, :rows]
         if recorded.shape[1] < rows:
             recorded = torch.nn.functional.pad(recorded, (0, rows - recorded.shape[1]))
-        after = consecutive + self.evicted[:, None]
-        return torch.where(consecutive - self.first_positions[:, None] < self.kept_rows[:, None], recorded, after)
+        kept = torch.arange(rows, device=recorded.device)[None, :] < self.kept_rows[:, None]  # (B, rows)
+        return torch.where(kept, recorded, consecutive + self.evicted[:, None])
 
     def evict(self, index: torch.Tensor, kept: list[int]) -> None:
         """Keeps request b's rows index[b, :kept[b]] (increasing) as its first rows and drops the others
