@@ -68,6 +68,10 @@ class EvictionPolicy:
     def recent_tokens(self) -> int:
         return self.window if self.recent is None else self.recent
 
+    def layer_seed(self, layer: int) -> int:
+        """Keyformer's noise seed for decoder layer ``layer``: differs by layer, and repeats run to run."""
+        return self.seed * 65537 + layer
+
     def kept_tokens(self, length: int) -> int:
         """Tokens a request of ``length`` keeps: ceil(keep * length), at least one (none of none)."""
         return min(length, max(1, math.ceil(self.keep * length - 1e-9))) if length > 0 else 0
@@ -96,11 +100,13 @@ def window_scores(q: torch.Tensor, cu_seqlens_q: torch.Tensor, k_cache: torch.Te
     lengths = cache_seqlens.to(device=device, dtype=torch.int64)
     positions = lengths[:, None] - window + steps  # (B, window): each window query's position among the keys
     keys = torch.arange(S, device=device)
-    visible = (keys[None, None, :] <= positions[:, :, None]) & scoring[:, :, None]  # (B, window, S)
+    # Only keys from `first` on can be invisible to a query of the window (causality inside the window, lengths
+    # below S): the mask is applied to those columns alone.
+    host_lengths = cache_seqlens.tolist()
+    first = max(0, min(host_lengths, default=0) - window)
+    hidden = (keys[None, None, first:] > positions[:, :, None]) | ~scoring[:, :, None]  # (B, window, S - first)
     queries = q[rows.clamp_min(0).clamp_max(max(q.shape[0] - 1, 0))] if q.shape[0] else q.new_zeros(B, window,
                                                                                                      q.shape[1])
-    host_lengths = cache_seqlens.tolist()
-    every_query_scores = min((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist(), default=window) >= window
     generators = []
     if policy.method == "keyformer":
         seed = policy.seed if seed is None else seed
@@ -109,6 +115,11 @@ def window_scores(q: torch.Tensor, cu_seqlens_q: torch.Tensor, k_cache: torch.Te
     scores = torch.zeros(B, len(bounds) - 1, S, dtype=torch.float32, device=device)
     if S == 0:
         return scores
+    # what each query row's weights count for in a key's score: Keyformer sums them, SnapKV averages them over the
+    # queries that score; rows of no query count for nothing
+    taken = counts.clamp(1, window).to(torch.float32)[:, None] * group  # (B, 1)
+    row_weight = scoring.to(torch.float32) if policy.method == "keyformer" else scoring / taken  # (B, window)
+    row_weight = row_weight[:, None, :].expand(B, group, window).reshape(B, 1, group * window)
     for j in range(len(bounds) - 1):
         dim = bounds[j + 1] - bounds[j]
         # the scale goes on the window's queries, a tensor S / dim times smaller than the logits
@@ -117,28 +128,29 @@ def window_scores(q: torch.Tensor, cu_seqlens_q: torch.Tensor, k_cache: torch.Te
         logits = torch.einsum("bwgd,bsd->bgws", q_head, k_head)  # (B, G, window, S)
         if softcap > 0:
             logits = softcap * torch.tanh(logits / softcap)
-        logits.masked_fill_(~visible[:, None], float("-inf"))
+        logits[..., first:].masked_fill_(hidden[:, None], float("-inf"))
         if policy.method == "keyformer":
-            weights = _gumbel_softmax(logits, generators, host_lengths, policy.temperature)
+            weights, totals = _gumbel_weights(logits, generators, host_lengths, policy.temperature)
         else:
-            weights = torch.softmax(logits, dim=-1)
-        if not every_query_scores:
-            weights = torch.where(scoring[:, None, :, None], weights, weights.new_zeros(()))  # rows of no query
+            weights = logits.sub_(logits.amax(dim=-1, keepdim=True).nan_to_num_(0.0, 0.0, 0.0)).exp_()
+            totals = weights.sum(dim=-1)
+        # normalising each row and summing the rows is one product: (B, 1, G * window) x (B, G * window, S)
+        factors = row_weight / totals.view(B, 1, group * window).clamp_min(1e-30)
+        summed = torch.bmm(factors, weights.view(B, group * window, S))[:, 0]  # (B, S)
         if policy.method == "keyformer":
-            scores[:, j] = weights.sum(dim=(1, 2))
+            scores[:, j] = summed
         else:
-            taken = counts.clamp(1, window).to(torch.float32)[:, None] * group  # queries averaged over
-            mean = weights.sum(dim=(1, 2)) / taken
-            scores[:, j] = torch.nn.functional.max_pool1d(mean[:, None], policy.kernel, stride=1,
+            scores[:, j] = torch.nn.functional.max_pool1d(summed[:, None], policy.kernel, stride=1,
                                                           padding=policy.kernel // 2)[:, 0]
     return torch.where(keys[None, None, :] < lengths[:, None, None], scores, scores.new_zeros(()))
 
 
-def _gumbel_softmax(logits: torch.Tensor, generators: list, lengths: list[int], temperature: float) -> torch.Tensor:
-    """softmax((logits + g) / temperature) over the last dim, g = -log(-log u) Gumbel noise, computed as
-    exp((logits - max) / temperature) * (-log u)^(-1 / temperature), normalised: one log per score where the
-    additive form takes two and an exp.
-    logits: (B, G, window, S) float32 with -inf where invisible; u from generators[b] as window_scores says."""
+def _gumbel_weights(logits: torch.Tensor, generators: list, lengths: list[int],
+                    temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unnormalised softmax((logits + g) / temperature) over the last dim and its row sums, g = -log(-log u) Gumbel
+    noise, computed as exp((logits - max) / temperature) * (-log u)^(-1 / temperature): one log per score where the
+    additive form takes two and an exp. logits: (B, G, window, S) float32 with -inf where invisible, overwritten;
+    u from generators[b] as window_scores says. Returns (weights (B, G, window, S), sums (B, G, window))."""
     B, G, window, S = logits.shape
     if B == 1 and lengths[0] == S:
         uniform = torch.rand((1, G, window, S), generator=generators[0], device=logits.device)
@@ -147,11 +159,12 @@ def _gumbel_softmax(logits: torch.Tensor, generators: list, lengths: list[int], 
         for b, length in enumerate(lengths):
             uniform[b, :, :, :length] = torch.rand((G, window, length), generator=generators[b], device=logits.device)
     factor = uniform.clamp_(1e-20, 1.0 - 1e-7).log_().neg_()  # -log u in (1e-7, 46): no overflow below
-    factor = factor.reciprocal_() if temperature == 1.0 else factor.pow_(-1.0 / temperature)
-    top = logits.amax(dim=-1, keepdim=True)
-    top = torch.where(torch.isfinite(top), top, top.new_zeros(()))  # a row that sees no key: weights 0
-    weights = logits.sub_(top).div_(temperature).exp_().mul_(factor)
-    return weights.div_(weights.sum(dim=-1, keepdim=True).clamp_min_(1e-30))
+    top = logits.amax(dim=-1, keepdim=True).nan_to_num_(0.0, 0.0, 0.0)  # a row that sees no key: weights 0
+    if temperature == 1.0:
+        weights = logits.sub_(top).exp_().div_(factor)
+    else:
+        weights = logits.sub_(top).div_(temperature).exp_().mul_(factor.pow_(-1.0 / temperature))
+    return weights, weights.sum(dim=-1)
 
 
 def select_tokens(scores: torch.Tensor, cache_seqlens: torch.Tensor, policy: EvictionPolicy,
