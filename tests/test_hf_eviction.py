@@ -12,6 +12,7 @@ import torch
 
 from conftest import case_generator
 from fdc_ops import eviction, hf, reference
+from fdc_ops.apps.eviction_simulation import simulate_eviction
 from fdc_ops.hf.modules import CompressedKVLayer
 from test_hf import calibrated, generate, left_padded
 from tiny_models import FAMILIES
@@ -46,23 +47,26 @@ def _kept(cache) -> list[list[list[int]]]:
 
 def _original_attending(model, ids, mask, continuation, kept):
     """The original model's logits of the continuation when, in each layer, the continuation's queries see only
-    that layer's kept prompt tokens (eager attention, one 4-D mask per layer put in by a pre-hook)."""
+    that layer's kept prompt tokens (eager attention, one 4-D mask per layer put in by a pre-hook). kept[layer][b]:
+    one list of kept positions per KV head (query heads see their KV head's)."""
     B, P = ids.shape
     C = continuation.shape[1]
+    H, H_kv = model.config.num_attention_heads, model.config.num_key_value_heads
     sequence = torch.cat([ids, continuation], dim=1)
     real = torch.cat([mask, torch.ones_like(continuation)], dim=1).bool()
     positions = (real.cumsum(1) - 1).clamp_min(0)
     causal = torch.ones(P + C, P + C, dtype=torch.bool).tril()
     masks = []
     for layer_kept in kept:
-        visible = causal[None].repeat(B, 1, 1) & real[:, None, :]
-        for b, tokens in enumerate(layer_kept):
+        visible = (causal[None] & real[:, None, :])[:, None].repeat(1, H, 1, 1)  # (B, H, P + C, P + C)
+        for b, heads in enumerate(layer_kept):
             padding = P - int(mask[b].sum())
-            allowed = torch.zeros(P, dtype=torch.bool)
-            allowed[[padding + token for token in tokens]] = True
-            visible[b, P:, :P] &= allowed[None, :]
-        additive = torch.zeros(B, 1, P + C, P + C).masked_fill(~visible[:, None], torch.finfo(torch.float32).min)
-        masks.append(additive)
+            for head, tokens in enumerate(heads):
+                allowed = torch.zeros(P, dtype=torch.bool)
+                allowed[[padding + token for token in tokens]] = True
+                group = slice(head * H // H_kv, (head + 1) * H // H_kv)
+                visible[b, group, P:, :P] &= allowed[None, None, :]
+        masks.append(torch.zeros(B, H, P + C, P + C).masked_fill(~visible, torch.finfo(torch.float32).min))
     hooks = []
     for layer, additive in zip(model.get_decoder().layers, masks):
         def put_mask(_module, args, kwargs, additive=additive):
@@ -104,7 +108,8 @@ def test_continuation_equals_the_original_model_attending_the_kept_tokens(method
             assert tokens == sorted(set(tokens)), replay
     assert hf.kv_cache_nbytes(cache) < sum(lengths) * len(kept) * 2 * 2 * 16 * 4
     hf.restore(model)
-    expected = _original_attending(model, ids, mask, continuation, [[tokens[: policy.kept_tokens(length)]
+    H_kv = model.config.num_key_value_heads
+    expected = _original_attending(model, ids, mask, continuation, [[[tokens[: policy.kept_tokens(length)]] * H_kv
                                                                      for tokens, length in zip(layer, lengths)]
                                                                     for layer in kept])
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item(),
@@ -218,3 +223,75 @@ def test_a_saved_model_loads_back_with_the_eviction_asked_for(tmp_path):
     loaded = hf.load_compressed(tmp_path / "saved", eviction="keyformer", keep=0.5)
     assert loaded._fdc_compression["eviction"] == eviction.EvictionPolicy("keyformer", 0.5)
     assert torch.equal(generate(loaded, ids), expected)
+
+
+def _simulated(model, ids, mask, continuation, policy, per_head):
+    """Continuation logits and per-layer kept positions (per request, per KV head) of the eviction simulation."""
+    with simulate_eviction(model, policy, per_head) as selection:
+        logits, _ = _run(model, ids, mask, continuation)
+    P = ids.shape[1]
+    kept = [[[(torch.nonzero(heads[head]).flatten() - (P - int(mask[b].sum()))).tolist()
+              for head in range(heads.shape[0])] for b, heads in enumerate(selection.kept[layer])]
+            for layer in sorted(selection.kept)]
+    return logits, kept
+
+
+@pytest.mark.parametrize("policy_name", eviction.METHODS)
+def test_simulated_shared_eviction_is_what_the_compressed_cache_keeps(policy_name):
+    """The simulation choosing once per layer (as the packed cache must) keeps the tokens the compressed modules
+    keep and gives their continuation, which validates it for the per-head choice it exists to measure."""
+    generator, rng, replay = case_generator(f"simulated_eviction_{policy_name}", 0)
+    family = rng.choice(FAMILIES)
+    model, artifact = calibrated(family, rng.randrange(1000))
+    lengths = [rng.randrange(12, 40) for _ in range(3)]
+    ids, mask = left_padded(generator, model.config.vocab_size, lengths)
+    continuation = torch.randint(1, model.config.vocab_size, (3, 5), generator=generator)
+    policy = eviction.EvictionPolicy(policy_name, keep=rng.choice([0.3, 0.5]), window=rng.choice([2, 4, 8]),
+                                     kernel=3, seed=rng.randrange(100))
+    simulated, kept = _simulated(model, ids, mask, continuation, policy, per_head=False)
+    hf.compress(model, artifact, removal_rate=0.0, eviction=policy)
+    logits, cache = _run(model, ids, mask, continuation)
+    hf.restore(model)
+    for layer, (real_layer, simulated_layer) in enumerate(zip(_kept(cache), kept)):
+        for b, (tokens, heads) in enumerate(zip(real_layer, simulated_layer)):
+            assert all(head == tokens[: policy.kept_tokens(lengths[b])] for head in heads), \
+                f"{family} layer {layer} request {b}: {replay}"
+    torch.testing.assert_close(simulated, logits, rtol=1e-4, atol=1e-4 * logits.abs().max().item(),
+                               msg=f"{family}: {replay}")
+
+
+def test_simulated_per_head_eviction_keeps_each_heads_own_choice():
+    """Per KV head: each head keeps SnapKV's choice on its own attention (checked on the original model's eager
+    attention weights, in float64), and the continuation equals the original model attending per head to exactly
+    those tokens. Keeping everything is the original model."""
+    generator, rng, replay = case_generator("simulated_eviction_per_head", 0)
+    family = rng.choice(FAMILIES)
+    model, _ = calibrated(family, rng.randrange(1000))
+    lengths = [rng.randrange(12, 40) for _ in range(3)]
+    ids, mask = left_padded(generator, model.config.vocab_size, lengths)
+    continuation = torch.randint(1, model.config.vocab_size, (3, 5), generator=generator)
+    policy = eviction.EvictionPolicy("snapkv", keep=rng.choice([0.3, 0.5]), window=rng.choice([2, 4, 8]), kernel=3)
+    logits, kept = _simulated(model, ids, mask, continuation, policy, per_head=True)
+    expected = _original_attending(model, ids, mask, continuation, kept)
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item(),
+                               msg=f"{family}: {replay}")
+    real = mask.bool()
+    with torch.no_grad():
+        attentions = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp_min(0),
+                           output_attentions=True, use_cache=False).attentions
+    H_kv = model.config.num_key_value_heads
+    group = model.config.num_attention_heads // H_kv
+    differs = False
+    for layer, weights in enumerate(attentions):  # (B, H, P, P)
+        for b, length in enumerate(lengths):
+            w = weights[b][:, real[b]][:, :, real[b]].double()  # (H, length, length), real tokens only
+            taken = min(policy.window, length)
+            mean = w[:, length - taken:].sum(1).view(H_kv, group, length).sum(1) / (taken * group)  # (H_kv, L)
+            pooled = torch.nn.functional.max_pool1d(mean[:, None], policy.kernel, 1, policy.kernel // 2)[:, 0]
+            choices = reference.select_tokens_ref(pooled, torch.tensor([length] * H_kv), policy)
+            assert kept[layer][b] == choices, f"layer {layer} request {b}: {replay}"
+            differs |= any(choice != choices[0] for choice in choices)
+    assert differs, f"every head chose alike, so per-head choice went untested: {replay}"
+    everything = eviction.EvictionPolicy("keyformer", keep=1.0)
+    unchanged, _ = _simulated(model, ids, mask, continuation, everything, per_head=True)
+    torch.testing.assert_close(unchanged, _run(model, ids, mask, continuation)[0], rtol=1e-4, atol=1e-5)

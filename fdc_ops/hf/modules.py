@@ -601,9 +601,9 @@ def _evict(module, layer: CompressedKVLayer, q_rows, rows: CallRows, k_cache, k_
     as attended (Palu: rebuilt at full width)."""
     policy = module.eviction
     longest = max(layer.host_lengths)
-    seed = policy.seed * 65537 + module.layer_idx  # Keyformer's noise differs by layer, and repeats run to run
     scores = evictions.window_scores(q_rows, rows.cu, k_cache[:, :longest], layer.lengths, k_offsets, module.group,
-                                     module.scaling, policy, module.softcap, seed)  # (B, H_kv, longest)
+                                     module.scaling, policy, module.softcap,
+                                     policy.layer_seed(module.layer_idx))  # (B, H_kv, longest)
     index, kept = evictions.select_tokens(scores.sum(1), layer.lengths, policy, layer.host_lengths)
     layer.evict(index, kept)
 
