@@ -424,7 +424,13 @@ BALANCE_COMPRESSION = 0.075  # the budget at which the V-to-Q/K weight of the es
 # between where SmolLM2 keeps 99% and 90% of its perplexity score (bench/results/eval/README.md)
 BALANCE_RATIOS = (0.25, 0.5, 1.0, 2.0, 4.0)  # V-to-Q/K weights tried first (then the best one's sqrt(2) neighbours):
 # the raw estimates misjudged the halves' costs by up to 5x in either direction on SmolLM2
-BALANCE_SEQUENCES = 2  # sequences after the calibration tokens the fit measures on: two of 1024 tokens resolve loss
+
+# Calibration windows' length by default. Post-RoPE keys at positions calibration never saw turn further in their
+# low-frequency RoPE planes, into directions the basis ranks low: on SmolLM2, 8 windows of 1024 tokens kept 0.930 of the
+# score of 256 tokens after a 1536-token prompt at 0.1 compression, 4 windows of 2048 kept 0.975, and on 512-token
+# text both kept 99% to the same compression (0.062 and 0.060, one refinement step apart; bench/results/eval/README.md).
+DEFAULT_SEQ_LEN = 2048
+BALANCE_SEQUENCES = 2  # sequences after the calibration tokens the fit measures on: two windows resolve loss
 # differences of ~1e-3 nats (paired: the same tokens with and without compression) in ~3 s each on 2 cores. They must
 # be unseen: on the bases' own tokens the best fit lost 0.0003 nats where held-out text lost 0.035
 
@@ -475,7 +481,7 @@ def balance_sensitivity(model, artifact: "FDCArtifact", batches: Sequence[torch.
             "measured_nll_increase": {f"{ratio:.4f}": value for ratio, value in sorted(measured.items())}}
 
 
-def calibrate(model, tokenizer=None, *, text: str = "wikipedia", num_tokens: int = 8192, seq_len: int = 1024,
+def calibrate(model, tokenizer=None, *, text: str = "wikipedia", num_tokens: int = 8192, seq_len: int = DEFAULT_SEQ_LEN,
               seed: int = 0, input_ids: torch.Tensor | None = None, source_name: str | None = None,
               v_method: str = "attention_output", sensitivity_tokens: int = 8192, batch_size: int = 1,
               progress: bool = True) -> FDCArtifact:
@@ -553,7 +559,7 @@ def text_sampling(text: str) -> str:
 
 
 def load_or_calibrate(model, tokenizer=None, *, text: str = "wikipedia", num_tokens: int = 8192,
-                      seq_len: int = 1024, seed: int = 0, v_method: str = "attention_output",
+                      seq_len: int = DEFAULT_SEQ_LEN, seed: int = 0, v_method: str = "attention_output",
                       sensitivity_tokens: int = 8192,
                       directory=None, progress: bool = True) -> FDCArtifact:
     """The artifact for these settings from the cache (``$FDC_CACHE/artifacts``, keyed by the format version, the

@@ -4,6 +4,7 @@ folding, the rank allocation, and the artifact file format."""
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import subprocess
 import sys
@@ -604,6 +605,12 @@ def test_bundled_artifact_is_current_and_valid():
                                     f"{settings['sampling']}-{settings['num_tokens']}-{settings['seq_len']}-0-"
                                     f"{settings['v_method']}-"), \
             path.name
+        defaults = {name: parameter.default
+                    for name, parameter in inspect.signature(calibration.load_or_calibrate).parameters.items()}
+        assert path.name.endswith(f"-{defaults['sensitivity_tokens']}"), path.name
+        assert (settings["source"], settings["num_tokens"], settings["seq_len"], settings["v_method"]) == \
+            (defaults["text"], defaults["num_tokens"], defaults["seq_len"], defaults["v_method"]), \
+            "the bundled artifact is not at load_or_calibrate's defaults: recalibrate it"
         if (loading.cache_dir() / "smollm2-135m-instruct" / "model.safetensors").is_file():
             model, _ = loading.load_model()
             assert families.fingerprint(model) == fingerprint, "recalibrate the bundled artifact for this model"

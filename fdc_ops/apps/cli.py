@@ -17,6 +17,7 @@ import sys
 
 import torch
 
+from ..calibration import DEFAULT_SEQ_LEN
 from .metrics import PERPLEXITY_WINDOW
 
 # argparse types: each refuses a bad value with an argparse-style message (exit code 2) before any model loads.
@@ -175,7 +176,7 @@ def main() -> None:
     calibrate.add_argument("--text", choices=["random", "wikipedia", "humaneval"], default="wikipedia",
                            help="calibration tokens: bundled real text (default wikipedia), or uniformly random")
     calibrate.add_argument("--num-tokens", type=whole(1), default=8192)
-    calibrate.add_argument("--seq-len", type=whole(2), default=1024,
+    calibrate.add_argument("--seq-len", type=whole(2), default=DEFAULT_SEQ_LEN,
                            help="length of each calibration sequence (RoPE statistics depend on position)")
     calibrate.add_argument("--seed", type=int, default=0)
     calibrate.add_argument("--v-method", choices=["output", "activation", "weight", "attention_output"],
