@@ -113,15 +113,17 @@ def test_bench_e2e_quick(tmp_path):
 
 def test_bench_e2e_quick_with_eviction(tmp_path):
     """bench_e2e.py --evict adds, per compression, a model that evicts after the prompt, compared with the same
-    widths keeping every token (TTFT, attention per decode step)."""
+    widths keeping every token (TTFT, attention per decode step), and times the eviction inside the prompt's pass."""
     stdout, report = run_quick("bench_e2e.py", tmp_path, "--compressions", "0.5", "--evict", "0.5")
     assert [(row["model"], row["eviction_keep"]) for row in report["rows"]] == [
         ("uncompressed (sdpa)", None), ("fdc 50% compressed", None), ("fdc 50%, keep 50%", 0.5)]
     evicted = report["rows"][2]
     assert evicted["ttft_vs_all_tokens"] > 0 and evicted["attention_step_vs_all_tokens"] > 0
     assert evicted["tbt_vs_uncompressed"] > 0
-    assert [t["what"] for t in report["targets"]] == ["TBT <= 0.75x uncompressed", "TTFT <= 1.05x without eviction",
-                                                      "attention per step <= 0.60x without eviction"], stdout
+    assert 0 < evicted["eviction_share_of_ttft"] < 1 and report["rows"][1]["eviction_share_of_ttft"] == 0
+    assert [t["what"] for t in report["targets"]] == [
+        "TBT <= 0.75x uncompressed", "TTFT <= 1.05x without eviction",
+        "eviction (scoring, selection, compaction) <= 5% of TTFT", "attention per step <= 0.60x without eviction"], stdout
 
 
 def test_bench_compile_quick(tmp_path):
