@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .eviction import noise_stream, uniforms
+
 
 def _dims(offsets: torch.Tensor) -> list[int]:
     values = offsets.tolist()
@@ -206,7 +208,7 @@ def append_kv_ref(k_cache, v_cache, k, v, cu_seqlens, cache_seqlens, block_table
 def window_scores_ref(q, cu_seqlens_q, k_cache, cache_seqlens, qk_offsets, group, scale, policy, softcap=0.0,
                       seed=None):
     """fdc_ops.eviction.window_scores, request by request and query head by query head. Keyformer's noise is drawn
-    as the function draws it (per request, a generator seeded with ``seed`` draws a (G, window, length) float32
+    as the function draws it (per request, fdc_ops.eviction.noise_stream(seed) draws a (G, window, length) float32
     uniform tensor u per KV head, in head order; Gumbel noise is -log(-log u)), then used in float64."""
     B, S = k_cache.shape[0], k_cache.shape[1]
     bounds, dims = qk_offsets.tolist(), _dims(qk_offsets)
@@ -215,8 +217,8 @@ def window_scores_ref(q, cu_seqlens_q, k_cache, cache_seqlens, qk_offsets, group
     scores = torch.zeros(B, len(dims), S, dtype=torch.float64)
     for b in range(B):
         end, length = int(cu_seqlens_q[b + 1]), int(cache_seqlens[b])
-        generator = torch.Generator().manual_seed(policy.seed if seed is None else seed)
-        noise = [torch.rand((group, window, length), generator=generator) for _ in dims] if keyformer else None
+        stream = noise_stream(policy.seed if seed is None else seed)
+        noise = [uniforms(stream, (group, window, length)) for _ in dims] if keyformer else None
         taken = min(window, end - int(cu_seqlens_q[b]))
         if taken == 0:
             continue
