@@ -123,7 +123,8 @@ def test_bench_e2e_quick_with_eviction(tmp_path):
     assert 0 < evicted["eviction_share_of_ttft"] < 1 and report["rows"][1]["eviction_share_of_ttft"] == 0
     assert [t["what"] for t in report["targets"]] == [
         "TBT <= 0.75x uncompressed", "TTFT <= 1.05x without eviction",
-        "eviction (scoring, selection, compaction) <= 5% of TTFT", "attention per step <= 0.60x without eviction"], stdout
+        "eviction (scoring, selection, compaction) <= 5% of TTFT",
+        "attention per step <= 0.60x without eviction"], stdout
 
 
 def test_bench_compile_quick(tmp_path):
