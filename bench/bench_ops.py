@@ -12,6 +12,8 @@ What is measured (docs/design.md section 6):
   / time;
 - windowed decode (phase "window"): a 1024-key window over the decode shapes' caches, contiguous and paged, against
   decode over caches of only 1024 keys (bench_windowed_decode);
+- quantized decode (phase "quantized", CPU, bf16): int8 and e4m3 caches against the bf16 decode of the same rows
+  (bench_quantized_decode);
 - prefill over a cached prefix (phase "prefix"): new tokens after a prefix in a paged cache, the op reading the pages
   against a gather into rows and the packed op (bench_prefix_prefill).
 Baselines: "SDPA padded" pads every head to the widest width of the layer; "SDPA per bucket" makes one call per bucket
@@ -222,6 +224,61 @@ def bench_windowed_decode(batch: int, context: int, window_left: int, qk_dims: l
     return rows
 
 
+# The quantized decode rows' speed-up over the bf16 decode of the same layout: what a cache of a byte per element plus a
+# float32 scale per (token, KV head) can give, at most (2 W) / (W + 4 H_kv) of bf16's time (1.79x at this layout's
+# widths); 1.6x is the quantized-cache issue's target for int8, and e4m3 reads the same bytes.
+QUANTIZED_SPEEDUP = 1.6
+
+
+def bench_quantized_decode(batch: int, context: int, qk_dims: list[int], v_dims: list[int], device: torch.device,
+                           copy_mb: int, timer: Timer) -> list[OpRow]:
+    """Decode from int8 and float8_e4m3fn caches (ops.cache_width: codes, then a float32 scale per token and KV head)
+    written by append_kv from the same bf16 rows, against the bf16 decode of that cache, contiguous and paged
+    (128-token shuffled pages), the three called in turn (Timer.interleaved). Achieved bandwidth counts the bytes each
+    cache holds for the keys read."""
+    qk_offsets, v_offsets = ops.prefix_sums(qk_dims), ops.prefix_sums(v_dims)
+    goal = phase_targets("decode", device)
+    config = f"B={batch} ctx={context} H={NUM_KV_HEADS * GROUP}/{NUM_KV_HEADS}"
+    seqlens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = torch.randn(batch, GROUP * sum(qk_dims), dtype=torch.bfloat16, device=device)
+    k_rows = torch.randn(batch * context, sum(qk_dims), dtype=torch.bfloat16, device=device)
+    v_rows = torch.randn(batch * context, sum(v_dims), dtype=torch.bfloat16, device=device)
+    cu = ops.prefix_sums(seqlens)
+    page_size = PAGE_SIZES[-1]
+    table = torch.randperm(batch * (context // page_size), generator=torch.Generator().manual_seed(0))
+    table = table.view(batch, -1).to(device=device, dtype=torch.int32)
+    rows = []
+    for paged in (False, True):
+        calls, byte_counts = [], []
+        for dtype in (torch.bfloat16, torch.int8, torch.float8_e4m3fn):
+            k_width, v_width = ops.cache_width(qk_offsets, dtype), ops.cache_width(v_offsets, dtype)
+            shapes = ((table.numel(), k_width, page_size), (table.numel(), v_width, page_size)) if paged else \
+                ((batch, context, k_width), (batch, context, v_width))
+            k_cache, v_cache = (torch.empty(shape, dtype=dtype, device=device) for shape in shapes)
+            block_table = table if paged else None
+            ops.append_kv(k_cache, v_cache, k_rows, v_rows, cu, torch.zeros_like(seqlens), qk_offsets, v_offsets,
+                          block_table)
+            calls.append(lambda k=k_cache, v=v_cache, t=block_table: ops.decode_attention(
+                q, k, v, seqlens, qk_offsets, v_offsets, GROUP, SCALE, block_table=t))
+            byte_counts.append(batch * context * (k_width + v_width) * dtype.itemsize)
+        copy_before = copy_bandwidth(device, copy_mb, timer)
+        times = list(map(median, timer.interleaved(calls)))
+        copy_gbps = (copy_before + copy_bandwidth(device, copy_mb, timer)) / 2
+        kind = f"paged ({page_size})" if paged else "contiguous"
+        rows.append(OpRow("quantized", config, "torch.bfloat16", f"fdc decode bf16, {kind}", times[0] * 1e3,
+                          byte_counts[0] / times[0] / 1e9, "GB/s", 1.0))
+        for dtype, seconds, needed in zip(("int8", "float8_e4m3fn"), times[1:], byte_counts[1:]):
+            gbps, floor = needed / seconds / 1e9, goal.copy_share * copy_gbps
+            rows.append(OpRow("quantized", config, "torch.bfloat16", f"fdc decode {dtype} cache, {kind}",
+                              seconds * 1e3, gbps, "GB/s", seconds / times[0],
+                              f">= {QUANTIZED_SPEEDUP}x faster than bf16; >= {floor:.1f} GB/s",
+                              f"{verdict(times[0] / seconds >= QUANTIZED_SPEEDUP)} ({times[0] / seconds:.2f}x); "
+                              f"{verdict(gbps >= floor)} ({gbps / copy_gbps:.0%} of copy)",
+                              {"speedup_over_bf16": times[0] / seconds, "share_of_copy_bandwidth": gbps / copy_gbps,
+                               "copy_bandwidth_gbps": copy_gbps}))
+    return rows
+
+
 def bench_prefill(lengths: list[int], causal: bool, qk_dims: list[int], v_dims: list[int], dtype: torch.dtype,
                   device: torch.device, timer: Timer) -> list[OpRow]:
     qk_offsets, v_offsets = ops.prefix_sums(qk_dims), ops.prefix_sums(v_dims)
@@ -308,9 +365,10 @@ def width_buckets(qk_dims: list[int], v_dims: list[int]) -> list[tuple[int, int]
 def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__, repeats_help="timed calls per measurement (median)", topic="ops")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32", "all"], default="all")
-    parser.add_argument("--phase", choices=["decode", "window", "prefill", "prefix", "all"], default="all",
-                        help="time only decode, windowed decode, prefill or prefill over a paged cached prefix (a full "
-                             "CPU run takes minutes)")
+    parser.add_argument("--phase", choices=["decode", "window", "quantized", "prefill", "prefix", "all"],
+                        default="all",
+                        help="time only decode, windowed decode, decode from int8 / e4m3 caches against bf16 (CPU), "
+                             "prefill or prefill over a paged cached prefix (a full CPU run takes minutes)")
     args = parser.parse_args(argv)
     device, repeats = setup(args)
     timer = Timer(device, repeats, warmup=WARMUP)
@@ -335,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
             rows += bench_decode(batch, context, qk_dims, v_dims, dtype, device, copy_mb, timer)
         for batch, context in decode_shapes if args.phase in ("window", "all") else []:
             rows += bench_windowed_decode(batch, context, WINDOW_LEFT, qk_dims, v_dims, dtype, device, timer)
+        quantized = args.phase in ("quantized", "all") and dtype == torch.bfloat16 and device.type == "cpu"
+        for batch, context in decode_shapes if quantized else []:  # the CUDA ops read float caches only, so far
+            rows += bench_quantized_decode(batch, context, qk_dims, v_dims, device, copy_mb, timer)
         for lengths in prefill_shapes if args.phase in ("prefill", "all") else []:
             for causal in (True, False):
                 rows += bench_prefill(lengths, causal, qk_dims, v_dims, dtype, device, timer)

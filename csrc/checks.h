@@ -18,6 +18,7 @@
 #include "fdc/decode_plan.h"
 #include "fdc/decode_plan_device.h"
 #include "fdc/head_layout.h"
+#include "fdc/kv_format.h"
 #include "fdc/prefill_plan.h"
 
 #define FDC_CHECK(cond, op, ...) TORCH_CHECK(cond, "fdc::", op, ": ", __VA_ARGS__)
@@ -220,20 +221,21 @@ struct PagedCache {
   int64_t num_pages = 0;
 };
 
-// k_name and v_name: the caches' argument names in the op's messages.
+// k_width and v_width: the byte or element rows of a page (kv_stored_width); k_name and v_name: the caches' argument
+// names in the op's messages.
 inline PagedCache check_paged(const char* op, const at::Tensor& block_table, const at::Tensor& k_cache,
-                              const at::Tensor& v_cache, int64_t batch, const HostLayout& layout,
+                              const at::Tensor& v_cache, int64_t batch, int64_t k_width, int64_t v_width,
                               const char* k_name = "k_cache", const char* v_name = "v_cache") {
   FDC_CHECK(block_table.scalar_type() == at::kInt, op, "block_table must be int32 but got ",
             dtype_name(block_table.scalar_type()));
   FDC_CHECK(block_table.dim() == 2 && block_table.size(0) == batch, op, "block_table must have shape (B=", batch,
             ", max_pages) but got ", block_table.sizes());
   check_same_device(op, "block_table", block_table, k_name, k_cache);
-  FDC_CHECK(k_cache.dim() == 3 && k_cache.size(1) == layout.qk_width(), op, k_name, " must have shape (num_pages, ",
-            layout.qk_width(), ", page_size) with a block_table but got ", k_cache.sizes());
-  FDC_CHECK(v_cache.dim() == 3 && v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == layout.v_width() &&
+  FDC_CHECK(k_cache.dim() == 3 && k_cache.size(1) == k_width, op, k_name, " must have shape (num_pages, ", k_width,
+            ", page_size) with a block_table but got ", k_cache.sizes());
+  FDC_CHECK(v_cache.dim() == 3 && v_cache.size(0) == k_cache.size(0) && v_cache.size(1) == v_width &&
                 v_cache.size(2) == k_cache.size(2),
-            op, v_name, " must have shape (", k_cache.size(0), ", ", layout.v_width(), ", ", k_cache.size(2),
+            op, v_name, " must have shape (", k_cache.size(0), ", ", v_width, ", ", k_cache.size(2),
             ") with a block_table but got ", v_cache.sizes());
   FDC_CHECK(k_cache.size(2) >= 1, op, "page_size (", k_name, ".size(2)) must be at least 1 but got ", k_cache.size(2));
   FDC_CHECK(k_cache.stride(2) == 1 && k_cache.stride(1) == k_cache.size(2) && v_cache.stride(2) == 1 &&
@@ -247,35 +249,78 @@ inline PagedCache check_paged(const char* op, const at::Tensor& block_table, con
   return paged;
 }
 
-// A K/V cache pair: float tensors of one dtype and device, contiguous (B, S_max, width) with unit-stride rows, or
-// paged (num_pages, width, page_size) with a block table. Returns the paging (page_size 0 when contiguous) and the
-// rows each request can hold.
+// A validated K/V cache pair (check_cache).
 struct CacheShape {
   PagedCache paged;
   int64_t capacity = 0;
+  KvFormat format = KvFormat::kFloat;
 };
 
-inline CacheShape check_cache(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                              const std::optional<at::Tensor>& block_table, int64_t batch, const HostLayout& layout) {
-  check_float(op, "k_cache", k_cache, 3);
-  check_float(op, "v_cache", v_cache, 3);
+inline bool is_quantized_cache_dtype(at::ScalarType t) { return t == at::kChar || t == at::kFloat8_e4m3fn; }
+// A quantized cache dtype as torch spells it in Python.
+inline const char* quantized_name(at::ScalarType t) { return t == at::kChar ? "int8" : "float8_e4m3fn"; }
+
+// The storage of a K/V cache pair whose activations (`activation_name`: q, or the new rows k) have dtype
+// `activation`: that dtype, or a quantized format (fdc/kv_format.h): int8 or float8_e4m3fn.
+inline KvFormat check_cache_dtype(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  at::ScalarType activation, const char* activation_name) {
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"k_cache", k_cache}, {"v_cache", v_cache}}) {
+    FDC_CHECK(t.defined(), op, name, " must be a tensor but got None");
+    FDC_CHECK(t.dim() == 3, op, name, " must have 3 dimensions but got shape ", t.sizes());
+  }
+  const at::ScalarType st = k_cache.scalar_type();
+  FDC_CHECK(st == activation || is_quantized_cache_dtype(st), op, "k_cache must have the dtype of ", activation_name,
+            " (", dtype_name(activation), "), or be int8 or float8_e4m3fn (a quantized cache), but got ",
+            dtype_name(st));
   check_same_dtype(op, "v_cache", v_cache, "k_cache", k_cache);
   check_same_device(op, "v_cache", v_cache, "k_cache", k_cache);
+  return st == at::kChar ? KvFormat::kInt8 : st == at::kFloat8_e4m3fn ? KvFormat::kFp8E4M3 : KvFormat::kFloat;
+}
+
+// A K/V cache pair for activations of dtype `activation` (check_cache_dtype), contiguous (B, S_max, width) with
+// unit-stride rows, or paged (num_pages, width, page_size) with a block table, width being kv_stored_width of the
+// layout's: the data columns, then a quantized cache's float32 scales, which must lie on 4-byte boundaries. Returns
+// the paging (page_size 0 when contiguous), the rows each request can hold and the format.
+inline CacheShape check_cache(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const std::optional<at::Tensor>& block_table, int64_t batch, const HostLayout& layout,
+                              at::ScalarType activation, const char* activation_name) {
   CacheShape shape;
+  shape.format = check_cache_dtype(op, k_cache, v_cache, activation, activation_name);
+  const int64_t heads = layout.num_kv_heads();
+  const int64_t k_width = kv_stored_width(layout.qk_width(), heads, shape.format);
+  const int64_t v_width = kv_stored_width(layout.v_width(), heads, shape.format);
+  if (shape.format != KvFormat::kFloat) {
+    for (const auto& [name, t] :
+         {std::pair<const char*, const at::Tensor&>{"k_cache", k_cache}, {"v_cache", v_cache}}) {
+      // Pages start their scales at width * page_size bytes, a multiple of 8; rows at width, also one.
+      FDC_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % kKvScaleBytes == 0 && t.stride(0) % kKvScaleBytes == 0 &&
+                    (block_table || t.stride(1) % kKvScaleBytes == 0),
+                op, name, " is a quantized cache, whose float32 scales need 4-byte alignment: its start and strides ",
+                t.strides(), " must be multiples of 4 bytes");
+    }
+  }
   if (block_table) {
-    shape.paged = check_paged(op, *block_table, k_cache, v_cache, batch, layout);
+    shape.paged = check_paged(op, *block_table, k_cache, v_cache, batch, k_width, v_width);
     shape.capacity = shape.paged.max_pages * shape.paged.page_size;
     return shape;
   }
-  FDC_CHECK(k_cache.size(0) == batch && k_cache.size(2) == layout.qk_width(), op, "k_cache must have shape (B=", batch,
-            ", S_max, ", layout.qk_width(), ") but got ", k_cache.sizes());
-  FDC_CHECK(v_cache.size(0) == batch && v_cache.size(1) == k_cache.size(1) && v_cache.size(2) == layout.v_width(), op,
-            "v_cache must have shape (", batch, ", ", k_cache.size(1), ", ", layout.v_width(), ") but got ",
+  const char* scales = shape.format == KvFormat::kFloat ? "" : " (the data columns, then 4 bytes of scale per KV head)";
+  FDC_CHECK(k_cache.size(0) == batch && k_cache.size(2) == k_width, op, "k_cache must have shape (B=", batch,
+            ", S_max, ", k_width, ")", scales, " but got ", k_cache.sizes());
+  FDC_CHECK(v_cache.size(0) == batch && v_cache.size(1) == k_cache.size(1) && v_cache.size(2) == v_width, op,
+            "v_cache must have shape (", batch, ", ", k_cache.size(1), ", ", v_width, ")", scales, " but got ",
             v_cache.sizes());
   check_unit_last_stride(op, "k_cache", k_cache);
   check_unit_last_stride(op, "v_cache", v_cache);
   shape.capacity = k_cache.size(1);
   return shape;
+}
+
+// The backends whose kernels read only float caches refuse quantized ones by this message.
+inline void check_float_cache(const char* op, const CacheShape& cache, const at::Tensor& k_cache, const char* where) {
+  FDC_CHECK(cache.format == KvFormat::kFloat, op, "k_cache is a quantized cache (",
+            quantized_name(k_cache.scalar_type()), "), which ", where,
+            " does not read yet: use float32, float16 or bfloat16 caches there");
 }
 
 // A sliding window's width (include/fdc/attention_variant.h): -1 for none, else the keys a query sees before its own
@@ -313,6 +358,10 @@ inline PrefillInputs check_prefill_inputs(const char* op, const at::Tensor& q, c
   check_window(op, window_left);  // the block-table entries checked below depend on it
   in.layout = read_layout(op, qk_offsets, &v_offsets, group);
   check_float(op, "q", q, 2);
+  FDC_CHECK(!k.defined() || !is_quantized_cache_dtype(k.scalar_type()), op, "k is a quantized cache (",
+            quantized_name(k.scalar_type()),
+            "), which prefill_attention does not read yet: its keys must be float32, "
+            "float16 or bfloat16");
   check_float(op, "k", k, block_table ? 3 : 2);
   check_float(op, "v", v, block_table ? 3 : 2);
   check_same_dtype(op, "k", k, "q", q);
@@ -331,7 +380,7 @@ inline PrefillInputs check_prefill_inputs(const char* op, const at::Tensor& q, c
     in.cu_k = read_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, in.batch, k.size(0), "k");
     return in;
   }
-  in.paged = check_paged(op, *block_table, k, v, in.batch, in.layout, "k", "v");
+  in.paged = check_paged(op, *block_table, k, v, in.batch, in.layout.qk_width(), in.layout.v_width(), "k", "v");
   const int64_t capacity = in.paged.max_pages * in.paged.page_size;
   in.cu_k = read_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, in.batch, INT32_MAX, "a paged cache");
   in.block_table = block_table->contiguous();
@@ -348,7 +397,8 @@ inline PrefillInputs check_prefill_inputs(const char* op, const at::Tensor& q, c
   return in;
 }
 
-// decode_attention's tensors: q (B, G * W_qk) and a K/V cache pair of q's dtype and device (check_cache), and the
+// decode_attention's tensors: q (B, G * W_qk) and a K/V cache pair on q's device, of its dtype or quantized
+// (check_cache), and the
 // scale. Returns the validated layout and the cache's shape; cache_seqlens is read by each backend.
 struct DecodeInputs {
   HostLayout layout;
@@ -363,12 +413,11 @@ inline DecodeInputs check_decode_inputs(const char* op, const at::Tensor& q, con
   DecodeInputs inputs;
   inputs.layout = read_layout(op, qk_offsets, &v_offsets, group);
   check_float(op, "q", q, 2);
-  check_same_dtype(op, "k_cache", k_cache, "q", q);
   check_same_device(op, "k_cache", k_cache, "q", q);
   check_width(op, "q", q, group * inputs.layout.qk_width(), "group * qk_offsets[-1]");
   check_scale(op, scale);
   inputs.batch = q.size(0);
-  inputs.cache = check_cache(op, k_cache, v_cache, block_table, inputs.batch, inputs.layout);
+  inputs.cache = check_cache(op, k_cache, v_cache, block_table, inputs.batch, inputs.layout, q.scalar_type(), "q");
   return inputs;
 }
 
@@ -434,8 +483,10 @@ inline AppendShape check_append_kv(const char* op, const at::Tensor& k_cache, co
   shape.layout = read_layout(op, qk_offsets, &v_offsets, 1);
   check_float(op, "k", k, 2);
   check_float(op, "v", v, 2);
-  check_same_dtype(op, "k", k, "k_cache", k_cache);
-  check_same_dtype(op, "v", v, "k_cache", k_cache);
+  if (k_cache.defined() && !is_quantized_cache_dtype(k_cache.scalar_type())) {
+    check_same_dtype(op, "k", k, "k_cache", k_cache);
+  }
+  check_same_dtype(op, "v", v, "k", k);
   check_same_device(op, "k", k, "k_cache", k_cache);
   check_same_device(op, "v", v, "k_cache", k_cache);
   check_width(op, "k", k, shape.layout.qk_width(), "qk_offsets[-1]");
@@ -444,7 +495,7 @@ inline AppendShape check_append_kv(const char* op, const at::Tensor& k_cache, co
   check_int32_vector(op, "cache_seqlens", cache_seqlens, -1);
   shape.batch = cache_seqlens.size(0);
   check_int32_vector(op, "cu_seqlens", cu_seqlens, shape.batch + 1);
-  shape.cache = check_cache(op, k_cache, v_cache, block_table, shape.batch, shape.layout);
+  shape.cache = check_cache(op, k_cache, v_cache, block_table, shape.batch, shape.layout, k.scalar_type(), "k");
   return shape;
 }
 

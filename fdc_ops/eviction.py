@@ -237,6 +237,7 @@ def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torc
     lengths = cache_seqlens.tolist()
     if any(count > length for count, length in zip(kept, lengths)):
         raise ValueError(f"{where}: kept {kept} exceeds the cached tokens {lengths}")
+    _refuse_quantized(where, k_cache)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.dim() != 3 or cache.device != index.device:
             raise ValueError(f"{where}: {name} must be a 3-D cache on index's device, got {tuple(cache.shape)} on "
@@ -293,7 +294,16 @@ def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torc
     cache_seqlens.copy_(torch.tensor(kept, dtype=torch.int32, device=cache_seqlens.device))
 
 
+def _refuse_quantized(where: str, k_cache: torch.Tensor) -> None:
+    from .ops import QUANTIZED_CACHE_DTYPES
+
+    if k_cache.dtype in QUANTIZED_CACHE_DTYPES:
+        raise ValueError(f"{where}: k_cache is a quantized cache ({k_cache.dtype}), which eviction does not handle "
+                         "yet: evict from float32, float16 or bfloat16 caches")
+
+
 def _check_rows(where: str, q, cu_seqlens_q, k_cache, cache_seqlens, qk_offsets, group) -> None:
+    _refuse_quantized(where, k_cache)
     if qk_offsets.dim() != 1 or qk_offsets.device.type != "cpu":
         raise ValueError(f"{where}: qk_offsets must be a 1-D CPU tensor of prefix sums")
     width = int(qk_offsets[-1])

@@ -22,6 +22,14 @@ page_size)`` with ``block_table`` int32 ``(B, max_pages)``; token ``t`` of reque
 ``offsets[j] .. offsets[j+1]``): a decode task reading one head streams contiguous memory, and a score or value loop
 runs along contiguous tokens.
 
+Quantized caches (:data:`QUANTIZED_CACHE_DTYPES`: int8, float8_e4m3fn): one byte per element and, per token and KV
+head, a float32 scale (the head's largest magnitude in the row over 127 or 448), element = code * scale. The scales
+follow the data columns: a contiguous row is ``width`` codes then ``H_kv`` float32 scales (``4 * H_kv`` bytes); a page
+is ``width`` rows of codes then the scales as ``H_kv`` runs of ``page_size`` float32 (``4 * H_kv`` byte rows), so one
+block table addresses both. :func:`cache_width` gives a cache's last (contiguous) or middle (paged) size.
+:func:`append_kv` quantizes as it writes and :func:`decode_attention` reads the codes in place (on the CPU; the CUDA
+ops and :func:`prefill_attention` take float caches only, so far).
+
 Schedules are int32 tensors whose format is documented in include/fdc/prefill_plan.h and decode_plan.h;
 :mod:`fdc_ops.plans` decodes and builds them (``DecodePlan`` / ``PrefillPlan``).
 """
@@ -37,6 +45,8 @@ from .plans import DEFAULT_ROW_BLOCK, PREFILL_HEADER, decode_plan_size
 
 __all__ = [
     "prefix_sums",
+    "cache_width",
+    "QUANTIZED_CACHE_DTYPES",
     "rotate_compress",
     "rope_rotate_compress",
     "prefill_plan",
@@ -47,6 +57,26 @@ __all__ = [
     "DEFAULT_ROW_BLOCK",
     "decode_plan_size",
 ]
+
+
+# Cache dtypes stored as codes and per-(token, KV head) float32 scales (include/fdc/kv_format.h), with each one's
+# largest code magnitude.
+QUANTIZED_CACHE_DTYPES = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+_SCALE_BYTES = 4
+
+
+def cache_width(offsets: torch.Tensor, dtype: torch.dtype) -> int:
+    """Columns of a cache row (contiguous ``(B, S_max, width)``) or rows of a page (paged ``(num_pages, width,
+    page_size)``) for the layout ``offsets`` (``qk_offsets`` for K, ``v_offsets`` for V) stored as ``dtype``: the
+    layout's width, plus 4 bytes of scale per KV head for a quantized dtype.
+
+    >>> import torch, fdc_ops
+    >>> offsets = fdc_ops.ops.prefix_sums([32, 16])
+    >>> fdc_ops.ops.cache_width(offsets, torch.bfloat16), fdc_ops.ops.cache_width(offsets, torch.int8)
+    (48, 56)
+    """
+    width = int(offsets[-1])
+    return width + _SCALE_BYTES * (offsets.shape[0] - 1) if dtype in QUANTIZED_CACHE_DTYPES else width
 
 
 def prefix_sums(sizes) -> torch.Tensor:
@@ -320,8 +350,10 @@ def decode_attention(
 
     Args:
         q: ``(B, G * qk_offsets[-1])`` compressed queries.
-        k_cache: ``(B, S_max, qk_offsets[-1])``, or paged ``(num_pages, qk_offsets[-1], page_size)``.
-        v_cache: ``(B, S_max, v_offsets[-1])``, or paged ``(num_pages, v_offsets[-1], page_size)``.
+        k_cache: ``(B, S_max, W)``, or paged ``(num_pages, W, page_size)``, ``W = cache_width(qk_offsets, dtype)``:
+            of ``q``'s dtype, or quantized (int8 or float8_e4m3fn, CPU only; see the module docstring).
+        v_cache: ``(B, S_max, W)``, or paged ``(num_pages, W, page_size)``, ``W = cache_width(v_offsets, dtype)``,
+            the dtype of ``k_cache``.
         cache_seqlens: ``(B,)`` int32; slots at or past ``cache_seqlens[b]`` are never read, and a request of
             length 0 returns zeros.
         qk_offsets, v_offsets: ``(H_kv + 1,)`` int32 CPU prefix sums of the head widths.
@@ -403,9 +435,13 @@ def append_kv(
 
     Args:
         k_cache, v_cache: contiguous ``(B, S_max, width)`` caches with unit-stride rows, or paged
-            ``(num_pages, width, page_size)`` caches with contiguous pages; written in place.
-        k: ``(T, qk_offsets[-1])`` new compressed keys, dtype of the cache.
-        v: ``(T, v_offsets[-1])`` new compressed values.
+            ``(num_pages, width, page_size)`` caches with contiguous pages, ``width`` being :func:`cache_width`;
+            written in place. Of ``k``'s dtype, or quantized (int8 or float8_e4m3fn, CPU only): each new row's KV
+            heads are written as codes, ``round(x / scale)`` (ties to even; e4m3: its nearest value) with ``scale``
+            the head's largest magnitude in the row over 127 (int8) or 448 (e4m3), and the scale; a head with a
+            non-finite value is stored as a NaN scale, so whatever reads it gives NaN.
+        k: ``(T, qk_offsets[-1])`` new compressed keys.
+        v: ``(T, v_offsets[-1])`` new compressed values, dtype of ``k``.
         cu_seqlens: ``(B + 1,)`` int32 boundaries of each request's new rows in ``k``/``v`` (on CUDA: on the
             cache's device).
         cache_seqlens: ``(B,)`` int32 current cache lengths (on CUDA: on the cache's device).
@@ -545,6 +581,8 @@ def _decode_attention_fake(q, k_cache, v_cache, cache_seqlens, qk_offsets, v_off
     _check_cache("decode_attention", q.shape[0], k_cache, v_cache, cache_seqlens, block_table)
     _check_dims("decode_attention", q=(q, 2))
     v_width = v_cache.shape[1] if block_table is not None else v_cache.shape[2]
+    if v_cache.dtype in QUANTIZED_CACHE_DTYPES:
+        v_width -= _SCALE_BYTES * (v_offsets.shape[0] - 1)
     return q.new_empty((q.shape[0], group * v_width))
 
 

@@ -205,6 +205,52 @@ def append_kv_ref(k_cache, v_cache, k, v, cu_seqlens, cache_seqlens, block_table
     return k_cache, v_cache
 
 
+def quantize_kv_ref(x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows x (T, W) as a quantized cache of ``dtype`` stores them (ops.append_kv): (codes (T, W), scales (T, H_kv)),
+    both float64. Per row and KV head the scale is the largest magnitude over the format's largest code, rounded to
+    float32 as the cache stores it; codes are x / scale, the quotient taken in float32 as the kernels take it (so
+    the codes are theirs exactly, ties included), rounded half to even (int8, within +-127) or to e4m3's nearest
+    value (within +-448); a head holding a non-finite value gets a NaN scale and zero codes, an all-zero one
+    scale 0."""
+    from .ops import QUANTIZED_CACHE_DTYPES
+
+    code_max = QUANTIZED_CACHE_DTYPES[dtype]
+    x = x.double()
+    codes, scales = torch.zeros_like(x), x.new_zeros((x.shape[0], offsets.shape[0] - 1))
+    bounds = offsets.tolist()
+    for j in range(len(bounds) - 1):
+        part = x[:, bounds[j]:bounds[j + 1]]
+        finite = part.isfinite().all(dim=1)
+        scale = (part.abs().amax(dim=1) / code_max).float().double()
+        scale = torch.where(finite, scale, torch.nan)
+        quotient = part.float() / scale.float()[:, None]
+        if dtype == torch.int8:
+            code = quotient.clamp(-127, 127).round().double()  # torch.round rounds half to even
+        else:
+            code = quotient.clamp(-448, 448).to(dtype).double()
+        codes[:, bounds[j]:bounds[j + 1]] = torch.where((finite & (scale > 0))[:, None], code, 0.0)
+        scales[:, j] = scale
+    return codes, scales
+
+
+def dequantize_cache_ref(cache: torch.Tensor, offsets: torch.Tensor, paged: bool = False) -> torch.Tensor:
+    """A quantized cache's elements, code * scale, in float64, in the layout of a float cache of the same kind:
+    contiguous (B, S_max, W) or, when ``paged``, (num_pages, W, page_size); every slot is converted, written or not."""
+    heads, width = offsets.shape[0] - 1, int(offsets[-1])
+    bounds = offsets.tolist()
+    if paged:
+        num_pages, _, page_size = cache.shape
+        codes = cache[:, :width].double()
+        scales = cache[:, width:].reshape(num_pages, 4 * heads * page_size).view(torch.float32)
+        scales = scales.reshape(num_pages, heads, page_size).double()
+        per_column = torch.cat([scales[:, j:j + 1].expand(-1, bounds[j + 1] - bounds[j], -1) for j in range(heads)], 1)
+        return codes * per_column
+    codes = cache[..., :width].double()
+    scales = cache[..., width:].contiguous().view(torch.float32).double()  # (B, S_max, H_kv)
+    per_column = torch.cat([scales[..., j:j + 1].expand(-1, -1, bounds[j + 1] - bounds[j]) for j in range(heads)], -1)
+    return codes * per_column
+
+
 def window_scores_ref(q, cu_seqlens_q, k_cache, cache_seqlens, qk_offsets, group, scale, policy, softcap=0.0,
                       seed=None):
     """fdc_ops.eviction.window_scores, request by request and query head by query head. Keyformer's noise is drawn

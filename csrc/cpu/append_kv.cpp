@@ -1,10 +1,14 @@
-// fdc::append_kv on the CPU: copies each request's new K/V rows after its current cache rows. Every destination is
-// validated before the first write, so a bad request leaves the caches untouched.
+// fdc::append_kv on the CPU: copies each request's new K/V rows after its current cache rows, quantizing them into
+// an int8 or float8_e4m3fn cache (fdc/kv_format.h). Every destination is validated before the first write, so a bad
+// request leaves the caches untouched.
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "cpu/cpu_common.h"
@@ -39,6 +43,91 @@ void append_paged_tile(const T* src, int64_t src_ld, T* page, int64_t page_size,
   }
 }
 
+// The code of x / scale (q, computed in float32): rounded to the nearest code, ties to even, within the format's range.
+inline int8_t encode(float q, int8_t*) { return static_cast<int8_t>(std::nearbyint(std::clamp(q, -127.f, 127.f))); }
+inline c10::Float8_e4m3fn encode(float q, c10::Float8_e4m3fn*) {
+  return c10::Float8_e4m3fn(std::clamp(q, -448.f, 448.f));
+}
+
+// One row of `src` quantized (fdc/kv_format.h): KV head j's columns [offsets[j], offsets[j + 1]) to codes at
+// codes[c * code_stride], its scale (largest magnitude / kv_code_max) to scales[j * scale_stride]. A head holding a
+// non-finite value gets a NaN scale (every element it gives back is NaN) and zero codes; an all-zero head scale 0.
+template <typename C, typename T>
+void quantize_row(const T* src, const int32_t* offsets, int64_t heads, KvFormat format, C* codes, int64_t code_stride,
+                  float* scales, int64_t scale_stride) {
+  const float code_max = kv_code_max(format);
+  for (int64_t j = 0; j < heads; ++j) {
+    float largest = 0.f;
+    bool finite = true;
+    for (int64_t c = offsets[j]; c < offsets[j + 1]; ++c) {
+      const float x = to_float(src[c]);
+      finite = finite && std::isfinite(x);
+      largest = std::max(largest, std::abs(x));
+    }
+    const float scale = finite ? largest / code_max : std::numeric_limits<float>::quiet_NaN();
+    scales[j * scale_stride] = scale;
+    const bool codes_of_zero = !finite || scale == 0.f;  // scale 0: all zeros, or magnitudes below 127 * 2^-149
+    for (int64_t c = offsets[j]; c < offsets[j + 1]; ++c) {
+      codes[c * code_stride] = codes_of_zero ? C(0) : encode(to_float(src[c]) / scale, static_cast<C*>(nullptr));
+    }
+  }
+}
+
+// Rows quantized into an int8 or float8_e4m3fn cache, each request's (contiguous) or each page run's (paged) rows by
+// one task: a row's codes and scales (the data columns, then the scales: fdc/kv_format.h) are written together.
+void append_quantized(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+                      const std::vector<int32_t>& cu, const std::vector<int32_t>& pos,
+                      const std::vector<int32_t>& table, const checks::AppendShape& shape) {
+  const checks::HostLayout& layout = shape.layout;
+  const KvFormat format = shape.cache.format;
+  const int64_t heads = layout.num_kv_heads(), batch = shape.batch;
+  const int64_t page_size = shape.cache.paged.page_size;
+  const bool paged = page_size > 0;
+  // (request, first new row, cache position, rows): a request's new rows, or those of one page run when paged.
+  struct Run {
+    int64_t b, row, t, n;
+  };
+  std::vector<Run> runs;
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t t = pos[b], end = pos[b] + cu[b + 1] - cu[b]; t < end;) {
+      const int64_t n = paged ? std::min(end - t, page_size - t % page_size) : end - t;
+      runs.push_back({b, cu[b] + t - pos[b], t, n});
+      t += n;
+    }
+  }
+  const auto write = [&]<typename C, typename T>(at::Tensor& cache, const at::Tensor& rows, const int32_t* offsets,
+                                                 int64_t width, const Run& run) {
+    C* base = reinterpret_cast<C*>(cache.data_ptr());
+    const T* src = rows.data_ptr<T>() + run.row * rows.stride(0);
+    for (int64_t i = 0; i < run.n; ++i, src += rows.stride(0)) {
+      const int64_t t = run.t + i;
+      if (paged) {
+        C* page = base + table[run.b * shape.cache.paged.max_pages + t / page_size] * cache.stride(0);
+        quantize_row(src, offsets, heads, format, page + t % page_size, page_size,
+                     reinterpret_cast<float*>(page + width * page_size) + t % page_size, page_size);
+      } else {
+        C* row = base + run.b * cache.stride(0) + t * cache.stride(1);
+        quantize_row(src, offsets, heads, format, row, 1, reinterpret_cast<float*>(row + width), 1);
+      }
+    }
+  };
+  FDC_DISPATCH_FLOAT_TYPES(k.scalar_type(), "fdc::append_kv", [&] {
+    const auto run_all = [&]<typename C>() {
+      at::parallel_for(0, int64_t(runs.size()), 1, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          write.template operator()<C, scalar_t>(k_cache, k, layout.qk_offsets.data(), layout.qk_width(), runs[r]);
+          write.template operator()<C, scalar_t>(v_cache, v, layout.v_offsets.data(), layout.v_width(), runs[r]);
+        }
+      });
+    };
+    if (format == KvFormat::kInt8) {
+      run_all.template operator()<int8_t>();
+    } else {
+      run_all.template operator()<c10::Float8_e4m3fn>();
+    }
+  });
+}
+
 }  // namespace
 
 void append_kv_cpu(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
@@ -70,6 +159,10 @@ void append_kv_cpu(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k
 
   const at::Tensor kc = checks::unit_last_stride(k);
   const at::Tensor vc = checks::unit_last_stride(v);
+  if (shape.cache.format != KvFormat::kFloat) {
+    append_quantized(k_cache, v_cache, kc, vc, cu, pos, table, shape);
+    return;
+  }
   FDC_DISPATCH_FLOAT_TYPES(k_cache.scalar_type(), "fdc::append_kv", [&] {
     const scalar_t* kp = kc.data_ptr<scalar_t>();
     const scalar_t* vp = vc.data_ptr<scalar_t>();

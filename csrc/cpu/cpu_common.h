@@ -42,7 +42,8 @@ void rotate_into_packed(const at::Tensor& x_float, const at::Tensor& rot, const 
                         int64_t group, at::Tensor& out);
 
 // The row kernels a CPU op may use: the portable ones of vec_math.cpp (AVX2+FMA or baseline x86-64, picked when
-// the library loads), the AVX-512 ones of vec_avx512.h, or those plus the AVX-512-BF16 dot product.
+// the library loads), the AVX-512 ones of vec_avx512.h, or those plus the AVX-512-BF16 and VNNI dot products (every
+// CPU with AVX-512-BF16 has VNNI; kAvx512Bf16 asks for both).
 enum class CpuIsa { kPortable = 0, kAvx512 = 1, kAvx512Bf16 = 2 };
 
 // The widest row kernels this CPU runs, capped by the environment variable FDC_CPU_ISA (portable, avx512 or

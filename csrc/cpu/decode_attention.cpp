@@ -49,10 +49,11 @@ struct TaskScratch {
         scores(uninitialized_floats(group * kTaskKeyBlock)), acc(uninitialized_floats(group * kMaxHeadDim)) {}
 };
 
-// Runs one plan record: request b, KV head j, keys [kv_start, kv_end), for the G query heads of j at once.
-template <typename T>
-void run_task(const int32_t* record, const Problem& pb, const T* q, int64_t q_ld, const CacheView<T>& kc,
-              const CacheView<T>& vc, T* out, int64_t out_ld, TaskScratch& ws) {
+// Runs one plan record: request b, KV head j, keys [kv_start, kv_end), for the G query heads of j at once. T: q's
+// dtype, C: the caches' (T, or a quantized format's codes, dequantized as blocks are widened).
+template <typename T, typename C>
+void run_task(const int32_t* record, const Problem& pb, const T* q, int64_t q_ld, const CacheView<C>& kc,
+              const CacheView<C>& vc, T* out, int64_t out_ld, TaskScratch& ws) {
   const checks::HostLayout& layout = *pb.layout;
   const int64_t hkv = layout.num_kv_heads(), group = layout.group;
   const int64_t b = record[0] / hkv, j = record[0] % hkv;
@@ -76,7 +77,7 @@ void run_task(const int32_t* record, const Problem& pb, const T* q, int64_t q_ld
       kc.prefetch(b, t1, t2, layout.qk_offsets[j], dq);
       vc.prefetch(b, t1, t2, layout.v_offsets[j], dv);
     }
-    const FloatRows keys = kc.block(b, t0, t1, layout.qk_offsets[j], dq, ws.k.get());
+    const FloatRows keys = kc.block(b, t0, t1, j, layout.qk_offsets[j], dq, ws.k.get());
     if (kc.paged()) {  // keys are dq rows of n tokens: scores = Q K, a weighted sum of key rows
       std::fill(scores, scores + group * kTaskKeyBlock, 0.f);
       axpy_rows(ws.q.get(), dq, group, keys.data, keys.stride, dq, n, scores, kTaskKeyBlock);
@@ -90,7 +91,7 @@ void run_task(const int32_t* record, const Problem& pb, const T* q, int64_t q_ld
       if (factor != 1.f) scale_in_place(ws.acc.get() + i * dv, dv, factor);
       softmax[i].sum += exp_and_sum(si, n, 1.f, softmax[i].max);
     }
-    const FloatRows values = vc.block(b, t0, t1, layout.v_offsets[j], dv, ws.v.get());
+    const FloatRows values = vc.block(b, t0, t1, j, layout.v_offsets[j], dv, ws.v.get());
     if (vc.paged()) {  // values are dv rows of n tokens: acc[i][c] += p_i . V[c]
       dot_rows(scores, kTaskKeyBlock, group, values.data, values.stride, dv, n, ws.acc.get(), dv, true);
     } else {  // values are n rows of dv: acc_i += sum_t p_i[t] V[t]
@@ -186,6 +187,7 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
   const checks::AttentionVariant variant =
       checks::check_attention_variant(op, window_left, softcap, sinks, q, layout.num_heads());
   const checks::CacheShape& cache = inputs.cache;
+  const KvFormat cache_format = cache.format;
   const int64_t batch = inputs.batch;
   const checks::PagedCache& paged = cache.paged;
   const int64_t capacity = cache.capacity;
@@ -225,11 +227,11 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
   }
   const int64_t max_v_dim = layout.max_v_dim(), hkv = layout.num_kv_heads();
   const ReadAhead way =
-      read_ahead_for(op, block_table.has_value(), q.scalar_type() == at::kBFloat16 && isa == CpuIsa::kAvx512Bf16);
+      read_ahead_for(op, block_table.has_value(), k_cache.scalar_type() == at::kBFloat16 && isa == CpuIsa::kAvx512Bf16);
   // A windowed request's first piece of a paged cache starts on the kernel's block (within its page) that holds the
   // window's first key, whose earlier keys it masks; a contiguous one starts exactly there (cut_rows).
   const int64_t edge =
-      block_table ? std::min(paged.page_size, paged_block_keys(way, paged.page_size, q.element_size())) : 1;
+      block_table ? std::min(paged.page_size, paged_block_keys(way, paged.page_size, k_cache.element_size())) : 1;
   std::vector<int32_t> piece_splits;
   const std::vector<RowPiece> pieces = by_pieces ? cut_rows(seqlens, window_left, hkv, at::get_num_threads(),
                                                             block_table ? paged.page_size : 1, edge, piece_splits)
@@ -249,16 +251,22 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
                    .softcap = variant.softcap,
                    .sinks = variant.sink_logits()};
 
-  FDC_DISPATCH_FLOAT_TYPES(q.scalar_type(), "fdc::decode_attention", [&] {
+  const auto run = [&]<typename T, typename C>() {
     const int32_t* bt = block_table ? table.data_ptr<int32_t>() : nullptr;
-    const auto view_of = [&](const at::Tensor& cache) {
+    const auto view_of = [&](const at::Tensor& cache, int64_t width) {
       const int64_t row_stride = block_table ? 0 : cache.stride(1);
-      return CacheView<scalar_t>{
-          cache.data_ptr<scalar_t>(), cache.stride(0), row_stride, bt, paged.max_pages, paged.page_size};
+      return CacheView<C>{static_cast<const C*>(cache.data_ptr()),
+                          cache.stride(0),
+                          row_stride,
+                          bt,
+                          paged.max_pages,
+                          paged.page_size,
+                          width,
+                          kv_stored_width(width, hkv, cache_format)};
     };
-    const CacheView<scalar_t> kview = view_of(k_cache), vview = view_of(v_cache);
-    scalar_t* op_out = out.data_ptr<scalar_t>();
-    const scalar_t* qp = qc.data_ptr<scalar_t>();
+    const CacheView<C> kview = view_of(k_cache, layout.qk_width()), vview = view_of(v_cache, layout.v_width());
+    T* op_out = out.data_ptr<T>();
+    const T* qp = qc.data_ptr<T>();
     if (by_pieces) {
       at::parallel_for(0, int64_t(pieces.size()), 1, [&](int64_t p0, int64_t p1) {
         RowScratch ws(group, layout.qk_offsets[hkv], layout.v_offsets[hkv], hkv * group);
@@ -269,7 +277,7 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
       });
     } else {
       at::parallel_for(0, view.num_workers(), 1, [&](int64_t w0, int64_t w1) {
-        TaskScratch ws(group, !std::is_same_v<scalar_t, float>);
+        TaskScratch ws(group, !std::is_same_v<C, float>);
         for (int64_t w = w0; w < w1; ++w) {
           for (int64_t r = view.worker_offsets()[w]; r < view.worker_offsets()[w + 1]; ++r) {
             const int32_t* record = view.records() + r * kDecodeRecordFields;
@@ -279,6 +287,13 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
       });
     }
     merge_splits(pb, batch, op_out, out.stride(0));
+  };
+  FDC_DISPATCH_FLOAT_TYPES(q.scalar_type(), "fdc::decode_attention", [&] {
+    switch (cache_format) {
+      case KvFormat::kInt8: run.template operator()<scalar_t, int8_t>(); break;
+      case KvFormat::kFp8E4M3: run.template operator()<scalar_t, c10::Float8_e4m3fn>(); break;
+      case KvFormat::kFloat: run.template operator()<scalar_t, scalar_t>(); break;
+    }
   });
   return out;
 }

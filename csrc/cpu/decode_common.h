@@ -2,6 +2,8 @@
 // constants, the per-task result and its partials. Included by decode_attention.cpp only.
 #pragma once
 
+#include <c10/util/Float8_e4m3fn.h>
+
 #include <cstdint>
 #include <memory>
 #include <type_traits>
@@ -10,6 +12,7 @@
 #include "cpu/cpu_common.h"
 #include "cpu/vec_math.h"
 #include "fdc/attention_variant.h"
+#include "fdc/kv_format.h"
 #include "fdc/softmax_merge.h"
 
 // Internal linkage, as when this was part of decode_attention.cpp (the only file that includes it): the compiler may
@@ -34,7 +37,12 @@ struct FloatRows {
   int64_t stride;
 };
 
-// One cache (K or V): contiguous (B, S_max, width) or paged (num_pages, width, page_size) with a block table.
+// int8 and float8_e4m3fn: the element types of quantized caches (fdc/kv_format.h), whose rows end in scales.
+template <typename T>
+constexpr bool kQuantized = std::is_same_v<T, int8_t> || std::is_same_v<T, c10::Float8_e4m3fn>;
+
+// One cache (K or V): contiguous (B, S_max, stored) or paged (num_pages, stored, page_size) with a block table, the
+// `stored` columns being the `width` data columns, then, for a quantized cache, one float32 scale per KV head.
 template <typename T>
 struct CacheView {
   const T* data;
@@ -43,8 +51,28 @@ struct CacheView {
   const int32_t* block_table;  // (B, max_pages) when paged, else nullptr
   int64_t max_pages;
   int64_t page_size;
+  int64_t width;   // data columns
+  int64_t stored;  // columns of a row, or byte rows of a page: kv_stored_width
 
   bool paged() const { return block_table != nullptr; }
+
+  // The scale of (key t of request b, KV head j) of a quantized cache; the next key's is scale_stride() floats on,
+  // within a block (a page, when paged).
+  const float* scales(int64_t b, int64_t t, int64_t j) const {
+    if (paged()) {
+      const T* page = data + block_table[b * max_pages + t / page_size] * stride0;
+      return reinterpret_cast<const float*>(page + width * page_size) + j * page_size + t % page_size;
+    }
+    return reinterpret_cast<const float*>(data + b * stride0 + t * stride1 + width) + j;
+  }
+  int64_t scale_stride() const { return paged() ? 1 : stride1 / kKvScaleBytes; }
+
+  // The scales of keys [t0, t1) of request b, KV head j, into out[0 .. t1 - t0) (a block: within one page when paged).
+  void gather_scales(int64_t b, int64_t t0, int64_t t1, int64_t j, float* out) const {
+    const float* s = scales(b, t0, j);
+    const int64_t step = scale_stride();
+    for (int64_t t = 0; t < t1 - t0; ++t) out[t] = s[t * step];
+  }
 
   // End of the block starting at t0: at most `keys` keys, cut at the chunk end and, when paged, at the page end.
   int64_t block_end(int64_t t0, int64_t chunk_end, int64_t keys) const {
@@ -76,10 +104,11 @@ struct CacheView {
   }
   int64_t col_stride() const { return paged() ? page_size : 1; }
 
-  // Keys [t0, t1) of request b, columns [col, col + dim), as float: token-major (t1 - t0 rows of dim) when
-  // contiguous, column-major (dim rows of t1 - t0 tokens) when paged, the page's own order. Float caches are read
-  // in place; half-precision ones are widened into `scratch`.
-  FloatRows block(int64_t b, int64_t t0, int64_t t1, int64_t col, int64_t dim, float* scratch) const {
+  // Keys [t0, t1) of request b, columns [col, col + dim) (KV head j's), as float: token-major (t1 - t0 rows of dim)
+  // when contiguous, column-major (dim rows of t1 - t0 tokens) when paged, the page's own order. Float caches are
+  // read in place; half-precision ones are widened into `scratch`, quantized ones widened and scaled. The block lies
+  // within one page when paged (block_end).
+  FloatRows block(int64_t b, int64_t t0, int64_t t1, int64_t j, int64_t col, int64_t dim, float* scratch) const {
     const T* src;
     int64_t src_stride, rows, cols;
     if (paged()) {
@@ -91,6 +120,15 @@ struct CacheView {
     }
     if constexpr (std::is_same_v<T, float>) {
       return {src, src_stride};
+    } else if constexpr (kQuantized<T>) {
+      const float* s = scales(b, t0, j);
+      const int64_t step = scale_stride();
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < cols; ++c) {
+          scratch[r * cols + c] = static_cast<float>(src[r * src_stride + c]) * s[(paged() ? c : r) * step];
+        }
+      }
+      return {scratch, cols};
     } else {
       rows_to_float(src, src_stride, rows, cols, scratch);
       return {scratch, cols};

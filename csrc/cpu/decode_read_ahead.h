@@ -66,14 +66,15 @@ int64_t contiguous_block_rows(ReadAhead way, int64_t row_bytes, int64_t piece_ro
 }
 
 // Keys per block of a piece of a paged cache: the runs of every page the block touches, at most kMaxPagedBlockKeys.
-// - kPrefetchL2: 256 bytes of each column (the bytes per column set the best length, not the key count);
+// - kPrefetchL2: 256 bytes of each column (the bytes per column set the best length, not the key count), at most
+//   kMaxPagedBlockKeys (the one-byte elements of a quantized cache);
 // - kStream: whole pages, as many as fit in kStreamPagedBlockKeys, or one page of at most kMaxPagedBlockKeys keys.
 // The measurements: bench/results/ops/README.md, "CPU decode".
 constexpr int64_t kStreamPagedBlockKeys = 64;
 
 // element_bytes: the cache's sizeof(T) (known outside the kernels' dtype dispatch too, for cut_rows).
 inline int64_t paged_block_keys(ReadAhead way, int64_t page_size, int64_t element_bytes) {
-  if (way == ReadAhead::kPrefetchL2) return 256 / element_bytes;
+  if (way == ReadAhead::kPrefetchL2) return std::min(256 / element_bytes, kMaxPagedBlockKeys);
   if (way == ReadAhead::kLoads) return kMaxPagedBlockKeys;
   return page_size < kStreamPagedBlockKeys ? kStreamPagedBlockKeys / page_size * page_size
                                            : std::min(page_size, kMaxPagedBlockKeys);

@@ -18,6 +18,7 @@
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
@@ -29,6 +30,8 @@
 
 #define FDC_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
 #define FDC_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
+// AVX-512 VNNI (vpdpwssd: int16 pairs multiplied and added into int32 lanes), on every CPU with AVX-512-BF16.
+#define FDC_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
 
 namespace fdc::cpu::avx512 {
 
@@ -86,6 +89,20 @@ FDC_AVX512 inline __m512 load16(const c10::BFloat16* p, __mmask16 mask) {  // bf
 }
 FDC_AVX512 inline __m512 load16(const c10::Half* p, __mmask16 mask) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
+}
+// The codes of a quantized cache (fdc/kv_format.h), as float, unscaled.
+FDC_AVX512 inline __m512 load16(const int8_t* p, __mmask16 mask) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, p)));
+}
+// e4m3 (sign, 4 exponent bits of bias 7, 3 mantissa bits) moved into float16's fields: magnitude bits << 7 put the
+// exponent in float16's (bias 15) and the mantissa at its top, sign bit << 8 on float16's; the float16 is then the
+// value times 2^-8, subnormals included (e4m3's m/8 * 2^-6 becomes float16's m/8 * 2^-14), so a multiply by 256
+// after vcvtph2ps gives the value exactly. (Every code is finite here: appends never write e4m3fn's NaN, 0x7F.)
+FDC_AVX512 inline __m512 load16(const c10::Float8_e4m3fn* p, __mmask16 mask) {
+  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(mask, p));
+  const __m256i magnitude = _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x7F)), 7);
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(0x80)), 8);
+  return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(magnitude, sign)), _mm512_set1_ps(256.f));
 }
 
 // The first three of sum16x16's four rounds: lane 4L + i of the first (n = 0) and second (n = 1) half holds the sum

@@ -175,6 +175,100 @@ FDC_AVX512_BF16 inline void axpy_rows_bf16(const uint16_t* w, int64_t w_ld, int6
   }
 }
 
+// axpy_pairs_tile for int8 rows (a quantized cache's value codes) and int16 weights, with AVX-512 VNNI: rows r and
+// r + 1 are widened to int16 and interleaved as there, and one vpdpwssd adds w[r] row_r + w[r + 1] row_{r + 1} to 16
+// columns' int32 sums exactly (|sum| <= 512 * 32767 * 127 < 2^31 for the n <= 512 keys of a block); the sums become
+// float once, times each head's weight scale w_scale[h], and are added into acc in column order. w: each head's
+// weights, zero after n up to an even count.
+template <int kHeads, int kChunks>
+FDC_AVX512_VNNI void axpy_pairs_tile_s8(const int16_t* w, int64_t w_ld, const float* w_scale, const int8_t* rows,
+                                        int64_t row_stride, int64_t n, __mmask32 last, float* acc, int64_t acc_ld,
+                                        PrefetchStream& stream) {
+  PrefetchStream ahead = stream;
+  constexpr int64_t kPairs = 2 * kLanes;  // columns per register of int16
+  const auto chunk_mask = [last](int c) { return c + 1 == kChunks ? last : __mmask32(0xFFFFFFFF); };
+  __m512i low[kHeads][kChunks], high[kHeads][kChunks];
+#pragma GCC unroll 4
+  for (int h = 0; h < kHeads; ++h)
+#pragma GCC unroll 2
+    for (int c = 0; c < kChunks; ++c) low[h][c] = high[h][c] = _mm512_setzero_si512();
+  for (int64_t r = 0; r < n; r += 2) {
+    const int8_t* row = rows + r * row_stride;
+    __m512i x_low[kChunks], x_high[kChunks];
+#pragma GCC unroll 2
+    for (int c = 0; c < kChunks; ++c) {
+      const __mmask32 mask = chunk_mask(c);
+      const __m512i a = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, row + c * kPairs));
+      const __m512i b =
+          _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(r + 1 < n ? mask : __mmask32(0), row + row_stride + c * kPairs));
+      ahead.step();
+      x_low[c] = _mm512_unpacklo_epi16(a, b);
+      x_high[c] = _mm512_unpackhi_epi16(a, b);
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < kHeads; ++h) {
+      int32_t pair;
+      std::memcpy(&pair, w + h * w_ld + r, sizeof(pair));
+      const __m512i weights = _mm512_set1_epi32(pair);
+#pragma GCC unroll 2
+      for (int c = 0; c < kChunks; ++c) {
+        low[h][c] = _mm512_dpwssd_epi32(low[h][c], x_low[c], weights);
+        high[h][c] = _mm512_dpwssd_epi32(high[h][c], x_high[c], weights);
+      }
+    }
+  }
+  // The column order of axpy_pairs_tile's interleave.
+  alignas(64) static constexpr int32_t kFirst[kLanes] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+  alignas(64) static constexpr int32_t kSecond[kLanes] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+  const __m512i first = _mm512_load_si512(kFirst), second = _mm512_load_si512(kSecond);
+#pragma GCC unroll 4
+  for (int h = 0; h < kHeads; ++h) {
+    const __m512 scale = _mm512_set1_ps(w_scale[h]);
+#pragma GCC unroll 2
+    for (int c = 0; c < kChunks; ++c) {
+      const __mmask32 mask = chunk_mask(c);
+      float* a = acc + h * acc_ld + c * kPairs;
+      const __mmask16 m0 = __mmask16(mask), m1 = __mmask16(mask >> kLanes);
+      const __m512 lo = _mm512_cvtepi32_ps(low[h][c]), hi = _mm512_cvtepi32_ps(high[h][c]);
+      const __m512 cols0 = _mm512_permutex2var_ps(lo, first, hi), cols1 = _mm512_permutex2var_ps(lo, second, hi);
+      _mm512_mask_storeu_ps(a, m0, _mm512_fmadd_ps(cols0, scale, _mm512_maskz_loadu_ps(m0, a)));
+      _mm512_mask_storeu_ps(a + kLanes, m1, _mm512_fmadd_ps(cols1, scale, _mm512_maskz_loadu_ps(m1, a + kLanes)));
+    }
+  }
+  stream = ahead;
+}
+
+// axpy_rows for int8 rows with int16 weights (w_ld elements per head, scaled by w_scale per head), by
+// axpy_pairs_tile_s8: tiles of up to 4 heads x 64 columns.
+FDC_AVX512_VNNI inline void axpy_rows_s8(const int16_t* w, int64_t w_ld, const float* w_scale, int64_t group,
+                                         const int8_t* rows, int64_t row_stride, int64_t n, int64_t len, float* acc,
+                                         int64_t acc_ld, PrefetchStream& ahead) {
+  constexpr int64_t kPairs = 2 * kLanes, kTileColumns = 2 * kPairs;
+  for (int64_t x0 = 0; x0 < len; x0 += kTileColumns) {
+    const int64_t cols = std::min(kTileColumns, len - x0);
+    const int chunks = static_cast<int>((cols + kPairs - 1) / kPairs);
+    const __mmask32 last = pairs_mask(cols - (chunks - 1) * kPairs);
+    for (int64_t h0 = 0; h0 < group; h0 += 4) {
+      const int heads = static_cast<int>(std::min<int64_t>(4, group - h0));
+      const int16_t* wh = w + h0 * w_ld;
+      const float* sh = w_scale + h0;
+      const int8_t* r = rows + x0;
+      float* ah = acc + h0 * acc_ld + x0;
+      switch (heads * 2 + chunks - 1) {
+        case 2: axpy_pairs_tile_s8<1, 1>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 3: axpy_pairs_tile_s8<1, 2>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 4: axpy_pairs_tile_s8<2, 1>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 5: axpy_pairs_tile_s8<2, 2>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 6: axpy_pairs_tile_s8<3, 1>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 7: axpy_pairs_tile_s8<3, 2>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 8: axpy_pairs_tile_s8<4, 1>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 9: axpy_pairs_tile_s8<4, 2>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        default: TORCH_CHECK(false, "fdc: int8 axpy tile of ", heads, " heads and ", chunks, " registers");
+      }
+    }
+  }
+}
+
 // Interleaves two rows of bf16 values into VNNI pairs: out[2 x] = a[x], out[2 x + 1] = b[x] for x < width, where
 // a[x] and b[x] count as 0 for x >= n (b may be null: all 0); width is a multiple of 32.
 FDC_AVX512 inline void interleave_pairs(const c10::BFloat16* a, const c10::BFloat16* b, int64_t n, int64_t width,

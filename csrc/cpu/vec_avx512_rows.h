@@ -192,6 +192,69 @@ FDC_AVX512_BF16 inline void dot_rows_bf16(const uint16_t* a, int64_t a_ld, int64
   }
 }
 
+// dot_rows_bf16_lanes' transposed form for int8 rows (a quantized cache's key codes) against int16 queries, with
+// AVX-512 VNNI: each row's 32 codes are widened to int16 as they are loaded, and vpdpwssd with a query's int16 pair
+// broadcast adds both products to 16 rows' int32 sums exactly (|sum| <= 256 * 32767 * 127 < 2^31), so nothing is
+// rounded until the sums become float. out[h * out_ld + r] = sum_x a[h * a_ld + x] * row r [x], overwritten; len is
+// even.
+template <int kHeads>
+FDC_AVX512_VNNI void dot_rows_s8_lanes(const int16_t* a, int64_t a_ld, const int8_t* const* row, int64_t len,
+                                       __mmask16 store, float* out, int64_t out_ld, PrefetchStream& stream) {
+  PrefetchStream ahead = stream;
+  constexpr int64_t kPairs = 2 * kLanes;               // int16 elements per register
+  constexpr int kSets = kHeads >= 8 ? 1 : 8 / kHeads;  // dependent-add chains per head, as in dot_rows_bf16_lanes
+  __m512i acc[kSets][kHeads];
+#pragma GCC unroll 8
+  for (int s = 0; s < kSets; ++s)
+#pragma GCC unroll 8
+    for (int h = 0; h < kHeads; ++h) acc[s][h] = _mm512_setzero_si512();
+  for (int64_t x = 0; x < len; x += kPairs) {
+    const int64_t cols = std::min(kPairs, len - x);
+    const __mmask32 mask = pairs_mask(cols);
+    __m512i t[kLanes];
+#pragma GCC unroll 16
+    for (int k = 0; k < kLanes; ++k) {
+      t[k] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, row[k] + x));
+      ahead.step();
+    }
+    transpose16x16_epi32(t);
+#pragma GCC unroll 16
+    for (int p = 0; p < kLanes; ++p) {
+      if (2 * p >= cols) break;
+#pragma GCC unroll 8
+      for (int h = 0; h < kHeads; ++h) {
+        int32_t pair;
+        std::memcpy(&pair, a + h * a_ld + x + 2 * p, sizeof(pair));
+        acc[p % kSets][h] = _mm512_dpwssd_epi32(acc[p % kSets][h], t[p], _mm512_set1_epi32(pair));
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int h = 0; h < kHeads; ++h) {
+    __m512i sum = acc[0][h];
+#pragma GCC unroll 8
+    for (int s = 1; s < kSets; ++s) sum = _mm512_add_epi32(sum, acc[s][h]);
+    _mm512_mask_storeu_ps(out + h * out_ld, store, _mm512_cvtepi32_ps(sum));
+  }
+  stream = ahead;
+}
+
+// dot_rows for int16 `a` and int8 rows by dot_rows_s8_lanes: 16 rows at a time (a short last group repeats its final
+// row and stores only the real ones), query heads 8 at a time; the products are exact integers.
+FDC_AVX512_VNNI inline void dot_rows_s8(const int16_t* a, int64_t a_ld, int64_t group, const int8_t* rows,
+                                        int64_t row_stride, int64_t n, int64_t len, float* out, int64_t out_ld,
+                                        PrefetchStream& ahead) {
+  for (int64_t r0 = 0; r0 < n; r0 += kLanes) {
+    const int8_t* row[kLanes];
+    for (int64_t k = 0; k < kLanes; ++k) row[k] = rows + std::min(r0 + k, n - 1) * row_stride;
+    const __mmask16 store = lanes_mask(n - r0);
+    for_head_tiles_of_8(group, [&](int64_t h0, auto heads) {
+      dot_rows_s8_lanes<decltype(heads)::value>(a + h0 * a_ld, a_ld, row, len, store, out + h0 * out_ld + r0, out_ld,
+                                                ahead);
+    });
+  }
+}
+
 // Scores of one run of a dim-major bf16 page of 16 tokens (each column's 16 tokens take 32 bytes, columns back to
 // back) against kHeads bf16 query rows, with AVX-512-BF16: columns c and c + 1 are one 64-byte load, interleaved
 // token by token (vpermw), so one vdpbf16ps with a head's query pair (q[c], q[c + 1]) broadcast adds both columns'

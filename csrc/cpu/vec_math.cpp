@@ -74,7 +74,8 @@ CpuIsa cpu_isa(const char* op) {
           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))) {
       return CpuIsa::kPortable;
     }
-    return __builtin_cpu_supports("avx512bf16") ? CpuIsa::kAvx512Bf16 : CpuIsa::kAvx512;
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni") ? CpuIsa::kAvx512Bf16
+                                                                                        : CpuIsa::kAvx512;
   }();
 #else
   const CpuIsa detected = CpuIsa::kPortable;

@@ -191,6 +191,7 @@ void append_kv_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& 
   const char* op = "append_kv";
   const checks::AppendShape shape = checks::check_append_kv(op, k_cache, v_cache, k, v, cu_seqlens, cache_seqlens,
                                                             qk_offsets, v_offsets, block_table);
+  checks::check_float_cache(op, shape.cache, k_cache, "the CUDA append_kv");
   checks::check_cuda_tensor(op, "k_cache", k_cache);
   checks::check_same_device(op, "cu_seqlens", cu_seqlens, "k_cache", k_cache);
   checks::check_same_device(op, "cache_seqlens", cache_seqlens, "k_cache", k_cache);
