@@ -27,7 +27,9 @@ they act on); ``SnapKV`` and ``SnapKV-F`` the same with SnapKV's scores; ``... p
 head choosing its own tokens (the packed cache chooses once per layer), measured by simulation on the uncompressed
 model's attention. A point's compression is the share of the prompt's KV bytes removed. ``--metric retrieval`` asks
 for a number stated once early in a held-out text of 1400 tokens (what eviction loses that perplexity hides); the
-same methods run on it.
+same methods run on it. Quantized caches (``KVQ int8`` / ``KVQ e4m3`` alone at full widths, ``KVQ-F int8`` /
+``KVQ-F e4m3`` under FDC's widths) run on both long-context metrics too; their compression counts the cache's bytes
+(a byte per element and its scales) against a 16-bit cache.
 
 Every evaluation is appended to ``<out>/<model>-eval-<metric>-points.json`` as it finishes (keyed by the widths, so
 an interrupted run resumes and equal allocations are measured once, and tagged with its artifact's calibration
@@ -82,6 +84,15 @@ EVICTION = {
     "SnapKV per KV head (simulated)": {"artifact": "default", "eviction": "snapkv", "split": "eviction",
                                        "simulate": "per_head"},
 }
+# Quantized caches (fdc_ops.ops: a byte per element and a float32 scale per token and KV head), alone (full widths)
+# and under FDC's widths (the paper's KVQ-F, with 8-bit formats), on the long-context metrics, where later tokens read
+# the cache (the perplexity metric's one call never does). Their compression counts bytes against a 16-bit cache.
+QUANTIZATION = {
+    "KVQ int8": {"artifact": "default", "kv_dtype": "int8", "uniform": True, "fixed": True},
+    "KVQ-F int8": {"artifact": "default", "kv_dtype": "int8"},
+    "KVQ e4m3": {"artifact": "default", "kv_dtype": "float8_e4m3fn", "uniform": True, "fixed": True},
+    "KVQ-F e4m3": {"artifact": "default", "kv_dtype": "float8_e4m3fn"},
+}
 LONG_CONTEXT_METHODS = ("FDC (defaults)", "Palu", "Keyformer", "KF-F", "KF-P")  # the paper's combination table
 LONG_PROMPT, LONG_SCORED = 1536, 256  # tokens of each window's prompt and of its scored continuation
 RETRIEVAL_TOKENS = 1400  # held-out text around each retrieval probe's fact (about 1430 tokens with the question)
@@ -93,6 +104,19 @@ LEVELS = tuple(round(0.90 + 0.01 * i, 2) for i in range(10))  # accuracy levels 
 LONG_GRID = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)  # eviction reaches far higher compressions
 METRICS = ("perplexity", "edit_similarity", "long_perplexity", "retrieval")
 LONG_CONTEXT_METRICS = ("long_perplexity", "retrieval")  # where a prompt is long enough to evict from
+
+
+def quantized_compression(dimension_compression: float, head_dim: int) -> float:
+    """The share of a 16-bit cache's bytes an 8-bit quantized cache (fdc_ops.ops) removes at these widths: per token
+    and KV head, (1 - c) 2D elements of one byte plus 4 scale bytes for K and for V, against 2D elements of two
+    bytes: 1 - (1 - c) / 2 - 2 / D."""
+    return 1.0 - (1.0 - dimension_compression) / 2.0 - 2.0 / head_dim
+
+
+def quantized_dimension_budget(compression: float, head_dim: int) -> float:
+    """The dimension compression whose quantized cache removes ``compression`` of the 16-bit bytes (the inverse of
+    quantized_compression), 0 below what quantization alone removes."""
+    return max(0.0, 1.0 - 2.0 * (1.0 - compression - 2.0 / head_dim))
 
 
 def uniform_allocation(shape, compression: float, multiple: int = 8) -> RankAllocation:
@@ -136,7 +160,7 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
     grid = tuple(grid or (LONG_GRID if long_context else GRID))
     if not grid or any(not 0.0 < budget < 1.0 for budget in grid):
         raise ValueError(f"fdc_ops.apps.eval.run: grid must be budgets in (0, 1), got {grid}")
-    table = {**METHODS, **ABLATIONS, **EVICTION}
+    table = {**METHODS, **ABLATIONS, **EVICTION, **QUANTIZATION}
     methods = tuple(methods or (LONG_CONTEXT_METHODS if long_context else METHODS))
     unknown = [name for name in methods if name not in table]
     if unknown:
@@ -145,6 +169,10 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
     if evicting and not long_context:
         raise ValueError(f"fdc_ops.apps.eval.run: {evicting} evict after a prompt, which only the long-context "
                          f"metrics have; run them with metric in {LONG_CONTEXT_METRICS}")
+    quantizing = [name for name in methods if "kv_dtype" in table[name]]
+    if quantizing and not long_context:
+        raise ValueError(f"fdc_ops.apps.eval.run: {quantizing} quantize the cache, which the {metric} metric never "
+                         f"reads (one call per window); run them with metric in {LONG_CONTEXT_METRICS}")
     begin = time.time()
     torch.manual_seed(0)
     model, tokenizer = loading.load_model()
@@ -200,6 +228,10 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
     def plan(settings: dict, compression: float):
         """(allocation, eviction policy or None, total compression of the prompt's KV bytes) for a budget."""
         split = settings.get("split")
+        if "kv_dtype" in settings:
+            needed = 0.0 if settings.get("fixed") else quantized_dimension_budget(compression, shape.head_dim)
+            allocation = allocation_for(settings, needed)
+            return allocation, None, quantized_compression(allocation.compression_rate, shape.head_dim)
         if split is None:
             allocation = allocation_for(settings, compression)
             return allocation, None, allocation.compression_rate
@@ -227,8 +259,9 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
                 with simulate_eviction(model, policy, per_head=True):
                     score = measure()
             else:
+                kv_dtype = getattr(torch, settings["kv_dtype"]) if "kv_dtype" in settings else None
                 hf.compress(model, artifacts[settings["artifact"]], allocation=allocation,
-                            method=settings.get("method", "fdc"), eviction=policy)
+                            method=settings.get("method", "fdc"), eviction=policy, kv_dtype=kv_dtype)
                 try:
                     score = measure()
                 finally:

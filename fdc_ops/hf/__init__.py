@@ -24,6 +24,7 @@ compat.check_transformers()
 
 from .. import artifact as artifacts  # noqa: E402
 from .. import eviction as evictions  # noqa: E402
+from .. import ops  # noqa: E402
 from ..artifact import resolve_allocation  # noqa: E402  (fdc_ops.hf.resolve_allocation, as before; vLLM's too)
 from . import families  # noqa: E402
 from .compat import cache_keyword, returned_cache  # noqa: E402,F401  (re-exported for step-by-step callers)
@@ -37,7 +38,7 @@ def compress(model, artifact: artifacts.FDCArtifact | str, removal_rate: float |
              compression: float | None = None, allocation: artifacts.RankAllocation | None = None, qk_dims=None,
              v_dims=None, method: str = "fdc", weighting: str | None = None, rule: str | None = None,
              uniform: bool = False, eviction: str | evictions.EvictionPolicy | None = None,
-             keep: float | None = None) -> artifacts.RankAllocation:
+             keep: float | None = None, kv_dtype: torch.dtype | None = None) -> artifacts.RankAllocation:
     """Replaces every attention module of ``model`` in place by FDCAttention (``method="fdc"``) or the Palu baseline
     (``method="palu"``; ``qk_dims`` are then the widths of the cached key latent). Widths: a KV byte budget
     (``compression=0.1`` removes at least 10% of the cache, widths by ``rule``, default the measured sensitivities:
@@ -47,8 +48,11 @@ def compress(model, artifact: artifacts.FDCArtifact | str, removal_rate: float |
     (the /AC ablation). ``artifact``: an FDCArtifact, or ``"bundled"`` for the bundled SmolLM2's. ``eviction``:
     after each prompt, keep ``keep`` of its tokens in every layer's cache, chosen by ``"keyformer"`` or
     ``"snapkv"`` scores (or an fdc_ops.eviction.EvictionPolicy for its other settings; dynamic caches only, models
-    without sliding windows). Returns the allocation used. generate() and forward() work unchanged;
-    fdc_ops.hf.restore undoes it."""
+    without sliding windows). ``kv_dtype``: ``torch.int8`` or ``torch.float8_e4m3fn`` stores the compressed cache
+    quantized (a float32 scale per token and KV head, fdc_ops.ops; the CPU ops read it in place): the prompt's own
+    attention uses its unquantized rows, later tokens read the quantized ones (FDC on the CPU, dynamic caches, no
+    eviction, so far). Returns the allocation used. generate() and forward() work unchanged; fdc_ops.hf.restore
+    undoes it."""
     if not isinstance(method, str) or method not in METHODS:
         raise ValueError(f"fdc_ops.hf.compress: method must be one of {METHODS}, got {method!r}")
     if not hasattr(model, "get_decoder") or not hasattr(model, "config"):
@@ -64,6 +68,7 @@ def compress(model, artifact: artifacts.FDCArtifact | str, removal_rate: float |
                         f"(the bundled SmolLM2's), got {type(artifact).__name__}")
     artifact.check_model(model)
     policy = _eviction_policy(eviction, keep)
+    _check_kv_dtype(model, kv_dtype, method, policy)
     config = families.text_config(model)
     if policy is not None and any(families.layer_window(config, layer) >= 0
                                   for layer in range(len(families.attention_modules(model)))):
@@ -102,13 +107,34 @@ def compress(model, artifact: artifacts.FDCArtifact | str, removal_rate: float |
             module = PaluAttention(**common, latent_weight=keys.latent_weight.to(dtype), latent_bias=latent_bias,
                                    key_up=keys.key_up.to(dtype), latent_offsets=qk_offsets, rotary=decoder.rotary_emb)
         module.eviction = policy
+        module.kv_dtype = kv_dtype
         decoder.layers[layer].self_attn = module.to(device)
 
     hook = decoder.register_forward_pre_hook(_MaskRecorder(padding), with_kwargs=True)
     model._fdc_compression = {"method": method, "allocation": allocation, "originals": originals, "hook": hook,
-                              "artifact": artifact, "eviction": policy}
+                              "artifact": artifact, "eviction": policy, "kv_dtype": kv_dtype}
     model.save_pretrained = _refuse_save_pretrained  # this instance only; restore() removes it
     return allocation
+
+
+def _check_kv_dtype(model, kv_dtype, method: str, policy) -> None:
+    """What a quantized cache (kv_dtype) needs, refused by name where it is not there yet."""
+    if kv_dtype is None:
+        return
+    where = "fdc_ops.hf.compress"
+    if kv_dtype not in ops.QUANTIZED_CACHE_DTYPES:
+        raise ValueError(f"{where}: kv_dtype must be None (the activations' dtype) or one of "
+                         f"{list(ops.QUANTIZED_CACHE_DTYPES)}, got {kv_dtype!r}")
+    if method != "fdc":
+        raise NotImplementedError(f"{where}: kv_dtype with method={method!r} is not supported yet (Palu rebuilds its "
+                                  "keys from a float latent); use method='fdc'")
+    if policy is not None:
+        raise NotImplementedError(f"{where}: kv_dtype with eviction is not supported yet (eviction scores and "
+                                  "compacts float caches)")
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        raise NotImplementedError(f"{where}: kv_dtype on {device.type} is not supported yet: the CUDA ops read "
+                                  "float caches only")
 
 
 def _eviction_policy(eviction, keep) -> evictions.EvictionPolicy | None:

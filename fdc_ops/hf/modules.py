@@ -137,12 +137,14 @@ class CompressedKVLayer(DynamicLayer):
     is_sliding = False
     is_compileable = False
 
-    def __init__(self, k_offsets: torch.Tensor, v_offsets: torch.Tensor, window_left: int = -1):
+    def __init__(self, k_offsets: torch.Tensor, v_offsets: torch.Tensor, window_left: int = -1,
+                 kv_dtype: torch.dtype | None = None):
         super().__init__()
         self.k_offsets, self.v_offsets = k_offsets, v_offsets  # (H_kv + 1,) int32 CPU
         self.window_left = window_left
-        self.k_cache: torch.Tensor | None = None  # (B, capacity, k_offsets[-1])
-        self.v_cache: torch.Tensor | None = None  # (B, capacity, v_offsets[-1])
+        self.kv_dtype = kv_dtype  # a quantized cache's dtype (ops.QUANTIZED_CACHE_DTYPES); None: the activations'
+        self.k_cache: torch.Tensor | None = None  # (B, capacity, ops.cache_width(k_offsets, dtype))
+        self.v_cache: torch.Tensor | None = None  # (B, capacity, ops.cache_width(v_offsets, dtype))
         self.lengths: torch.Tensor | None = None  # (B,) int32: real tokens cached per request
         self.host_lengths: list[int] = []  # the same on the host, so appends read nothing back from the device
         self.first_positions: torch.Tensor | None = None  # (B,) int64: the token in row 0 (rows dropped before it)
@@ -171,7 +173,8 @@ class CompressedKVLayer(DynamicLayer):
             self.first_positions = torch.zeros(batch, dtype=torch.int64, device=k_rows.device)
             self.host_first_positions = [0] * batch
             self.evicted = torch.zeros(batch, dtype=torch.int64, device=k_rows.device)
-            self._allocate(batch, max([INITIAL_CAPACITY, *rows.host_counts]), k_rows.dtype, k_rows.device)
+            self._allocate(batch, max([INITIAL_CAPACITY, *rows.host_counts]), self.kv_dtype or k_rows.dtype,
+                           k_rows.device)
         elif batch != self.k_cache.shape[0]:
             raise ValueError(f"fdc_ops.hf.modules: the cache holds {self.k_cache.shape[0]} requests, the call has "
                              f"{batch}")
@@ -205,6 +208,8 @@ class CompressedKVLayer(DynamicLayer):
         index = (first[:, None] + torch.arange(max(kept), device=device)[None, :]).clamp_max(self.k_cache.shape[1] - 1)
         for name in ("k_cache", "v_cache"):
             buffer = getattr(self, name)
+            if buffer.dtype in ops.QUANTIZED_CACHE_DTYPES:
+                buffer = buffer.view(torch.uint8)  # rows moved as bytes (torch gathers no float8), scales with them
             moved = torch.gather(buffer, 1, index[:, :, None].expand(-1, -1, buffer.shape[2]))  # (B, max kept, W)
             buffer[:, : moved.shape[1]] = moved
         self.lengths -= first.to(torch.int32)
@@ -245,8 +250,20 @@ class CompressedKVLayer(DynamicLayer):
 
     def _allocate(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
         # empty, not zeros: only rows below `lengths` are ever read, and zeroing would touch every page up front
-        self.k_cache = torch.empty(batch, capacity, int(self.k_offsets[-1]), dtype=dtype, device=device)
-        self.v_cache = torch.empty(batch, capacity, int(self.v_offsets[-1]), dtype=dtype, device=device)
+        for name, offsets in (("k_cache", self.k_offsets), ("v_cache", self.v_offsets)):
+            width = ops.cache_width(offsets, dtype)
+            setattr(self, name, torch.empty(batch, capacity, width, dtype=dtype, device=device))
+
+    def float_rows(self, cache: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows (..., stored width) of this layer's K (``offsets`` = k_offsets) or V cache as ``dtype`` (..., width):
+        themselves for a float cache, code x scale per KV head for a quantized one (what a prefill over cached rows
+        reads: prefill_attention takes float keys)."""
+        if cache.dtype not in ops.QUANTIZED_CACHE_DTYPES:
+            return cache
+        width, bounds = int(offsets[-1]), offsets.tolist()
+        scales = cache[..., width:].contiguous().view(torch.float32)  # (..., H_kv)
+        dims = torch.tensor([bounds[j + 1] - bounds[j] for j in range(len(bounds) - 1)], device=cache.device)
+        return (cache[..., :width].to(torch.float32) * scales.repeat_interleave(dims, dim=-1)).to(dtype)
 
     def nbytes(self, allocated: bool = False) -> int:
         """Bytes of the cached rows (``allocated``: of the buffers, spare capacity included)."""
@@ -254,7 +271,7 @@ class CompressedKVLayer(DynamicLayer):
             return 0
         if allocated:
             return self.k_cache.nbytes + self.v_cache.nbytes
-        width = int(self.k_offsets[-1] + self.v_offsets[-1])
+        width = self.k_cache.shape[-1] + self.v_cache.shape[-1]  # a quantized cache's scales included
         return self.cached_tokens() * width * self.k_cache.element_size()
 
     def cached_tokens(self) -> int:
@@ -393,8 +410,8 @@ class StaticCompressedKVLayer(CompressedKVLayer):
             raise NotImplementedError("fdc_ops.hf.modules: a static compressed cache keeps its batch size")
 
 
-def _cache_layer(cache, layer: int, k_offsets: torch.Tensor, v_offsets: torch.Tensor,
-                 window_left: int = -1) -> CompressedKVLayer:
+def _cache_layer(cache, layer: int, k_offsets: torch.Tensor, v_offsets: torch.Tensor, window_left: int = -1,
+                 kv_dtype: torch.dtype | None = None) -> CompressedKVLayer:
     """The compressed layer ``layer`` of a transformers cache, installed in place of an empty layer the first time
     (generate() creates a DynamicCache, or a StaticCache for ``cache_implementation="static"``; the compressed modules
     take over its layers: a StaticLayer becomes a StaticCompressedKVLayer of the same capacity, any dynamic layer,
@@ -403,13 +420,16 @@ def _cache_layer(cache, layer: int, k_offsets: torch.Tensor, v_offsets: torch.Te
     if layers is None:
         raise TypeError(f"fdc_ops.hf.modules: the cache must be a transformers Cache with layers, got {type(cache)}")
     while len(layers) <= layer:
-        layers.append(CompressedKVLayer(k_offsets, v_offsets, window_left))
+        layers.append(CompressedKVLayer(k_offsets, v_offsets, window_left, kv_dtype))
     current = layers[layer]
     if isinstance(current, CompressedKVLayer):
         return current
     if current.get_seq_length() != 0:
         raise ValueError(f"fdc_ops.hf.modules: layer {layer} of the cache already holds uncompressed keys and values")
     if isinstance(current, StaticLayer):
+        if kv_dtype is not None:
+            raise NotImplementedError(f"fdc_ops.hf.modules: layer {layer}: a static cache with a quantized kv_dtype "
+                                      f"({kv_dtype}) is not supported yet: use the dynamic cache (the default)")
         if current.is_sliding:
             raise NotImplementedError(f"fdc_ops.hf.modules: layer {layer} of the static cache is a sliding-window "
                                       "layer, which keeps only its window's rows, in a ring; a static compressed "
@@ -417,7 +437,7 @@ def _cache_layer(cache, layer: int, k_offsets: torch.Tensor, v_offsets: torch.Te
                                       "default), whose compressed layers drop the rows past the window")
         layers[layer] = StaticCompressedKVLayer(k_offsets, v_offsets, current.max_cache_len)
     else:
-        layers[layer] = CompressedKVLayer(k_offsets, v_offsets, window_left)
+        layers[layer] = CompressedKVLayer(k_offsets, v_offsets, window_left, kv_dtype)
     return layers[layer]
 
 
@@ -431,6 +451,7 @@ class _CompressedAttentionBase(nn.Module):
         self.layer_idx = layer
         self.window_left, self.softcap = window_left, softcap  # the ops' attention variants for this layer
         self.eviction: evictions.EvictionPolicy | None = None  # what a prompt keeps of its cache (compress sets it)
+        self.kv_dtype: torch.dtype | None = None  # a quantized cache's dtype (compress sets it); None: the activations'
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
         self.scaling = getattr(original, "scaling", head_dim**-0.5)
@@ -482,7 +503,8 @@ class FDCAttention(_CompressedAttentionBase):
         """hidden_states: (B, S, hidden); the cache comes in ``kwargs`` under the name the transformers release
         uses (fdc_ops.hf.compat.cache_argument). Returns ((B, S, hidden), None)."""
         cache = cache_argument(kwargs, "fdc_ops.hf.modules.FDCAttention")
-        layer = None if cache is None else _cache_layer(cache, self.layer_idx, *self.cache_offsets(), self.window_left)
+        layer = None if cache is None else _cache_layer(cache, self.layer_idx, *self.cache_offsets(),
+                                                         self.window_left, self.kv_dtype)
         if isinstance(layer, StaticCompressedKVLayer):
             return self._static_forward(hidden_states, position_embeddings, layer), None
         B, S, _ = hidden_states.shape
@@ -583,16 +605,26 @@ def _attend(module, q_rows, k_rows, v_rows, rows: CallRows, new_positions, layer
     cu_k = ops.prefix_sums(layer.lengths)
     if keys_from_cache is None and was_empty:  # a prompt into an empty cache: its keys are the call's own rows
         k_rows_all, v_rows_all = k_rows, v_rows
-    elif len(layer.host_lengths) == 1:  # one request: its cached rows are a view, no copy
+    elif len(layer.host_lengths) == 1:  # one request: its cached rows are a view, no copy (of a float cache)
         k_rows_all, v_rows_all = k_cache[0, : layer.host_lengths[0]], v_cache[0, : layer.host_lengths[0]]
     else:  # requests' cached rows gathered back to back, as prefill_attention takes them
         mask = torch.arange(k_cache.shape[1], device=rows.counts.device)[None, :] < layer.lengths[:, None]
-        k_rows_all, v_rows_all = k_cache[mask], v_cache[mask]
+        k_rows_all, v_rows_all = _masked_rows(k_cache, mask), _masked_rows(v_cache, mask)
+    k_rows_all = layer.float_rows(k_rows_all, k_offsets, q_rows.dtype)
+    v_rows_all = layer.float_rows(v_rows_all, module.v_offsets, q_rows.dtype)
     out = ops.prefill_attention(q_rows, k_rows_all, v_rows_all, rows.cu, cu_k, k_offsets, module.v_offsets, G,
                                 scale, True, **variant)
     if module.eviction is not None and was_empty:  # the prompt is processed: keep what its last queries attend to
         _evict(module, layer, q_rows, rows, k_cache, k_offsets)
     return out
+
+
+def _masked_rows(cache: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """cache[mask] for a (B, capacity, width) cache and a (B, capacity) mask; a quantized cache's rows are taken as
+    bytes (torch indexes no float8 on the CPU)."""
+    if cache.dtype in ops.QUANTIZED_CACHE_DTYPES:
+        return cache.view(torch.uint8)[mask].view(cache.dtype)
+    return cache[mask]
 
 
 def _evict(module, layer: CompressedKVLayer, q_rows, rows: CallRows, k_cache, k_offsets) -> None:
@@ -660,7 +692,8 @@ class PaluAttention(_CompressedAttentionBase):
         q, _ = self._apply_rope(q, q, cos, sin)
         rows = self._padding.rows(B, S, hidden_states.device)
         valid = rows.valid if rows.valid is not None else torch.ones(B, S, dtype=torch.bool, device=q.device)
-        layer = None if cache is None else _cache_layer(cache, self.layer_idx, *self.cache_offsets(), self.window_left)
+        layer = None if cache is None else _cache_layer(cache, self.layer_idx, *self.cache_offsets(),
+                                                         self.window_left, self.kv_dtype)
         if isinstance(layer, StaticCompressedKVLayer):
             raise NotImplementedError("fdc_ops.hf.modules.PaluAttention: the Palu baseline runs with a dynamic cache "
                                       "only (it rebuilds keys from a latent whose used length it reads on the host); "
