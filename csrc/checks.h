@@ -277,6 +277,15 @@ inline KvFormat check_cache_dtype(const char* op, const at::Tensor& k_cache, con
   return st == at::kChar ? KvFormat::kInt8 : st == at::kFloat8_e4m3fn ? KvFormat::kFp8E4M3 : KvFormat::kFloat;
 }
 
+// A quantized cache's float32 scales need 4-byte alignment: its start and its strides between requests (or pages) and
+// rows; a page starts its scales at width * page_size bytes, a multiple of 8, and a row at width, also one.
+inline void check_scale_alignment(const char* op, const char* name, const at::Tensor& t, bool paged) {
+  FDC_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % kKvScaleBytes == 0 && t.stride(0) % kKvScaleBytes == 0 &&
+                (paged || t.stride(1) % kKvScaleBytes == 0),
+            op, name, " is a quantized cache, whose float32 scales need 4-byte alignment: its start and strides ",
+            t.strides(), " must be multiples of 4 bytes");
+}
+
 // A K/V cache pair for activations of dtype `activation` (check_cache_dtype), contiguous (B, S_max, width) with
 // unit-stride rows, or paged (num_pages, width, page_size) with a block table, width being kv_stored_width of the
 // layout's: the data columns, then a quantized cache's float32 scales, which must lie on 4-byte boundaries. Returns
@@ -290,14 +299,8 @@ inline CacheShape check_cache(const char* op, const at::Tensor& k_cache, const a
   const int64_t k_width = kv_stored_width(layout.qk_width(), heads, shape.format);
   const int64_t v_width = kv_stored_width(layout.v_width(), heads, shape.format);
   if (shape.format != KvFormat::kFloat) {
-    for (const auto& [name, t] :
-         {std::pair<const char*, const at::Tensor&>{"k_cache", k_cache}, {"v_cache", v_cache}}) {
-      // Pages start their scales at width * page_size bytes, a multiple of 8; rows at width, also one.
-      FDC_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % kKvScaleBytes == 0 && t.stride(0) % kKvScaleBytes == 0 &&
-                    (block_table || t.stride(1) % kKvScaleBytes == 0),
-                op, name, " is a quantized cache, whose float32 scales need 4-byte alignment: its start and strides ",
-                t.strides(), " must be multiples of 4 bytes");
-    }
+    check_scale_alignment(op, "k_cache", k_cache, block_table.has_value());
+    check_scale_alignment(op, "v_cache", v_cache, block_table.has_value());
   }
   if (block_table) {
     shape.paged = check_paged(op, *block_table, k_cache, v_cache, batch, k_width, v_width);
@@ -339,8 +342,9 @@ struct PrefillInputs {
   HostLayout layout;
   int64_t batch = 0;
   std::vector<int32_t> cu_q, cu_k;
-  PagedCache paged;        // page_size 0 when k and v are packed rows
-  at::Tensor block_table;  // contiguous, on k's device; undefined when packed
+  PagedCache paged;                    // page_size 0 when k and v are packed rows
+  at::Tensor block_table;              // contiguous, on k's device; undefined when packed
+  KvFormat format = KvFormat::kFloat;  // a paged cache may be quantized (fdc/kv_format.h)
   bool is_paged() const { return paged.page_size > 0; }
 };
 
@@ -358,14 +362,21 @@ inline PrefillInputs check_prefill_inputs(const char* op, const at::Tensor& q, c
   check_window(op, window_left);  // the block-table entries checked below depend on it
   in.layout = read_layout(op, qk_offsets, &v_offsets, group);
   check_float(op, "q", q, 2);
-  FDC_CHECK(!k.defined() || !is_quantized_cache_dtype(k.scalar_type()), op, "k is a quantized cache (",
-            quantized_name(k.scalar_type()),
-            "), which prefill_attention does not read yet: its keys must be float32, "
-            "float16 or bfloat16");
-  check_float(op, "k", k, block_table ? 3 : 2);
-  check_float(op, "v", v, block_table ? 3 : 2);
-  check_same_dtype(op, "k", k, "q", q);
-  check_same_dtype(op, "v", v, "q", q);
+  if (k.defined() && is_quantized_cache_dtype(k.scalar_type())) {
+    FDC_CHECK(block_table.has_value(), op, "k is quantized (", quantized_name(k.scalar_type()),
+              "): quantized keys are read from a paged cache (block_table), packed rows must be float32, float16 or "
+              "bfloat16");
+    FDC_CHECK(v.defined() && v.dim() == 3, op, "v must be a paged cache (num_pages, width, page_size) beside k");
+    check_same_dtype(op, "v", v, "k", k);
+    in.format = k.scalar_type() == at::kChar ? KvFormat::kInt8 : KvFormat::kFp8E4M3;
+    check_scale_alignment(op, "k", k, true);
+    check_scale_alignment(op, "v", v, true);
+  } else {
+    check_float(op, "k", k, block_table ? 3 : 2);
+    check_float(op, "v", v, block_table ? 3 : 2);
+    check_same_dtype(op, "k", k, "q", q);
+    check_same_dtype(op, "v", v, "q", q);
+  }
   check_same_device(op, "k", k, "q", q);
   check_same_device(op, "v", v, "q", q);
   check_width(op, "q", q, group * in.layout.qk_width(), "group * qk_offsets[-1]");
@@ -380,7 +391,9 @@ inline PrefillInputs check_prefill_inputs(const char* op, const at::Tensor& q, c
     in.cu_k = read_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, in.batch, k.size(0), "k");
     return in;
   }
-  in.paged = check_paged(op, *block_table, k, v, in.batch, in.layout.qk_width(), in.layout.v_width(), "k", "v");
+  const int64_t heads = in.layout.num_kv_heads();
+  in.paged = check_paged(op, *block_table, k, v, in.batch, kv_stored_width(in.layout.qk_width(), heads, in.format),
+                         kv_stored_width(in.layout.v_width(), heads, in.format), "k", "v");
   const int64_t capacity = in.paged.max_pages * in.paged.page_size;
   in.cu_k = read_cu_seqlens(op, "cu_seqlens_k", cu_seqlens_k, in.batch, INT32_MAX, "a paged cache");
   in.block_table = block_table->contiguous();

@@ -27,8 +27,8 @@ head, a float32 scale (the head's largest magnitude in the row over 127 or 448),
 follow the data columns: a contiguous row is ``width`` codes then ``H_kv`` float32 scales (``4 * H_kv`` bytes); a page
 is ``width`` rows of codes then the scales as ``H_kv`` runs of ``page_size`` float32 (``4 * H_kv`` byte rows), so one
 block table addresses both. :func:`cache_width` gives a cache's last (contiguous) or middle (paged) size.
-:func:`append_kv` quantizes as it writes and :func:`decode_attention` reads the codes in place (on the CPU; the CUDA
-ops and :func:`prefill_attention` take float caches only, so far).
+:func:`append_kv` quantizes as it writes, :func:`decode_attention` reads the codes in place and
+:func:`prefill_attention` reads quantized pages (on the CPU; the CUDA ops take float caches only, so far).
 
 Schedules are int32 tensors whose format is documented in include/fdc/prefill_plan.h and decode_plan.h;
 :mod:`fdc_ops.plans` decodes and builds them (``DecodePlan`` / ``PrefillPlan``).
@@ -231,9 +231,11 @@ def prefill_attention(
     Args:
         q: ``(T_q, G * qk_offsets[-1])`` compressed queries.
         k: ``(T_k, qk_offsets[-1])`` compressed keys, or with ``block_table`` a paged key cache
-            ``(num_pages, qk_offsets[-1], page_size)`` (the layout of :func:`decode_attention` and :func:`append_kv`).
+            ``(num_pages, cache_width(qk_offsets, dtype), page_size)`` (the layout of :func:`decode_attention` and
+            :func:`append_kv`), of ``q``'s dtype or quantized (int8 or float8_e4m3fn, CPU only: dequantized as its
+            key blocks are packed).
         v: ``(T_k, v_offsets[-1])`` compressed values, or with ``block_table`` a paged value cache
-            ``(num_pages, v_offsets[-1], page_size)``.
+            ``(num_pages, cache_width(v_offsets, dtype), page_size)``, the dtype of ``k``.
         cu_seqlens_q, cu_seqlens_k: ``(B + 1,)`` int32 sequence boundaries in ``q`` and in ``k``/``v``; with
             ``block_table``, ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]`` is request ``b``'s key count ``s_k``, its keys
             being positions ``0 .. s_k - 1`` of its pages (a cached prefix and this call's new rows, appended first).

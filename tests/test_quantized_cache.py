@@ -168,6 +168,43 @@ def test_decode_attention_reads_quantized_caches(case, paged, isa, monkeypatch):
                               f"decode_attention {fmt} paged={paged} read_ahead={read_ahead!r} {variants} {replay}")
 
 
+@pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("case", range(CASES // 3))
+def test_prefill_attention_reads_quantized_pages(case, isa, monkeypatch):
+    """New tokens after a cached prefix, every key and value in a quantized paged cache (append_kv wrote them all,
+    prefix and new rows, as a chunked prefill does), causal, sometimes windowed: the float64 reference's attention
+    over the dequantized pages; unused slots poisoned."""
+    monkeypatch.setenv("FDC_CPU_ISA", isa)
+    gen, rng, replay = case_generator("quantized prefill_attention", case)
+    layout = random_layout(rng, max_kv_heads=5, max_group=6)
+    fmt, dtype = rng.choice(FORMATS), rng.choice(DTYPES)
+    batch = rng.randint(1, 4)
+    new = random_lengths(rng, batch, choices=(0, 1, 7, 33, 80))
+    prefix = random_lengths(rng, batch, choices=(0, 5, 64, 300))
+    keys = [p + n for p, n in zip(prefix, new)]
+    capacity = max(keys) + rng.randint(0, 9)
+    page_size = rng.choice([1, 3, 16, 64, 256])
+    block_table, num_pages = random_block_table(keys, capacity, page_size, rng)
+    k_pages, v_pages = _empty_cache(layout.qk_offsets, layout.v_offsets, fmt, batch, capacity, block_table, num_pages,
+                                    page_size)
+    cu_k = offsets(keys)
+    ops.append_kv(k_pages, v_pages, randn((int(cu_k[-1]), layout.qk_width), dtype, gen),
+                  randn((int(cu_k[-1]), layout.v_width), dtype, gen), cu_k, torch.zeros(batch, dtype=torch.int32),
+                  layout.qk_offsets, layout.v_offsets, block_table)
+    cu_q = offsets(new)
+    q = randn((int(cu_q[-1]), layout.group * layout.qk_width), dtype, gen)
+    window_left = rng.choice([-1, -1, 20])
+    args = (layout.qk_offsets, layout.v_offsets, layout.group, rng.uniform(0.05, 0.5), True)
+    out = ops.prefill_attention(q, k_pages, v_pages, cu_q, cu_k, *args, window_left=window_left,
+                                block_table=block_table)
+    k_float = reference.dequantize_cache_ref(k_pages, layout.qk_offsets, paged=True)
+    v_float = reference.dequantize_cache_ref(v_pages, layout.v_offsets, paged=True)
+    ref_args = (q, k_float, v_float, cu_q, cu_k, *args, window_left, 0.0, None)
+    expected = reference.prefill_attention_ref(*ref_args, block_table=block_table)
+    torch_lowp = reference.prefill_attention_ref(*ref_args, block_table=block_table, compute_dtype=dtype)
+    assert_close_to_reference(out, expected, torch_lowp, f"prefill over {fmt} pages window={window_left} {replay}")
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantized_decode_stays_near_the_float_cache(fmt):
     """What quantization costs the attention itself: against the same rows in a float32 cache, the output's error
@@ -235,12 +272,11 @@ def test_quantized_cache_errors():
                                            r"int8 or float8_e4m3fn"):
         ops.decode_attention(q, torch.zeros(1, 4, 24, dtype=torch.uint8), torch.zeros(1, 4, 24, dtype=torch.uint8),
                              seqlens, qk_offsets, v_offsets, 1, 0.3)
-    pages = torch.zeros(2, 32, 4, dtype=torch.int8)
+    rows = torch.zeros(2, 32, dtype=torch.int8)
     cu = torch.tensor([0, 2], dtype=torch.int32)
-    with pytest.raises(RuntimeError, match=r"fdc::prefill_attention: k is a quantized cache \(int8\), which "
-                                           r"prefill_attention does not read yet"):
-        ops.prefill_attention(torch.randn(2, 24), pages, pages, cu, cu, qk_offsets, v_offsets, 1, 0.3, True,
-                              block_table=torch.tensor([[0]], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match=r"fdc::prefill_attention: k is quantized \(int8\): quantized keys are "
+                                           r"read from a paged cache \(block_table\)"):
+        ops.prefill_attention(torch.randn(2, 24), rows, rows, cu, cu, qk_offsets, v_offsets, 1, 0.3, True)
 
 
 def test_eviction_refuses_quantized_caches():

@@ -4,9 +4,11 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
 #include <optional>
+#include <type_traits>
 
 #include "checks.h"
 #include "dispatch.h"
@@ -50,6 +52,10 @@ enum class CpuIsa { kPortable = 0, kAvx512 = 1, kAvx512Bf16 = 2 };
 // avx512bf16; read at every call, so tests and benchmarks can compare the paths in one process). `op` names the
 // caller in the error raised for any other value.
 CpuIsa cpu_isa(const char* op);
+
+// int8 and float8_e4m3fn: the element types of quantized caches (fdc/kv_format.h), whose rows end in scales.
+template <typename T>
+constexpr bool kQuantized = std::is_same_v<T, int8_t> || std::is_same_v<T, c10::Float8_e4m3fn>;
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }

@@ -37,10 +37,6 @@ struct FloatRows {
   int64_t stride;
 };
 
-// int8 and float8_e4m3fn: the element types of quantized caches (fdc/kv_format.h), whose rows end in scales.
-template <typename T>
-constexpr bool kQuantized = std::is_same_v<T, int8_t> || std::is_same_v<T, c10::Float8_e4m3fn>;
-
 // One cache (K or V): contiguous (B, S_max, stored) or paged (num_pages, stored, page_size) with a block table, the
 // `stored` columns being the `width` data columns, then, for a quantized cache, one float32 scale per KV head.
 template <typename T>

@@ -225,7 +225,8 @@ PackedKV<T> pack_kv(const at::Tensor& k, const at::Tensor& v, const std::vector<
 // block_table[b][t / P], and its head j's columns are rows qk_offsets[j] .. of that page (v_offsets[j] .. for v), so
 // a page's keys of one column are contiguous. Only keys from the sequence's first query's window start on are read
 // (the pages before it need not exist); the blocks start at the block holding that key, zero before it and past the
-// sequence's last key.
+// sequence's last key. A quantized cache (S int8 or float8_e4m3fn: fdc/kv_format.h) is dequantized as it is packed,
+// each key's codes times its scale, which follows the page's data rows.
 template <typename S, typename T>
 PackedKV<T> pack_kv_paged(const at::Tensor& k, const at::Tensor& v, const checks::PrefillInputs& in,
                           int64_t window_left) {
@@ -267,18 +268,35 @@ PackedKV<T> pack_kv_paged(const at::Tensor& k, const at::Tensor& v, const checks
         const int64_t page = table[b * in.paged.max_pages + key / page_size];
         const S* k_src = k_data + page * k.stride(0) + layout.qk_offsets[j] * page_size + slot;
         const S* v_src = v_data + page * v.stride(0) + layout.v_offsets[j] * page_size + slot;
+        // A quantized page's scales of head j for the run's keys (unused for a float cache).
+        float k_scale[kKeyBlock], v_scale[kKeyBlock];
+        if constexpr (kQuantized<S>) {
+          const float* ks = reinterpret_cast<const float*>(k_data + page * k.stride(0) + layout.qk_width() * page_size);
+          const float* vs = reinterpret_cast<const float*>(v_data + page * v.stride(0) + layout.v_width() * page_size);
+          for (int64_t i = 0; i < run; ++i) {
+            k_scale[i] = ks[j * page_size + slot + i];
+            v_scale[i] = vs[j * page_size + slot + i];
+          }
+        }
+        const auto value = [](S x, const float* scales, int64_t i) {
+          if constexpr (kQuantized<S>) {
+            return static_cast<T>(static_cast<float>(x) * scales[i]);
+          } else {
+            return static_cast<T>(x);
+          }
+        };
         const int64_t block = (key - key0) / kKeyBlock;
         T* k_dst = k_out + packed.k_base[task] + block * kKeyBlock * dq;
         T* v_dst = v_out + packed.v_base[task] + block * kKeyBlock * dvp;
         for (int64_t c = 0; c < dq; ++c) {  // K^T block element (c, key) at (c / P, key, c % P)
           T* dst = k_dst + (c / kPair) * kKeyBlock * kPair + in_block * kPair + c % kPair;
           const S* src = k_src + c * page_size;
-          for (int64_t i = 0; i < run; ++i) dst[i * kPair] = static_cast<T>(src[i]);
+          for (int64_t i = 0; i < run; ++i) dst[i * kPair] = value(src[i], k_scale, i);
         }
         for (int64_t i = 0; i < run; ++i) {  // V block element (key, x) at (key / P, x, key % P)
           const int64_t kk = in_block + i;
           T* dst = v_dst + (kk / kPair) * dvp * kPair + kk % kPair;
-          for (int64_t x = 0; x < dv; ++x) dst[x * kPair] = static_cast<T>(v_src[x * page_size + i]);
+          for (int64_t x = 0; x < dv; ++x) dst[x * kPair] = value(v_src[x * page_size + i], v_scale, i);
         }
         key += run;
       }
@@ -486,10 +504,19 @@ at::Tensor prefill_attention_cpu(const at::Tensor& q, const at::Tensor& k, const
   const CpuIsa isa = cpu_isa(op);
   const bool avx512 = isa >= CpuIsa::kAvx512;
   const float fscale = static_cast<float>(scale);
+  // A paged cache's keys packed as T from its own elements (S: q's dtype, or a quantized format's codes).
+  const auto paged_kv = [&]<typename S, typename T>() -> PackedKV<T> {
+    switch (in.format) {
+      case KvFormat::kInt8: return pack_kv_paged<int8_t, T>(k, v, in, window_left);
+      case KvFormat::kFp8E4M3: return pack_kv_paged<c10::Float8_e4m3fn, T>(k, v, in, window_left);
+      case KvFormat::kFloat: break;
+    }
+    return pack_kv_paged<S, T>(k, v, in, window_left);
+  };
   if (q.scalar_type() == at::kBFloat16 && isa == CpuIsa::kAvx512Bf16 && bf16_brgemm_runs()) {
     using BF16 = c10::BFloat16;
     const PackedKV<BF16> kv =
-        in.is_paged() ? pack_kv_paged<BF16, BF16>(k, v, in, window_left)
+        in.is_paged() ? paged_kv.template operator()<BF16, BF16>()
                       : pack_kv<BF16>(checks::unit_last_stride(k), checks::unit_last_stride(v), cu_k, layout);
     run_plan<BF16, BF16>(view, checks::unit_last_stride(q), kv, cu_q, cu_k, layout, causal, fscale, variant, avx512,
                          out);
@@ -498,7 +525,7 @@ at::Tensor prefill_attention_cpu(const at::Tensor& q, const at::Tensor& k, const
   // Float32 operands (float32 row-strided inputs are used in place; a paged cache is converted as it is packed).
   const at::Tensor qf = checks::unit_last_stride(q.to(at::kFloat));
   FDC_DISPATCH_FLOAT_TYPES(q.scalar_type(), "fdc::prefill_attention", [&] {
-    const PackedKV<float> kv = in.is_paged() ? pack_kv_paged<scalar_t, float>(k, v, in, window_left)
+    const PackedKV<float> kv = in.is_paged() ? paged_kv.template operator()<scalar_t, float>()
                                              : pack_kv<float>(checks::unit_last_stride(k.to(at::kFloat)),
                                                               checks::unit_last_stride(v.to(at::kFloat)), cu_k, layout);
     run_plan<float, scalar_t>(view, qf, kv, cu_q, cu_k, layout, causal, fscale, variant, avx512, out);

@@ -168,6 +168,8 @@ at::Tensor prefill_attention_cuda(const at::Tensor& q, const at::Tensor& k, cons
   // used as they are: no copy either way.
   const checks::PrefillInputs in = checks::check_prefill_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, qk_offsets,
                                                                 v_offsets, group, scale, block_table, window_left);
+  FDC_CHECK(in.format == KvFormat::kFloat, op, "k is a quantized cache (", checks::quantized_name(k.scalar_type()),
+            "), which the CUDA prefill_attention does not read yet: use float32, float16 or bfloat16 caches there");
   const checks::HostLayout& layout = in.layout;
   const checks::AttentionVariant variant =
       checks::check_attention_variant(op, window_left, softcap, sinks, q, layout.num_heads());
