@@ -257,6 +257,10 @@ struct CacheShape {
 };
 
 inline bool is_quantized_cache_dtype(at::ScalarType t) { return t == at::kChar || t == at::kFloat8_e4m3fn; }
+// The format of a cache of dtype t: int8, float8_e4m3fn, or any other (float) dtype.
+inline KvFormat kv_format_of(at::ScalarType t) {
+  return t == at::kChar ? KvFormat::kInt8 : t == at::kFloat8_e4m3fn ? KvFormat::kFp8E4M3 : KvFormat::kFloat;
+}
 // A quantized cache dtype as torch spells it in Python.
 inline const char* quantized_name(at::ScalarType t) { return t == at::kChar ? "int8" : "float8_e4m3fn"; }
 
@@ -274,7 +278,7 @@ inline KvFormat check_cache_dtype(const char* op, const at::Tensor& k_cache, con
             dtype_name(st));
   check_same_dtype(op, "v_cache", v_cache, "k_cache", k_cache);
   check_same_device(op, "v_cache", v_cache, "k_cache", k_cache);
-  return st == at::kChar ? KvFormat::kInt8 : st == at::kFloat8_e4m3fn ? KvFormat::kFp8E4M3 : KvFormat::kFloat;
+  return kv_format_of(st);
 }
 
 // A quantized cache's float32 scales need 4-byte alignment: its start and its strides between requests (or pages) and
@@ -368,7 +372,7 @@ inline PrefillInputs check_prefill_inputs(const char* op, const at::Tensor& q, c
               "bfloat16");
     FDC_CHECK(v.defined() && v.dim() == 3, op, "v must be a paged cache (num_pages, width, page_size) beside k");
     check_same_dtype(op, "v", v, "k", k);
-    in.format = k.scalar_type() == at::kChar ? KvFormat::kInt8 : KvFormat::kFp8E4M3;
+    in.format = kv_format_of(k.scalar_type());
     check_scale_alignment(op, "k", k, true);
     check_scale_alignment(op, "v", v, true);
   } else {
@@ -411,8 +415,8 @@ inline PrefillInputs check_prefill_inputs(const char* op, const at::Tensor& q, c
 }
 
 // decode_attention's tensors: q (B, G * W_qk) and a K/V cache pair on q's device, of its dtype or quantized
-// (check_cache), and the
-// scale. Returns the validated layout and the cache's shape; cache_seqlens is read by each backend.
+// (check_cache), and the scale. Returns the validated layout and the cache's shape; cache_seqlens is read by each
+// backend.
 struct DecodeInputs {
   HostLayout layout;
   int64_t batch = 0;

@@ -149,7 +149,7 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
   // int16 (dot_rows_s8), the values against the weights as int16 (axpy_rows_s8). Their 15 bits are finer than
   // half-precision queries (8 or 11 bits) and than the bf16 weights of the bf16 path; float32 queries keep the float
   // products, as the tests hold them to float32's accuracy. Measured with bench_ops --phase quantized (B=4 x 8K and
-  // B=8 x 16K, bf16, 2-core Intel Xeon): 1.26-1.30x the bf16 cache's speed, against 1.08-1.13x widening to float.
+  // B=8 x 16K, bf16, 2-core Intel Xeon): 1.32-1.33x the bf16 cache's speed, against 1.08-1.13x widening to float.
   const bool int8_rows = std::is_same_v<C, int8_t> && !std::is_same_v<T, float> && bf16_dot && !kc.paged();
   if (int8_rows) quantize_queries_int16(ws.q.data(), layout, ws.q_int16.data(), ws.q_scale.data());
   std::fill(ws.acc.begin(), ws.acc.end(), 0.f);

@@ -268,15 +268,13 @@ PackedKV<T> pack_kv_paged(const at::Tensor& k, const at::Tensor& v, const checks
         const int64_t page = table[b * in.paged.max_pages + key / page_size];
         const S* k_src = k_data + page * k.stride(0) + layout.qk_offsets[j] * page_size + slot;
         const S* v_src = v_data + page * v.stride(0) + layout.v_offsets[j] * page_size + slot;
-        // A quantized page's scales of head j for the run's keys (unused for a float cache).
-        float k_scale[kKeyBlock], v_scale[kKeyBlock];
+        // A quantized page's scales of head j from the run's first key on (none for a float cache).
+        const float* k_scale = nullptr;
+        const float* v_scale = nullptr;
         if constexpr (kQuantized<S>) {
-          const float* ks = reinterpret_cast<const float*>(k_data + page * k.stride(0) + layout.qk_width() * page_size);
-          const float* vs = reinterpret_cast<const float*>(v_data + page * v.stride(0) + layout.v_width() * page_size);
-          for (int64_t i = 0; i < run; ++i) {
-            k_scale[i] = ks[j * page_size + slot + i];
-            v_scale[i] = vs[j * page_size + slot + i];
-          }
+          const int64_t first = j * page_size + slot;
+          k_scale = reinterpret_cast<const float*>(k_data + page * k.stride(0) + layout.qk_width() * page_size) + first;
+          v_scale = reinterpret_cast<const float*>(v_data + page * v.stride(0) + layout.v_width() * page_size) + first;
         }
         const auto value = [](S x, const float* scales, int64_t i) {
           if constexpr (kQuantized<S>) {
