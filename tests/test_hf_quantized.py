@@ -1,7 +1,8 @@
 """hf.compress(..., kv_dtype=torch.int8 / torch.float8_e4m3fn): the compressed cache stored quantized (fdc_ops.ops,
-quantized caches). The prompt's own call is untouched (it attends its own rows); later calls read the quantized rows,
-one token at a time (decode_attention) or several (the cached rows dequantized for prefill_attention), close to the
-float cache; the cache holds the bytes it should; what is not supported yet is refused by name."""
+quantized caches), its kept dims mixed by a rotation folded into the weights. The prompt's own call sees no
+quantization (it attends its own rows); later calls read the quantized rows, one token at a time (decode_attention)
+or several (the cached rows dequantized for prefill_attention), close to the float cache; the cache holds the bytes
+it should; what is not supported yet is refused by name."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from conftest import case_generator
 from fdc_ops import hf, ops
+from fdc_ops.artifact import mix_kept_columns
 from fdc_ops.hf.modules import CompressedKVLayer
 from test_hf import calibrated, left_padded
 
@@ -28,30 +30,35 @@ def _steps(model, ids, mask, steps: int, chunk: int):
     generator = torch.Generator().manual_seed(1)
     cache = transformers.DynamicCache()
     logits = []
-    with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    with torch.no_grad():  # positions count each request's real tokens, as generate() numbers them (Palu needs it)
+        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True,
+                    position_ids=(mask.cumsum(1) - 1).clamp_min(0))
         logits.append(out.logits[:, -1])
         for count in [chunk] + [1] * steps:
             new = torch.randint(1, model.config.vocab_size, (ids.shape[0], count), generator=generator)
             mask = torch.cat([mask, torch.ones_like(new)], dim=1)
-            out = model(input_ids=new, attention_mask=mask, past_key_values=cache, use_cache=True)
+            out = model(input_ids=new, attention_mask=mask, past_key_values=cache, use_cache=True,
+                        position_ids=mask.cumsum(1)[:, -count:] - 1)
             logits.append(out.logits[:, -1])
     return logits, cache
 
 
+@pytest.mark.parametrize("method", ["fdc", "palu"])  # FDC's rows; Palu's key latent and values (the paper's KVQ-P)
 @pytest.mark.parametrize("kv_dtype", FORMATS)
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_a_quantized_cache_stays_near_the_float_cache(family, kv_dtype):
-    generator, rng, replay = case_generator(f"hf quantized cache {kv_dtype}", ["llama", "qwen3"].index(family))
+def test_a_quantized_cache_stays_near_the_float_cache(family, kv_dtype, method):
+    generator, rng, replay = case_generator(f"hf quantized cache {kv_dtype} {method}",
+                                            ["llama", "qwen3"].index(family))
     model, artifact = calibrated(family, rng.randrange(1000))
-    allocation = hf.compress(model, artifact, compression=rng.choice([0.2, 0.4]))
+    allocation = hf.compress(model, artifact, compression=rng.choice([0.2, 0.4]), method=method)
     ids, mask = left_padded(generator, model.config.vocab_size, [rng.randrange(3, 20) for _ in range(3)])
     expected, float_cache = _steps(model, ids, mask, steps=4, chunk=3)
     hf.restore(model)
-    hf.compress(model, artifact, allocation=allocation, kv_dtype=kv_dtype)
+    hf.compress(model, artifact, allocation=allocation, kv_dtype=kv_dtype, method=method)
     actual, cache = _steps(model, ids, mask, steps=4, chunk=3)
 
-    assert torch.equal(actual[0], expected[0]), f"the prompt's own call must not see the quantization {replay}"
+    # the prompt's own call does not see the quantization, only the mixing's rounding (artifact.mix_kept_columns)
+    torch.testing.assert_close(actual[0], expected[0], rtol=1e-5, atol=1e-5, msg=replay)
     for step, (got, want) in enumerate(zip(actual[1:], expected[1:])):
         error = float((got - want).abs().max() / want.abs().max())
         assert 0 < error < LOGIT_ERROR[kv_dtype], f"call {step + 1}: logit error {error:.4f} {kv_dtype} {replay}"
@@ -69,12 +76,29 @@ def test_a_quantized_cache_stays_near_the_float_cache(family, kv_dtype):
     assert hf.kv_cache_nbytes(cache) == floats + sum(t * 8 * heads for t in tokens)
 
 
+def test_mixing_keeps_every_product_and_spreads_the_kept_dims():
+    generator = torch.Generator().manual_seed(11)
+    dims = [8, 24, 16]
+    query_side, key_side = (torch.randn(3, 32, 24, dtype=torch.float64, generator=generator) for _ in range(2))
+    mixed_q, mixed_k = (mix_kept_columns(basis, dims, "qk 4") for basis in (query_side, key_side))
+    for head, width in enumerate(dims):
+        kept = slice(0, width)
+        torch.testing.assert_close(mixed_q[head, :, kept] @ mixed_k[head, :, kept].T,
+                                   query_side[head, :, kept] @ key_side[head, :, kept].T)
+        assert torch.equal(mixed_q[head, :, width:], query_side[head, :, width:])  # past the width: untouched
+        assert not torch.allclose(mixed_q[head, :, kept], query_side[head, :, kept])
+    assert torch.equal(mix_kept_columns(query_side, dims, "qk 4"), mixed_q)  # fixed: every integration mixes alike
+    assert not torch.allclose(mix_kept_columns(query_side, dims, "qk 5"), mixed_q)
+    # an outlier dim is spread: a row that is one spike has its largest value cut from 1 to about 1/sqrt(width)
+    spike = torch.zeros(1, 32, 24, dtype=torch.float64)
+    spike[0, 0, 0] = 1.0
+    assert float(mix_kept_columns(spike, [24], "v 0")[0, 0].abs().max()) < 0.7
+
+
 def test_kv_dtype_refusals():
     model, artifact = calibrated("llama", 3)
     with pytest.raises(ValueError, match=r"fdc_ops.hf.compress: kv_dtype must be None .* got torch.uint8"):
         hf.compress(model, artifact, compression=0.2, kv_dtype=torch.uint8)
-    with pytest.raises(NotImplementedError, match="fdc_ops.hf.compress: kv_dtype with method='palu'"):
-        hf.compress(model, artifact, compression=0.2, method="palu", kv_dtype=torch.int8)
     with pytest.raises(NotImplementedError, match="fdc_ops.hf.compress: kv_dtype with eviction"):
         hf.compress(model, artifact, compression=0.2, kv_dtype=torch.int8, eviction="snapkv", keep=0.5)
     hf.compress(model, artifact, compression=0.2, kv_dtype=torch.int8)

@@ -28,8 +28,9 @@ head choosing its own tokens (the packed cache chooses once per layer), measured
 model's attention. A point's compression is the share of the prompt's KV bytes removed. ``--metric retrieval`` asks
 for a number stated once early in a held-out text of 1400 tokens (what eviction loses that perplexity hides); the
 same methods run on it. Quantized caches (``KVQ int8`` / ``KVQ e4m3`` alone at full widths, ``KVQ-F int8`` /
-``KVQ-F e4m3`` under FDC's widths) run on both long-context metrics too; their compression counts the cache's bytes
-(a byte per element and its scales) against a 16-bit cache.
+``KVQ-F e4m3`` under FDC's widths, ``KVQ-P int8`` under Palu's) run on both long-context metrics too; their
+compression counts the cache's bytes (a byte per element and its scales) against a 16-bit cache. Formats below 8
+bits are simulated (``... (simulated)``, apps/quantization_simulation.py), to choose one by measurement.
 
 Every evaluation is appended to ``<out>/<model>-eval-<metric>-points.json`` as it finishes (keyed by the widths, so
 an interrupted run resumes and equal allocations are measured once, and tagged with its artifact's calibration
@@ -55,6 +56,7 @@ from ..hf import families, loading
 from . import metrics, provenance
 from .eviction_simulation import simulate_eviction
 from .metrics import best_compression
+from .quantization_simulation import QuantizationScheme, simulate_quantization
 
 METHODS = {
     "FDC (paper)": {"artifact": "activation", "rule": "singular_value"},
@@ -85,13 +87,53 @@ EVICTION = {
                                        "simulate": "per_head"},
 }
 # Quantized caches (fdc_ops.ops: a byte per element and a float32 scale per token and KV head), alone (full widths)
-# and under FDC's widths (the paper's KVQ-F, with 8-bit formats), on the long-context metrics, where later tokens read
-# the cache (the perplexity metric's one call never does). Their compression counts bytes against a 16-bit cache.
+# and under FDC's widths (the paper's KVQ-F, with 8-bit formats) or Palu's (KVQ-P: its key latent quantized), on the
+# long-context metrics, where later tokens read the cache (the perplexity metric's one call never does). Their
+# compression counts bytes against a 16-bit cache.
 QUANTIZATION = {
     "KVQ int8": {"artifact": "default", "kv_dtype": "int8", "uniform": True, "fixed": True},
     "KVQ-F int8": {"artifact": "default", "kv_dtype": "int8"},
     "KVQ e4m3": {"artifact": "default", "kv_dtype": "float8_e4m3fn", "uniform": True, "fixed": True},
     "KVQ-F e4m3": {"artifact": "default", "kv_dtype": "float8_e4m3fn"},
+    "KVQ-P int8": {"artifact": "default", "kv_dtype": "int8", "method": "palu"},
+}
+# Candidate formats below 8 bits, simulated (apps/quantization_simulation.py: rows quantized and dequantized as they
+# are cached, bytes counted as the format would store them) to choose the 4-bit format by measurement; "rotated":
+# mixed as hf.compress mixes a quantized cache, so "KVQ int8 rotated (simulated)" checks the simulation against the
+# real "KVQ int8", and "KVQ int8 (simulated)" is int8 without the mixing.
+SIMULATED_QUANTIZATION = {
+    "KVQ int8 (simulated)": {"artifact": "default", "scheme": QuantizationScheme(key_bits=8, value_bits=8),
+                             "uniform": True, "fixed": True},
+    "KVQ int4 (simulated)": {"artifact": "default", "scheme": QuantizationScheme(), "uniform": True, "fixed": True},
+    "KVQ int4 keys equalised (simulated)": {"artifact": "default", "scheme": QuantizationScheme(equalise="keys"),
+                                            "uniform": True, "fixed": True},
+    "KVQ int4 equalised (simulated)": {"artifact": "default", "scheme": QuantizationScheme(equalise="both"),
+                                       "uniform": True, "fixed": True},
+    "KVQ int4 KIVI (simulated)": {"artifact": "default", "scheme": QuantizationScheme(keys="channel"),
+                                  "uniform": True, "fixed": True},
+    "KVQ int4 sinks (simulated)": {"artifact": "default", "scheme": QuantizationScheme(sinks=4), "uniform": True,
+                                   "fixed": True},
+    "KVQ K4 (simulated)": {"artifact": "default", "scheme": QuantizationScheme(value_bits=16), "uniform": True,
+                           "fixed": True},
+    "KVQ V4 (simulated)": {"artifact": "default", "scheme": QuantizationScheme(key_bits=16), "uniform": True,
+                           "fixed": True},
+    "KVQ K8 V4 (simulated)": {"artifact": "default", "scheme": QuantizationScheme(key_bits=8), "uniform": True,
+                              "fixed": True},
+    "KVQ K4 rotated (simulated)": {"artifact": "default", "scheme": QuantizationScheme(value_bits=16, rotate="keys"),
+                                   "uniform": True, "fixed": True},
+    "KVQ V4 rotated (simulated)": {"artifact": "default", "scheme": QuantizationScheme(key_bits=16, rotate="both"),
+                                   "uniform": True, "fixed": True},
+    "KVQ K4 KIVI V8 (simulated)": {"artifact": "default", "scheme": QuantizationScheme(keys="channel", value_bits=8),
+                                   "uniform": True, "fixed": True},
+    "KVQ int8 rotated (simulated)": {"artifact": "default",
+                                     "scheme": QuantizationScheme(key_bits=8, value_bits=8, rotate="both"),
+                                     "uniform": True, "fixed": True},
+    "KVQ int4 rotated (simulated)": {"artifact": "default", "scheme": QuantizationScheme(rotate="both"),
+                                     "uniform": True, "fixed": True},
+    "KVQ-F int4 rotated (simulated)": {"artifact": "default", "scheme": QuantizationScheme(rotate="both")},
+    "KVQ K4 rotated V8 (simulated)": {"artifact": "default",
+                                      "scheme": QuantizationScheme(value_bits=8, rotate="keys"), "uniform": True,
+                                      "fixed": True},
 }
 LONG_CONTEXT_METHODS = ("FDC (defaults)", "Palu", "Keyformer", "KF-F", "KF-P")  # the paper's combination table
 LONG_PROMPT, LONG_SCORED = 1536, 256  # tokens of each window's prompt and of its scored continuation
@@ -117,6 +159,22 @@ def quantized_dimension_budget(compression: float, head_dim: int) -> float:
     """The dimension compression whose quantized cache removes ``compression`` of the 16-bit bytes (the inverse of
     quantized_compression), 0 below what quantization alone removes."""
     return max(0.0, 1.0 - 2.0 * (1.0 - compression - 2.0 / head_dim))
+
+
+def scheme_dimension_budget(scheme: QuantizationScheme, compression: float, head_dim: int, tokens: int) -> float:
+    """The dimension compression whose cache in the simulated format ``scheme`` removes ``compression`` of a
+    ``tokens``-token request's 16-bit bytes (both halves at the same width), 0 below what the format alone removes."""
+    def removed(dims: float) -> float:
+        width = (1.0 - dims) * head_dim
+        return scheme.compression(width, width, head_dim, tokens)
+
+    low, high = 0.0, 1.0 - 1.0 / head_dim
+    if removed(low) >= compression:
+        return 0.0
+    for _ in range(60):  # bisection on a monotone function, to well below one width quantum
+        middle = (low + high) / 2
+        low, high = (middle, high) if removed(middle) < compression else (low, middle)
+    return high
 
 
 def uniform_allocation(shape, compression: float, multiple: int = 8) -> RankAllocation:
@@ -160,7 +218,7 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
     grid = tuple(grid or (LONG_GRID if long_context else GRID))
     if not grid or any(not 0.0 < budget < 1.0 for budget in grid):
         raise ValueError(f"fdc_ops.apps.eval.run: grid must be budgets in (0, 1), got {grid}")
-    table = {**METHODS, **ABLATIONS, **EVICTION, **QUANTIZATION}
+    table = {**METHODS, **ABLATIONS, **EVICTION, **QUANTIZATION, **SIMULATED_QUANTIZATION}
     methods = tuple(methods or (LONG_CONTEXT_METHODS if long_context else METHODS))
     unknown = [name for name in methods if name not in table]
     if unknown:
@@ -169,7 +227,7 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
     if evicting and not long_context:
         raise ValueError(f"fdc_ops.apps.eval.run: {evicting} evict after a prompt, which only the long-context "
                          f"metrics have; run them with metric in {LONG_CONTEXT_METRICS}")
-    quantizing = [name for name in methods if "kv_dtype" in table[name]]
+    quantizing = [name for name in methods if "kv_dtype" in table[name] or "scheme" in table[name]]
     if quantizing and not long_context:
         raise ValueError(f"fdc_ops.apps.eval.run: {quantizing} quantize the cache, which the {metric} metric never "
                          f"reads (one call per window); run them with metric in {LONG_CONTEXT_METRICS}")
@@ -196,6 +254,9 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
             return metrics.retrieval_accuracy(model, tokenizer, long_windows, progress=False)
         scores = metrics.humaneval_scores(model, tokenizer, tasks, max_new_tokens=max_new_tokens, progress=False)
         return scores["edit_similarity"]
+
+    def calibration_texts() -> list[torch.Tensor]:  # what a simulated format's channel statistics are measured on
+        return datasets.calibration_windows(*datasets.text_documents(tokenizer, text), 4, 1024)
 
     directory = Path(out)
     directory.mkdir(parents=True, exist_ok=True)
@@ -232,6 +293,13 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
             needed = 0.0 if settings.get("fixed") else quantized_dimension_budget(compression, shape.head_dim)
             allocation = allocation_for(settings, needed)
             return allocation, None, quantized_compression(allocation.compression_rate, shape.head_dim)
+        if "scheme" in settings:
+            scheme, prompt = settings["scheme"], LONG_PROMPT if metric == "long_perplexity" else RETRIEVAL_TOKENS
+            needed = 0.0 if settings.get("fixed") else scheme_dimension_budget(scheme, compression, shape.head_dim,
+                                                                                prompt)
+            allocation = allocation_for(settings, needed)
+            widths = (float(allocation.qk_dims.double().mean()), float(allocation.v_dims.double().mean()))
+            return allocation, None, scheme.compression(*widths, shape.head_dim, prompt)
         if split is None:
             allocation = allocation_for(settings, compression)
             return allocation, None, allocation.compression_rate
@@ -258,6 +326,13 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
             if settings.get("simulate"):
                 with simulate_eviction(model, policy, per_head=True):
                     score = measure()
+            elif "scheme" in settings:
+                hf.compress(model, artifacts[settings["artifact"]], allocation=allocation)
+                try:
+                    with simulate_quantization(model, settings["scheme"], calibration_texts()):
+                        score = measure()
+                finally:
+                    hf.restore(model)
             else:
                 kv_dtype = getattr(torch, settings["kv_dtype"]) if "kv_dtype" in settings else None
                 hf.compress(model, artifacts[settings["artifact"]], allocation=allocation,

@@ -49,10 +49,12 @@ def compress(model, artifact: artifacts.FDCArtifact | str, removal_rate: float |
     after each prompt, keep ``keep`` of its tokens in every layer's cache, chosen by ``"keyformer"`` or
     ``"snapkv"`` scores (or an fdc_ops.eviction.EvictionPolicy for its other settings; dynamic caches only, models
     without sliding windows). ``kv_dtype``: ``torch.int8`` or ``torch.float8_e4m3fn`` stores the compressed cache
-    quantized (a float32 scale per token and KV head, fdc_ops.ops; the CPU ops read it in place): the prompt's own
-    attention uses its unquantized rows, later tokens read the quantized ones (FDC on the CPU, dynamic caches, no
-    eviction, so far). Returns the allocation used. generate() and forward() work unchanged; fdc_ops.hf.restore
-    undoes it."""
+    quantized (a float32 scale per token and KV head, fdc_ops.ops; the CPU ops read it in place), each KV head's
+    kept dims mixed by a fixed random rotation folded into the weights, so that no outlier dim sets a row's scale
+    (artifacts.mix_kept_columns): the prompt's own attention uses its unquantized rows, later tokens read the
+    quantized ones (on the CPU, dynamic caches, no eviction, so far; Palu's latent and values are dequantized
+    whole at each call, as its keys are rebuilt whole: the paper's KVQ-P, for accuracy). Returns the allocation
+    used. generate() and forward() work unchanged; fdc_ops.hf.restore undoes it."""
     if not isinstance(method, str) or method not in METHODS:
         raise ValueError(f"fdc_ops.hf.compress: method must be one of {METHODS}, got {method!r}")
     if not hasattr(model, "get_decoder") or not hasattr(model, "config"):
@@ -87,8 +89,14 @@ def compress(model, artifact: artifacts.FDCArtifact | str, removal_rate: float |
         dtype, device = weights.q_weight.dtype, weights.q_weight.device
         qk_dims_l, v_dims_l = allocation.qk_dims[layer], allocation.v_dims[layer]
         qk_offsets, v_offsets = allocation.offsets(layer)
+        qk_rotation, v_encoder_l, v_decoder_l = artifact.qk_rotation[layer], v_encoder[layer], v_decoder[layer]
+        if kv_dtype is not None:  # a quantized cache's rows spread over their dims (artifacts.mix_kept_columns)
+            if method == "fdc":
+                qk_rotation = artifacts.mix_kept_columns(qk_rotation, qk_dims_l.tolist(), f"qk {layer}")
+            v_encoder_l = artifacts.mix_kept_columns(v_encoder_l, v_dims_l.tolist(), f"v {layer}")
+            v_decoder_l = artifacts.mix_kept_columns(v_decoder_l, v_dims_l.tolist(), f"v {layer}")
         folded = artifacts.fold_value_and_output(weights.v_weight.detach(), weights.o_weight.detach(),
-                                                   v_encoder[layer].to(device), v_decoder[layer].to(device),
+                                                   v_encoder_l.to(device), v_decoder_l.to(device),
                                                    v_dims_l.tolist(), G, _detach(weights.v_bias),
                                                    _detach(weights.o_bias))
         common = dict(original=original, layer=layer, num_heads=H, num_kv_heads=Hkv, head_dim=D,
@@ -97,12 +105,14 @@ def compress(model, artifact: artifacts.FDCArtifact | str, removal_rate: float |
                       output_bias=folded.output_bias, v_offsets=v_offsets, padding=padding,
                       window_left=families.layer_window(config, layer), softcap=families.logit_softcap(config))
         if method == "fdc":
-            rotation = artifact.qk_rotation[layer, :, :, : int(qk_dims_l.max())].to(device, dtype)
+            rotation = qk_rotation[:, :, : int(qk_dims_l.max())].to(device, dtype)
             module = FDCAttention(**common, k_weight=weights.k_weight.detach(), k_bias=_detach(weights.k_bias),
                                   rotation=rotation, qk_offsets=qk_offsets)
         else:
-            keys = artifacts.fold_key_latent(weights.k_weight, artifact.key_basis[layer], qk_dims_l.tolist(),
-                                             weights.k_bias)
+            key_basis = artifact.key_basis[layer]
+            if kv_dtype is not None:  # the cached latent mixed as FDC's rows are
+                key_basis = artifacts.mix_kept_columns(key_basis, qk_dims_l.tolist(), f"k latent {layer}")
+            keys = artifacts.fold_key_latent(weights.k_weight, key_basis, qk_dims_l.tolist(), weights.k_bias)
             latent_bias = None if keys.latent_bias is None else keys.latent_bias.to(dtype)
             module = PaluAttention(**common, latent_weight=keys.latent_weight.to(dtype), latent_bias=latent_bias,
                                    key_up=keys.key_up.to(dtype), latent_offsets=qk_offsets, rotary=decoder.rotary_emb)
@@ -125,9 +135,6 @@ def _check_kv_dtype(model, kv_dtype, method: str, policy) -> None:
     if kv_dtype not in ops.QUANTIZED_CACHE_DTYPES:
         raise ValueError(f"{where}: kv_dtype must be None (the activations' dtype) or one of "
                          f"{list(ops.QUANTIZED_CACHE_DTYPES)}, got {kv_dtype!r}")
-    if method != "fdc":
-        raise NotImplementedError(f"{where}: kv_dtype with method={method!r} is not supported yet (Palu rebuilds its "
-                                  "keys from a float latent); use method='fdc'")
     if policy is not None:
         raise NotImplementedError(f"{where}: kv_dtype with eviction is not supported yet (eviction scores and "
                                   "compacts float caches)")

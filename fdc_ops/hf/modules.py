@@ -714,10 +714,22 @@ class PaluAttention(_CompressedAttentionBase):
             k_rows = rows.take(self._keys(latent, compact.clamp_min(0)))
             out = _attend(self, q_rows, k_rows, v_rows, rows, S, None)
         else:
+            fresh = layer is not None and not any(layer.host_lengths)  # a prompt into an empty cache
+
             def keys_from_cache(layer):  # rebuilds the rows in use only, not the spare capacity
                 used = max(layer.host_lengths)
                 positions = layer.positions_of_rows(used)  # (B, used)
-                return self._keys(layer.k_cache[:, :used], positions).contiguous(), layer.v_cache[:, :used]
+                if fresh and self.kv_dtype is not None:  # a prompt attends its own rows unquantized, as FDC's does
+                    latent = latent_rows.new_zeros(B, used, latent_rows.shape[1])
+                    values = v_rows.new_zeros(B, used, v_rows.shape[1])
+                    bounds = rows.cu.tolist()
+                    for b, (start, stop) in enumerate(zip(bounds, bounds[1:])):
+                        latent[b, : stop - start] = latent_rows[start:stop]
+                        values[b, : stop - start] = v_rows[start:stop]
+                else:
+                    latent = layer.float_rows(layer.k_cache[:, :used], self.latent_offsets, q_rows.dtype)
+                    values = layer.float_rows(layer.v_cache[:, :used], self.v_offsets, q_rows.dtype)
+                return self._keys(latent, positions).contiguous(), values.contiguous()
 
             out = _attend(self, q_rows, latent_rows, v_rows, rows, S, layer, keys_from_cache=keys_from_cache)
         return self.o_proj(rows.scatter(out, B, S)), None
