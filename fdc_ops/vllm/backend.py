@@ -48,6 +48,9 @@ from .. import ops
 
 BACKEND_NAME = "FDC"
 PALU_BACKEND_NAME = "FDC_PALU"
+# vLLM's kv_cache_dtype -> the ops' cache dtype: the model's own ("auto"), or a quantized cache of fdc_ops.ops, whose
+# scales are per (token, KV head), computed as rows are written and kept in the page: vLLM's "per_token_head" modes.
+KV_CACHE_DTYPES = {"auto": None, "int8_per_token_head": torch.int8, "fp8_per_token_head": torch.float8_e4m3fn}
 
 
 def register_attention_backend() -> None:
@@ -67,8 +70,7 @@ class FDCAttentionBackend(AttentionBackend):
     # The KV write (append_kv) happens inside forward, in the same opaque op as the attention.
     forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.float16, torch.bfloat16]
-    # The cache holds the model dtype: the ops have no quantized cache.
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = list(KV_CACHE_DTYPES)
 
     @staticmethod
     def get_name() -> str:
@@ -236,15 +238,17 @@ class FDCAttentionImpl(AttentionImpl):
         if attn_type != AttentionType.DECODER:
             raise NotImplementedError(f"fdc_ops.vllm: the FDC attention backend runs decoder attention only, got "
                                       f"attn_type {attn_type!r}")
-        if kv_cache_dtype != "auto":
-            raise NotImplementedError(f"fdc_ops.vllm: the FDC KV cache holds the model dtype (kv_cache_dtype "
-                                      f"'auto'), got {kv_cache_dtype!r}")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise NotImplementedError(f"fdc_ops.vllm: the FDC KV cache holds the model dtype or a per-(token, head) "
+                                      f"quantized format (kv_cache_dtype in {list(KV_CACHE_DTYPES)}), got "
+                                      f"{kv_cache_dtype!r}")
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"fdc_ops.vllm: sliding_window must be at least 1 token but got {sliding_window}")
         self.num_heads, self.head_size, self.num_kv_heads, self.scale = num_heads, head_size, num_kv_heads, scale
         # vLLM's window W covers the query's own key and the W - 1 before it: the ops' window_left is W - 1.
         self.window_left = -1 if sliding_window is None else sliding_window - 1
         self.kv_cache_dtype = kv_cache_dtype
+        self.cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype]  # the ops' quantized cache dtype; None: the model's
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = None
         self._cache_source: torch.Tensor | None = None  # the cache tensor _cache_views were made of
@@ -340,7 +344,13 @@ class FDCAttentionImpl(AttentionImpl):
         tensor, and checking and viewing it again cost 3.5 us per layer and step (measured on the 2-core Intel
         Xeon, torch 2.13 CPU)."""
         if kv_cache is not self._cache_source:
-            self._cache_views = paged_caches(kv_cache, layer.k_width, layer.v_width)
+            if self.cache_dtype is None:
+                k_pages, v_pages = paged_caches(kv_cache, layer.k_width, layer.v_width)
+            else:  # each row's scales after its codes (ops.cache_width); vLLM allocates fp8 pages as uint8
+                k_pages, v_pages = paged_caches(kv_cache, ops.cache_width(layer.k_offsets, self.cache_dtype),
+                                                ops.cache_width(layer.v_offsets, self.cache_dtype))
+                k_pages, v_pages = k_pages.view(self.cache_dtype), v_pages.view(self.cache_dtype)
+            self._cache_views = (k_pages, v_pages)
             self._cache_source = kv_cache
         return self._cache_views
 
@@ -403,6 +413,12 @@ class PaluAttentionImpl(FDCAttentionImpl):
     rebuilt (at most one partly used page per request, and the part of a windowed request's first page before its
     window, are extra work) because page-sized copies and one batched product cost less than gathering and
     scattering single rows."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.cache_dtype is not None:
+            raise NotImplementedError(f"fdc_ops.vllm: the Palu baseline's backend rebuilds keys from float latents; "
+                                      f"its kv_cache_dtype must be 'auto', got {self.kv_cache_dtype!r}")
 
     def attention_inputs(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          kv_cache: torch.Tensor, meta: FDCAttentionMetadata):

@@ -12,6 +12,7 @@ from vllm.model_executor.layers.attention.attention import unified_attention_wit
 from vllm.utils.torch_utils import _encode_layer_name
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
+from .. import ops
 from .backend import FDCAttentionBackend, PaluAttentionBackend, register_attention_backend
 
 
@@ -40,6 +41,13 @@ class CompressedPagedAttention(Attention):
         self.scaling = scale
         self.k_offsets, self.v_offsets = k_offsets, v_offsets  # CPU, as the ops take them: not buffers
         self.k_width, self.v_width = int(k_offsets[-1]), int(v_offsets[-1])
+        # the ops' cache dtype when vLLM's kv_cache_dtype quantizes (backend.KV_CACHE_DTYPES; None: the model's)
+        self.cache_dtype = self.impl.cache_dtype
+        # a quantized cache's scale columns after each K and V row in the page (4 bytes per KV head:
+        # fdc_ops.ops.cache_width); 0 for the model dtype's
+        self.scale_columns = 0
+        if self.cache_dtype is not None:
+            self.scale_columns = ops.cache_width(k_offsets, self.cache_dtype) - self.k_width
         self.page_key_width, self.page_width = page or (self.k_width, self.k_width + self.v_width)
         if self.page_width < self.k_width + self.v_width or not 0 < self.page_key_width <= self.page_width:
             raise ValueError(f"fdc_ops.vllm: page must be (key columns, columns) with 0 < key columns <= columns and "
@@ -48,8 +56,10 @@ class CompressedPagedAttention(Attention):
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
         """One "head" of ``page_key_width`` key and ``page_width - page_key_width`` value columns: on one rank
         exactly the layer's ``k_width`` and ``v_width``, so a page is exactly ``block_size * (k_width + v_width)``
-        elements. Layers of different widths get pages of different sizes in one KV cache group (vLLM's
-        UniformTypeKVCacheSpecs: one block table, each layer's pages its own size), so no layer is padded.
+        elements; with a quantized kv_cache_dtype, one byte each plus the K and V rows' float32 scales per KV head
+        (``scale_columns`` bytes each), so vLLM's capacity counts the real bytes. Layers of different widths get
+        pages of different sizes in one KV cache group (vLLM's UniformTypeKVCacheSpecs: one block table, each
+        layer's pages its own size), so no layer is padded.
 
         With tensor parallelism vLLM requires a layer's spec to be the same on every rank (get_kv_cache_configs
         asserts it), so every rank declares the layer's widest rank share, and a rank with narrower heads leaves
@@ -59,8 +69,10 @@ class CompressedPagedAttention(Attention):
         A sliding-window layer's spec is vLLM's SlidingWindowSpec (same pages), so vLLM frees the pages that fall
         wholly behind the window of every request and admits requests by what their windows hold; the ops never
         read those pages or their block-table entries."""
-        shape = dict(block_size=vllm_config.cache_config.block_size, num_kv_heads=1, head_size=self.page_key_width,
-                     head_size_v=self.page_width - self.page_key_width, dtype=self.kv_cache_torch_dtype)
+        shape = dict(block_size=vllm_config.cache_config.block_size, num_kv_heads=1,
+                     head_size=self.page_key_width + self.scale_columns,
+                     head_size_v=self.page_width - self.page_key_width + self.scale_columns,
+                     dtype=self.kv_cache_torch_dtype)
         if self.sliding_window is not None:
             return SlidingWindowSpec(**shape, sliding_window=self.sliding_window)
         return FullAttentionSpec(**shape)

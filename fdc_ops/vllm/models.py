@@ -48,6 +48,7 @@ from ..artifact import (
     fold_key_latent,
     fold_value_and_output,
     key_up_projection,
+    mix_kept_columns,
     resolve_allocation,
 )
 from ..model_families import BY_MODEL_TYPE, unsupported_model_type
@@ -203,8 +204,11 @@ class VllmCompressedAttention(nn.Module):
         key_weight, key_bias = self.fold_keys(k_weight, k_bias)
         sharded = self.fdc.partition is not None
         o_bias = None if self.o_proj.bias is None or sharded else self.o_proj.bias.data
-        folded = fold_value_and_output(v_weight, self.o_proj.weight.data, v_encoder[layer][heads],
-                                       v_decoder[layer][heads], self.v_dims.tolist(),
+        v_encoder, v_decoder = v_encoder[layer][heads], v_decoder[layer][heads]
+        if self.attn.cache_dtype is not None:  # a quantized cache's rows mixed as fdc_ops.hf.compress mixes them
+            v_encoder = mix_kept_columns(v_encoder, self.v_dims.tolist(), f"v {layer}", heads)
+            v_decoder = mix_kept_columns(v_decoder, self.v_dims.tolist(), f"v {layer}", heads)
+        folded = fold_value_and_output(v_weight, self.o_proj.weight.data, v_encoder, v_decoder, self.v_dims.tolist(),
                                        self.num_heads // self.num_kv_heads, v_bias, o_bias)
         self.qkv_proj.weight = nn.Parameter(torch.cat([q_weight, key_weight, folded.value_weight]),
                                             requires_grad=False)
@@ -251,6 +255,9 @@ class VllmFDCAttention(VllmCompressedAttention):
         self.attn = FDCPagedAttention(self.num_heads, self.head_dim, self.scaling, self.num_kv_heads,
                                       rotation.to(torch.get_default_dtype()), self.k_offsets, self.v_offsets,
                                       cache_config, self.attn_prefix, self.page, sliding_window=self.sliding_window)
+        if self.attn.cache_dtype is not None:  # a quantized cache's rows mixed as fdc_ops.hf.compress mixes them
+            self.attn.rotation.copy_(mix_kept_columns(rotation, self.k_dims.tolist(), f"qk {self.layer_index}",
+                                                      self.kv_heads))
 
     def fold_keys(self, k_weight: torch.Tensor, k_bias: torch.Tensor | None):
         return k_weight, k_bias

@@ -147,6 +147,94 @@ def test_compressed_fdc_generates_what_the_hf_fdc_model_generates(model_dir, art
     assert abs(capacity / uncompressed_capacity - ratio) <= (CPU_DEFAULT_BLOCK + FDC_BLOCK) / uncompressed_capacity
 
 
+def hf_greedy_with_margins(hf_model, artifact_dir: Path, prompt: str, first: int | None = None,
+                           **allocation) -> tuple[list[int], list[float]]:
+    """Greedy tokens of the Hugging Face FDC model, and at each step the gap between its two largest logits. The
+    prompt goes in one call, or (``first``) as its first ``first`` tokens then the rest in a second call over that
+    cache, as vLLM computes a prompt whose first pages come from its prefix cache (with a quantized cache, the second
+    call reads the first one's quantized rows)."""
+    import torch
+    from transformers import DynamicCache
+
+    from fdc_ops import calibration, hf
+
+    model, tokenizer = hf_model
+    hf.compress(model, calibration.FDCArtifact.load(artifact_dir, model=model), **allocation)
+    try:
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        cache, tokens, margins = DynamicCache(), [], []
+        with torch.no_grad():
+            for part in (ids,) if first is None else (ids[:, :first], ids[:, first:]):
+                logits = model(input_ids=part, past_key_values=cache, use_cache=True).logits
+            while len(tokens) < vllm_engines.NEW_TOKENS:
+                top = logits[0, -1].topk(2)
+                tokens.append(int(top.indices[0]))
+                margins.append(float(top.values[0] - top.values[1]))
+                if tokens[-1] == tokenizer.eos_token_id:
+                    break
+                logits = model(input_ids=torch.tensor([tokens[-1:]]), past_key_values=cache, use_cache=True).logits
+        return tokens, margins
+    finally:
+        hf.restore(model)
+
+
+def agreed_steps(got: list[int], want: list[int], margins: list[float], tie: float) -> int:
+    """How many greedy steps ``got`` is checked against ``want`` for: all of them, or up to and excluding the first
+    step whose two best logits were within ``tie`` of each other (where rounding alone may pick the other token, and
+    everything after follows from that pick). Asserts they agree there."""
+    checked = next((step for step, margin in enumerate(margins) if margin < tie), len(want))
+    assert got[:checked] == want[:checked], (got, want, margins)
+    return checked
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8_per_token_head", "fp8_per_token_head"])
+def test_a_quantized_cache_generates_what_the_hf_quantized_model_generates(kv_cache_dtype, model_dir, artifact_dir,
+                                                                           hf_model):
+    """vLLM's per-(token, head) quantized caches hold the ops' quantized rows in the FDC pages (a byte per element,
+    then a float32 scale per token and KV head): batched prompts, and a prompt whose first page is a prefix-cache hit
+    (its other tokens attend that page's quantized rows), give the tokens of the Hugging Face FDC model with the same
+    kv_dtype (the prompt given in the same two calls) up to its first near tie (quantization makes ties likelier:
+    a code flipped by a last-bit difference moves a logit), and vLLM's capacity counts the real bytes. Each prompt is
+    prefilled whole (no token budget): with a quantized cache, where a prompt is cut changes what it attends."""
+    import torch
+
+    import fdc_ops.vllm
+    from fdc_ops import calibration, ops
+
+    kv_dtype = {"int8_per_token_head": torch.int8, "fp8_per_token_head": torch.float8_e4m3fn}[kv_cache_dtype]
+    # vLLM and Hugging Face compute the same rows to the last bits only (fused projections, their RoPE); a code moved
+    # by that moves the logits by more on e4m3's coarser grid: it flipped a pick 0.041 apart (int8's flips came at
+    # gaps below 0.02); the steps checked before the first near tie were 31 under e4m3 and at least 64 under int8
+    tie = {torch.int8: 0.02, torch.float8_e4m3fn: 0.1}[kv_dtype]
+    allocation = calibration.FDCArtifact.load(artifact_dir).allocate(compression=COMPRESSION)
+    settings = dict(compression=COMPRESSION, kv_dtype=kv_dtype)
+    expected = [hf_greedy_with_margins(hf_model, artifact_dir, prompt, **settings)
+                for prompt in PROMPTS + [LONG_PROMPT]]
+    _, tokenizer = hf_model
+    prompt_tokens = len(tokenizer(LONG_PROMPT)["input_ids"])
+    cached = (prompt_tokens - 1) // FDC_BLOCK * FDC_BLOCK  # vLLM computes at least the prompt's last token
+    assert cached >= FDC_BLOCK
+    expected_reused = hf_greedy_with_margins(hf_model, artifact_dir, LONG_PROMPT, cached, **settings)
+    engine = Engine(model_dir, fdc_ops.vllm.hf_overrides(model_dir, artifact_dir, compression=COMPRESSION),
+                    block_size=FDC_BLOCK, max_num_seqs=4, enable_prefix_caching=True, kv_cache_dtype=kv_cache_dtype)
+    try:
+        batched = engine.tokens(PROMPTS)
+        first = engine.tokens([LONG_PROMPT])
+        reused = engine.tokens([LONG_PROMPT])
+        capacity = engine.kv_cache_tokens
+    finally:
+        engine.close()
+    checked = [agreed_steps(got, *want, tie) for got, want in zip(batched + first + reused,
+                                                                   expected + [expected_reused])]
+    assert sum(checked) >= vllm_engines.NEW_TOKENS // 2, checked
+
+    layers = range(allocation.qk_dims.shape[0])
+    stored = sum(ops.cache_width(offsets, kv_dtype) for layer in layers for offsets in allocation.offsets(layer))
+    assert capacity == expected_kv_tokens(stored, FDC_BLOCK)
+    float_capacity = expected_kv_tokens(allocation.kv_bytes_per_token(4), FDC_BLOCK)
+    assert capacity > 3.5 * float_capacity  # a byte per element against float32's four, less the scales
+
+
 def test_the_palu_baseline_generates_what_the_hf_palu_model_generates(model_dir, artifact_dir, hf_model,
                                                                       uncompressed):
     """method="palu": the cache holds key latents, rebuilt into keys every step; batched prompts, a chunked prefill
