@@ -148,7 +148,7 @@ def test_compressed_fdc_generates_what_the_hf_fdc_model_generates(model_dir, art
 
 
 def hf_greedy_with_margins(hf_model, artifact_dir: Path, prompt: str, first: int | None = None,
-                           **allocation) -> tuple[list[int], list[float]]:
+                           new_tokens: int = vllm_engines.NEW_TOKENS, **allocation) -> tuple[list[int], list[float]]:
     """Greedy tokens of the Hugging Face FDC model, and at each step the gap between its two largest logits. The
     prompt goes in one call, or (``first``) as its first ``first`` tokens then the rest in a second call over that
     cache, as vLLM computes a prompt whose first pages come from its prefix cache (with a quantized cache, the second
@@ -166,7 +166,7 @@ def hf_greedy_with_margins(hf_model, artifact_dir: Path, prompt: str, first: int
         with torch.no_grad():
             for part in (ids,) if first is None else (ids[:, :first], ids[:, first:]):
                 logits = model(input_ids=part, past_key_values=cache, use_cache=True).logits
-            while len(tokens) < vllm_engines.NEW_TOKENS:
+            while len(tokens) < new_tokens:
                 top = logits[0, -1].topk(2)
                 tokens.append(int(top.indices[0]))
                 margins.append(float(top.values[0] - top.values[1]))

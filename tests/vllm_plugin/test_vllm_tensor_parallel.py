@@ -67,6 +67,39 @@ def test_two_ranks_generate_what_one_rank_generates(method, tmp_path, monkeypatc
         assert results[1] == (expected, expected_kv_tokens(allocation.kv_bytes_per_token(4)))
 
 
+def test_two_ranks_with_an_int8_cache_generate_what_the_hf_int8_model_generates(tmp_path, monkeypatch):
+    """kv_cache_dtype="int8_per_token_head" over 2 ranks: each rank mixes its heads as the Hugging Face model mixes
+    the same heads (seeded by the model's head index, not the rank's), so the tokens are the HF int8 model's up to
+    its first near tie, and each rank's pages hold its codes plus a float32 scale per token and KV head for K and V."""
+    import fdc_ops.vllm
+    from fdc_ops import calibration, parallel
+
+    from .test_vllm_plugin import agreed_steps, hf_greedy_with_margins
+
+    model_dir = tmp_path / "model"
+    model, tokenizer = write_checkpoint("qwen2", model_dir, **SHAPE)
+    artifact = calibration.calibrate(model, text="random", num_tokens=512, seq_len=64, sensitivity_tokens=0,
+                                     progress=False)
+    artifact_dir = artifact.save(tmp_path / "artifact")
+    allocation = calibration.RankAllocation(torch.tensor(QK_DIMS), torch.tensor(V_DIMS), 32, "given")
+    partition = parallel.balance(allocation.qk_dims, allocation.v_dims, RANKS)
+    expected = [hf_greedy_with_margins((model, tokenizer), artifact_dir, prompt, new_tokens=NEW_TOKENS,
+                                       qk_dims=QK_DIMS, v_dims=V_DIMS, kv_dtype=torch.int8) for prompt in PROMPTS]
+    overrides = fdc_ops.vllm.hf_overrides(model_dir, artifact_dir, qk_dims=QK_DIMS, v_dims=V_DIMS)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", fdc_ops.vllm.cpu_thread_binding(RANKS))
+    engine = Engine(model_dir, overrides, max_model_len=MAX_MODEL_LEN, tensor_parallel_size=RANKS,
+                    kv_cache_dtype="int8_per_token_head")
+    try:
+        tokens, capacity = engine.tokens(PROMPTS, NEW_TOKENS), engine.kv_cache_tokens
+    finally:
+        engine.close()
+    checked = [agreed_steps(got, *want, 0.02) for got, want in zip(tokens, expected)]
+    assert sum(checked) >= NEW_TOKENS, checked
+    kv_heads_per_rank = SHAPE["num_key_value_heads"] // RANKS
+    scales = 2 * 4 * kv_heads_per_rank * len(QK_DIMS)  # K and V, a float32 per KV head, every layer
+    assert capacity == expected_kv_tokens(partition.bytes_per_token(1) + scales)
+
+
 def test_ranks_that_split_kv_heads_are_refused_before_vllm_builds_the_model():
     from fdc_ops.vllm.models import FDCQwen2ForCausalLM
 
