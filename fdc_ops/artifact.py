@@ -200,11 +200,17 @@ class FoldedValueOutput:
     output_bias: torch.Tensor | None  # (hidden,): the output bias plus the folded V bias; None when neither exists
 
 
-def mix_kept_columns(basis: torch.Tensor, dims: Sequence[int], name: str,
+# The cached halves whose kept dims a quantized cache mixes (mix_kept_columns): FDC's rotated queries and keys, Palu's
+# key latent, the compressed values.
+MIXED_HALVES = ("qk", "k latent", "v")
+
+
+def mix_kept_columns(basis: torch.Tensor, dims: Sequence[int], half: str, layer: int,
                      heads: Sequence[int] | None = None) -> torch.Tensor:
-    """``basis`` with KV head j's first ``dims[j]`` columns multiplied by a fixed random orthogonal matrix (seeded by
-    ``name``, the head's index in the model, ``heads[j]`` (default j: all of a layer's heads, in order), and the
-    width, so every integration and every tensor-parallel rank mixes alike), float64. Applied to both sides of a
+    """``basis`` with KV head j's first ``dims[j]`` columns multiplied by a fixed random orthogonal matrix, float64.
+    The matrix is seeded by the cached ``half`` (MIXED_HALVES), the ``layer``, the head's index in the model,
+    ``heads[j]`` (default j: all of a layer's heads, in order), and the width, so every integration (fdc_ops.hf, the
+    vLLM plugin, the quantization simulation) and every tensor-parallel rank mixes alike. Applied to both sides of a
     product the cache carries (the query and key rotations; the V encoder and decoder), it leaves every score and
     output as they were, while each cached row's values are spread over its dims: a quantized cache's per-row scale
     is then set by a typical value instead of one outlier dim (as QuaRot does), so quantization loses less
@@ -212,10 +218,12 @@ def mix_kept_columns(basis: torch.Tensor, dims: Sequence[int], name: str,
     a simulated int4 from 0.69 to 0.93).
 
     basis: (H_kv, D, R) with R >= max(dims); dims: H_kv widths. Returns (H_kv, D, R) float64."""
+    if half not in MIXED_HALVES:
+        raise ValueError(f"fdc_ops.artifact.mix_kept_columns: half must be one of {MIXED_HALVES}, got {half!r}")
     mixed = basis.to(torch.float64).clone()
     heads = range(len(dims)) if heads is None else [int(h) for h in heads]
     for index, (head, width) in enumerate(zip(heads, (int(d) for d in dims))):
-        seed = zlib.crc32(f"fdc kv mixing|{name}|{head}|{width}".encode())
+        seed = zlib.crc32(f"fdc kv mixing|{half} {layer}|{head}|{width}".encode())
         gaussian = torch.randn(width, width, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
         q, r = torch.linalg.qr(gaussian)
         mixing = (q * r.diagonal().sign()).to(mixed.device)  # Haar-distributed: the sign fix makes QR unique

@@ -80,19 +80,19 @@ def test_mixing_keeps_every_product_and_spreads_the_kept_dims():
     generator = torch.Generator().manual_seed(11)
     dims = [8, 24, 16]
     query_side, key_side = (torch.randn(3, 32, 24, dtype=torch.float64, generator=generator) for _ in range(2))
-    mixed_q, mixed_k = (mix_kept_columns(basis, dims, "qk 4") for basis in (query_side, key_side))
+    mixed_q, mixed_k = (mix_kept_columns(basis, dims, "qk", 4) for basis in (query_side, key_side))
     for head, width in enumerate(dims):
         kept = slice(0, width)
         torch.testing.assert_close(mixed_q[head, :, kept] @ mixed_k[head, :, kept].T,
                                    query_side[head, :, kept] @ key_side[head, :, kept].T)
         assert torch.equal(mixed_q[head, :, width:], query_side[head, :, width:])  # past the width: untouched
         assert not torch.allclose(mixed_q[head, :, kept], query_side[head, :, kept])
-    assert torch.equal(mix_kept_columns(query_side, dims, "qk 4"), mixed_q)  # fixed: every integration mixes alike
-    assert not torch.allclose(mix_kept_columns(query_side, dims, "qk 5"), mixed_q)
+    assert torch.equal(mix_kept_columns(query_side, dims, "qk", 4), mixed_q)  # fixed: every integration mixes alike
+    assert not torch.allclose(mix_kept_columns(query_side, dims, "qk", 5), mixed_q)
     # an outlier dim is spread: a row that is one spike has its largest value cut from 1 to about 1/sqrt(width)
     spike = torch.zeros(1, 32, 24, dtype=torch.float64)
     spike[0, 0, 0] = 1.0
-    assert float(mix_kept_columns(spike, [24], "v 0")[0, 0].abs().max()) < 0.7
+    assert float(mix_kept_columns(spike, [24], "v", 0)[0, 0].abs().max()) < 0.7
 
 
 def test_kv_dtype_refusals():

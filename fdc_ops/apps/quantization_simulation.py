@@ -99,12 +99,12 @@ def _per_channel(x: torch.Tensor, code_max: int) -> torch.Tensor:
     return torch.where(scale > 0, (x / scale.clamp_min(1e-300)).round().clamp(-code_max, code_max), 0.0) * scale
 
 
-def _mixing(bounds: list[int], layer: int, which: str) -> torch.Tensor:
+def _mixing(bounds: tuple[int, ...], layer: int, half: str) -> torch.Tensor:
     """(W, W) float64 block-diagonal: per KV head (columns bounds[j]:bounds[j+1]) the orthogonal matrix a real
-    quantized cache's rows are mixed by (fdc_ops.artifact.mix_kept_columns, the same names)."""
+    quantized cache's rows of that half are mixed by (fdc_ops.artifact.mix_kept_columns)."""
     widths = [stop - start for start, stop in zip(bounds, bounds[1:])]
     identity = torch.eye(max(widths), dtype=torch.float64).expand(len(widths), -1, -1)
-    mixed = mix_kept_columns(identity, widths, f"{'qk' if which == 'k' else 'v'} {layer}")
+    mixed = mix_kept_columns(identity, widths, half, layer)
     return torch.block_diag(*(mixed[j, :width, :width] for j, width in enumerate(widths)))
 
 
@@ -115,10 +115,19 @@ class _Simulation:
         self.recording = False  # collecting the calibration statistics: rows are stored as they are
         self.sums: dict[tuple[int, str], torch.Tensor] = {}  # (layer, "k" or "v") -> (width,) float64 sum of squares
         self.counts: dict[int, int] = {}
+        self.mixings: dict[tuple, torch.Tensor] = {}  # (bounds, layer, half) -> _mixing's matrix, made once
 
     def rms(self, layer: int, which: str) -> torch.Tensor:
         rms = (self.sums[(layer, which)] / self.counts[layer]).sqrt()
         return rms.clamp_min(float(rms.max()) * 1e-4)  # a channel silent on the calibration text stays finite
+
+    def mixing(self, bounds: list[int], layer: int, which: str) -> torch.Tensor:
+        """The mixing of this layer's keys (``which="k"``: FDC's rotated keys or Palu's latent) or values."""
+        half = "v" if which == "v" else "k latent" if isinstance(self.layer, modules.PaluAttention) else "qk"
+        key = (tuple(bounds), layer, half)
+        if key not in self.mixings:
+            self.mixings[key] = _mixing(*key)
+        return self.mixings[key]
 
     def rows(self, rows: torch.Tensor, offsets: torch.Tensor, positions: list[range], which: str) -> torch.Tensor:
         """rows (T, W): requests' rows back to back at ``positions`` (each request's tokens' indices)."""
@@ -146,7 +155,7 @@ class _Simulation:
             equalised = scheme.equalise == "both" or (scheme.equalise == "keys" and which == "k")
             rotated = scheme.rotate == "both" or (scheme.rotate == "keys" and which == "k")
             factor = self.rms(layer, which) if equalised else None
-            mixing = _mixing(bounds, layer, which) if rotated else None
+            mixing = self.mixing(bounds, layer, which) if rotated else None
             y = x / factor if equalised else x
             out = _per_token(y @ mixing if rotated else y, bounds, code_max)
             if rotated:

@@ -92,9 +92,9 @@ def compress(model, artifact: artifacts.FDCArtifact | str, removal_rate: float |
         qk_rotation, v_encoder_l, v_decoder_l = artifact.qk_rotation[layer], v_encoder[layer], v_decoder[layer]
         if kv_dtype is not None:  # a quantized cache's rows spread over their dims (artifacts.mix_kept_columns)
             if method == "fdc":
-                qk_rotation = artifacts.mix_kept_columns(qk_rotation, qk_dims_l.tolist(), f"qk {layer}")
-            v_encoder_l = artifacts.mix_kept_columns(v_encoder_l, v_dims_l.tolist(), f"v {layer}")
-            v_decoder_l = artifacts.mix_kept_columns(v_decoder_l, v_dims_l.tolist(), f"v {layer}")
+                qk_rotation = artifacts.mix_kept_columns(qk_rotation, qk_dims_l.tolist(), "qk", layer)
+            v_encoder_l = artifacts.mix_kept_columns(v_encoder_l, v_dims_l.tolist(), "v", layer)
+            v_decoder_l = artifacts.mix_kept_columns(v_decoder_l, v_dims_l.tolist(), "v", layer)
         folded = artifacts.fold_value_and_output(weights.v_weight.detach(), weights.o_weight.detach(),
                                                    v_encoder_l.to(device), v_decoder_l.to(device),
                                                    v_dims_l.tolist(), G, _detach(weights.v_bias),
@@ -111,7 +111,7 @@ def compress(model, artifact: artifacts.FDCArtifact | str, removal_rate: float |
         else:
             key_basis = artifact.key_basis[layer]
             if kv_dtype is not None:  # the cached latent mixed as FDC's rows are
-                key_basis = artifacts.mix_kept_columns(key_basis, qk_dims_l.tolist(), f"k latent {layer}")
+                key_basis = artifacts.mix_kept_columns(key_basis, qk_dims_l.tolist(), "k latent", layer)
             keys = artifacts.fold_key_latent(weights.k_weight, key_basis, qk_dims_l.tolist(), weights.k_bias)
             latent_bias = None if keys.latent_bias is None else keys.latent_bias.to(dtype)
             module = PaluAttention(**common, latent_weight=keys.latent_weight.to(dtype), latent_bias=latent_bias,

@@ -206,8 +206,8 @@ class VllmCompressedAttention(nn.Module):
         o_bias = None if self.o_proj.bias is None or sharded else self.o_proj.bias.data
         v_encoder, v_decoder = v_encoder[layer][heads], v_decoder[layer][heads]
         if self.attn.cache_dtype is not None:  # a quantized cache's rows mixed as fdc_ops.hf.compress mixes them
-            v_encoder = mix_kept_columns(v_encoder, self.v_dims.tolist(), f"v {layer}", heads)
-            v_decoder = mix_kept_columns(v_decoder, self.v_dims.tolist(), f"v {layer}", heads)
+            v_encoder = mix_kept_columns(v_encoder, self.v_dims.tolist(), "v", layer, heads)
+            v_decoder = mix_kept_columns(v_decoder, self.v_dims.tolist(), "v", layer, heads)
         folded = fold_value_and_output(v_weight, self.o_proj.weight.data, v_encoder, v_decoder, self.v_dims.tolist(),
                                        self.num_heads // self.num_kv_heads, v_bias, o_bias)
         self.qkv_proj.weight = nn.Parameter(torch.cat([q_weight, key_weight, folded.value_weight]),
@@ -256,7 +256,7 @@ class VllmFDCAttention(VllmCompressedAttention):
                                       rotation.to(torch.get_default_dtype()), self.k_offsets, self.v_offsets,
                                       cache_config, self.attn_prefix, self.page, sliding_window=self.sliding_window)
         if self.attn.cache_dtype is not None:  # a quantized cache's rows mixed as fdc_ops.hf.compress mixes them
-            self.attn.rotation.copy_(mix_kept_columns(rotation, self.k_dims.tolist(), f"qk {self.layer_index}",
+            self.attn.rotation.copy_(mix_kept_columns(rotation, self.k_dims.tolist(), "qk", self.layer_index,
                                                       self.kv_heads))
 
     def fold_keys(self, k_weight: torch.Tensor, k_bias: torch.Tensor | None):
