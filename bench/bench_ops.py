@@ -12,7 +12,7 @@ What is measured (docs/design.md section 6):
   / time;
 - windowed decode (phase "window"): a 1024-key window over the decode shapes' caches, contiguous and paged, against
   decode over caches of only 1024 keys (bench_windowed_decode);
-- quantized decode (phase "quantized", CPU, bf16): int8 and e4m3 caches against the bf16 decode of the same rows
+- quantized decode (phase "quantized", CPU, bf16): int8, e4m3 and int4 caches against the bf16 decode of the same rows
   (bench_quantized_decode);
 - prefill over a cached prefix (phase "prefix"): new tokens after a prefix in a paged cache, the op reading the pages
   against a gather into rows and the packed op (bench_prefix_prefill).
@@ -224,17 +224,18 @@ def bench_windowed_decode(batch: int, context: int, window_left: int, qk_dims: l
     return rows
 
 
-# The quantized decode rows' speed-up over the bf16 decode of the same layout: what a cache of a byte per element plus a
-# float32 scale per (token, KV head) can give, at most (2 W) / (W + 4 H_kv) of bf16's time (1.79x at this layout's
-# widths); 1.6x is the quantized-cache issue's target for int8, and e4m3 reads the same bytes.
-QUANTIZED_SPEEDUP = 1.6
+# The quantized decode rows' speed-up over the bf16 decode of the same layout, per cache dtype: what a cache of a byte
+# per element plus a float32 scale per (token, KV head) can give, at most (2 W) / (W + 4 H_kv) of bf16's time (1.79x
+# at this layout's widths), half a byte per element (int4) at most (2 W) / (W / 2 + 4 H_kv) (3.2x); the quantized-cache
+# issue's targets: 1.6x for int8 (e4m3 reads the same bytes) and 2.5x for int4.
+QUANTIZED_SPEEDUP = {torch.int8: 1.6, torch.float8_e4m3fn: 1.6, torch.uint8: 2.5}
 
 
 def bench_quantized_decode(batch: int, context: int, qk_dims: list[int], v_dims: list[int], device: torch.device,
                            copy_mb: int, timer: Timer) -> list[OpRow]:
-    """Decode from int8 and float8_e4m3fn caches (ops.cache_width: codes, then a float32 scale per token and KV head)
-    written by append_kv from the same bf16 rows, against the bf16 decode of that cache, contiguous and paged
-    (128-token shuffled pages), the three called in turn (Timer.interleaved). Achieved bandwidth counts the bytes each
+    """Decode from int8, float8_e4m3fn and int4 caches (ops.cache_width: codes, then a float32 scale per token and KV
+    head) written by append_kv from the same bf16 rows, against the bf16 decode of that cache, contiguous and paged
+    (128-token shuffled pages), the four called in turn (Timer.interleaved). Achieved bandwidth counts the bytes each
     cache holds for the keys read."""
     qk_offsets, v_offsets = ops.prefix_sums(qk_dims), ops.prefix_sums(v_dims)
     goal = phase_targets("decode", device)
@@ -250,7 +251,7 @@ def bench_quantized_decode(batch: int, context: int, qk_dims: list[int], v_dims:
     rows = []
     for paged in (False, True):
         calls, byte_counts = [], []
-        for dtype in (torch.bfloat16, torch.int8, torch.float8_e4m3fn):
+        for dtype in (torch.bfloat16, *QUANTIZED_SPEEDUP):
             k_width, v_width = ops.cache_width(qk_offsets, dtype), ops.cache_width(v_offsets, dtype)
             shapes = ((table.numel(), k_width, page_size), (table.numel(), v_width, page_size)) if paged else \
                 ((batch, context, k_width), (batch, context, v_width))
@@ -267,12 +268,12 @@ def bench_quantized_decode(batch: int, context: int, qk_dims: list[int], v_dims:
         kind = f"paged ({page_size})" if paged else "contiguous"
         rows.append(OpRow("quantized", config, "torch.bfloat16", f"fdc decode bf16, {kind}", times[0] * 1e3,
                           byte_counts[0] / times[0] / 1e9, "GB/s", 1.0))
-        for dtype, seconds, needed in zip(("int8", "float8_e4m3fn"), times[1:], byte_counts[1:]):
-            gbps, floor = needed / seconds / 1e9, goal.copy_share * copy_gbps
-            rows.append(OpRow("quantized", config, "torch.bfloat16", f"fdc decode {dtype} cache, {kind}",
+        for dtype, seconds, needed in zip(QUANTIZED_SPEEDUP, times[1:], byte_counts[1:]):
+            gbps, floor, target = needed / seconds / 1e9, goal.copy_share * copy_gbps, QUANTIZED_SPEEDUP[dtype]
+            rows.append(OpRow("quantized", config, "torch.bfloat16", f"fdc decode {cache_name(dtype)} cache, {kind}",
                               seconds * 1e3, gbps, "GB/s", seconds / times[0],
-                              f">= {QUANTIZED_SPEEDUP}x faster than bf16; >= {floor:.1f} GB/s",
-                              f"{verdict(times[0] / seconds >= QUANTIZED_SPEEDUP)} ({times[0] / seconds:.2f}x); "
+                              f">= {target}x faster than bf16; >= {floor:.1f} GB/s",
+                              f"{verdict(times[0] / seconds >= target)} ({times[0] / seconds:.2f}x); "
                               f"{verdict(gbps >= floor)} ({gbps / copy_gbps:.0%} of copy)",
                               {"speedup_over_bf16": times[0] / seconds, "share_of_copy_bandwidth": gbps / copy_gbps,
                                "copy_bandwidth_gbps": copy_gbps}))
@@ -353,8 +354,9 @@ def bench_prefix_prefill(batch: int, prefix: int, chunk: int, page_size: int, qk
                                      block_table=table)
 
     calls = [gathered, paged]
-    # On the CPU, the same keys in int8 and e4m3 pages (written by append_kv from the float pages' rows, same table).
-    formats = (torch.int8, torch.float8_e4m3fn) if device.type == "cpu" else ()
+    # On the CPU, the same keys in int8, e4m3 and int4 pages (written by append_kv from the float pages' rows, same
+    # table).
+    formats = tuple(QUANTIZED_SPEEDUP) if device.type == "cpu" else ()
     for fmt in formats:
         k_q, v_q = (torch.empty(table.numel(), ops.cache_width(offsets, fmt), page_size, dtype=fmt, device=device)
                     for offsets in (qk_offsets, v_offsets))
@@ -371,11 +373,16 @@ def bench_prefix_prefill(batch: int, prefix: int, chunk: int, page_size: int, qk
             OpRow("prefix", config, str(dtype), "fdc paged prefill", paged_s * 1e3, useful / paged_s / 1e12,
                   "TFLOP/s", paged_s / gather_s, "< gather + prefill", verdict(paged_s < gather_s))]
     for fmt, seconds in zip(formats, quantized_s):
-        rows.append(OpRow("prefix", config, str(dtype), f"fdc paged prefill, {dtype_name(fmt)} pages", seconds * 1e3,
+        rows.append(OpRow("prefix", config, str(dtype), f"fdc paged prefill, {cache_name(fmt)} pages", seconds * 1e3,
                           useful / seconds / 1e12, "TFLOP/s", seconds / gather_s,
                           f"<= {QUANTIZED_PREFILL_SLACK}x the {dtype_name(dtype)} pages",
                           f"{verdict(seconds <= QUANTIZED_PREFILL_SLACK * paged_s)} ({seconds / paged_s:.2f}x)"))
     return rows
+
+
+def cache_name(dtype: torch.dtype) -> str:
+    """A cache dtype's name in the tables: int4 for the uint8 that stores its codes two per byte."""
+    return "int4" if dtype == torch.uint8 else dtype_name(dtype)
 
 
 def width_buckets(qk_dims: list[int], v_dims: list[int]) -> list[tuple[int, int]]:
@@ -389,8 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32", "all"], default="all")
     parser.add_argument("--phase", choices=["decode", "window", "quantized", "prefill", "prefix", "all"],
                         default="all",
-                        help="time only decode, windowed decode, decode from int8 / e4m3 caches against bf16 (CPU), "
-                             "prefill or prefill over a paged cached prefix (a full CPU run takes minutes)")
+                        help="time only decode, windowed decode, decode from int8 / e4m3 / int4 caches against bf16 "
+                             "(CPU), prefill or prefill over a paged cached prefix (a full CPU run takes minutes)")
     args = parser.parse_args(argv)
     device, repeats = setup(args)
     timer = Timer(device, repeats, warmup=WARMUP)

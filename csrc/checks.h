@@ -256,16 +256,26 @@ struct CacheShape {
   KvFormat format = KvFormat::kFloat;
 };
 
-inline bool is_quantized_cache_dtype(at::ScalarType t) { return t == at::kChar || t == at::kFloat8_e4m3fn; }
-// The format of a cache of dtype t: int8, float8_e4m3fn, or any other (float) dtype.
-inline KvFormat kv_format_of(at::ScalarType t) {
-  return t == at::kChar ? KvFormat::kInt8 : t == at::kFloat8_e4m3fn ? KvFormat::kFp8E4M3 : KvFormat::kFloat;
+// Quantized cache dtypes (fdc/kv_format.h): int8, float8_e4m3fn, and uint8 holding int4 codes two per byte.
+inline bool is_quantized_cache_dtype(at::ScalarType t) {
+  return t == at::kChar || t == at::kFloat8_e4m3fn || t == at::kByte;
 }
-// A quantized cache dtype as torch spells it in Python.
-inline const char* quantized_name(at::ScalarType t) { return t == at::kChar ? "int8" : "float8_e4m3fn"; }
+// The format of a cache of dtype t: int8, float8_e4m3fn, int4 (uint8), or any other (float) dtype.
+inline KvFormat kv_format_of(at::ScalarType t) {
+  switch (t) {
+    case at::kChar: return KvFormat::kInt8;
+    case at::kFloat8_e4m3fn: return KvFormat::kFp8E4M3;
+    case at::kByte: return KvFormat::kInt4;
+    default: return KvFormat::kFloat;
+  }
+}
+// A quantized cache dtype as torch spells it in Python, with what it holds.
+inline const char* quantized_name(at::ScalarType t) {
+  return t == at::kChar ? "int8" : t == at::kByte ? "uint8: int4 codes, two per byte" : "float8_e4m3fn";
+}
 
 // The storage of a K/V cache pair whose activations (`activation_name`: q, or the new rows k) have dtype
-// `activation`: that dtype, or a quantized format (fdc/kv_format.h): int8 or float8_e4m3fn.
+// `activation`: that dtype, or a quantized format (fdc/kv_format.h): int8, float8_e4m3fn or int4 (uint8).
 inline KvFormat check_cache_dtype(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   at::ScalarType activation, const char* activation_name) {
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"k_cache", k_cache}, {"v_cache", v_cache}}) {
@@ -274,7 +284,8 @@ inline KvFormat check_cache_dtype(const char* op, const at::Tensor& k_cache, con
   }
   const at::ScalarType st = k_cache.scalar_type();
   FDC_CHECK(st == activation || is_quantized_cache_dtype(st), op, "k_cache must have the dtype of ", activation_name,
-            " (", dtype_name(activation), "), or be int8 or float8_e4m3fn (a quantized cache), but got ",
+            " (", dtype_name(activation),
+            "), or be int8, float8_e4m3fn or uint8 (int4 codes two per byte): a quantized cache, but got ",
             dtype_name(st));
   check_same_dtype(op, "v_cache", v_cache, "k_cache", k_cache);
   check_same_device(op, "v_cache", v_cache, "k_cache", k_cache);
@@ -282,7 +293,8 @@ inline KvFormat check_cache_dtype(const char* op, const at::Tensor& k_cache, con
 }
 
 // A quantized cache's float32 scales need 4-byte alignment: its start and its strides between requests (or pages) and
-// rows; a page starts its scales at width * page_size bytes, a multiple of 8, and a row at width, also one.
+// rows; a page starts its scales at width * page_size bytes (width / 2 for int4), a multiple of 4, and a row at width
+// (width / 2), also one.
 inline void check_scale_alignment(const char* op, const char* name, const at::Tensor& t, bool paged) {
   FDC_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % kKvScaleBytes == 0 && t.stride(0) % kKvScaleBytes == 0 &&
                 (paged || t.stride(1) % kKvScaleBytes == 0),
@@ -311,7 +323,10 @@ inline CacheShape check_cache(const char* op, const at::Tensor& k_cache, const a
     shape.capacity = shape.paged.max_pages * shape.paged.page_size;
     return shape;
   }
-  const char* scales = shape.format == KvFormat::kFloat ? "" : " (the data columns, then 4 bytes of scale per KV head)";
+  const char* scales = shape.format == KvFormat::kFloat ? ""
+                       : shape.format == KvFormat::kInt4
+                           ? " (the data columns two per byte, then 4 bytes of scale per KV head)"
+                           : " (the data columns, then 4 bytes of scale per KV head)";
   FDC_CHECK(k_cache.size(0) == batch && k_cache.size(2) == k_width, op, "k_cache must have shape (B=", batch,
             ", S_max, ", k_width, ")", scales, " but got ", k_cache.sizes());
   FDC_CHECK(v_cache.size(0) == batch && v_cache.size(1) == k_cache.size(1) && v_cache.size(2) == v_width, op,

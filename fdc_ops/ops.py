@@ -22,11 +22,14 @@ page_size)`` with ``block_table`` int32 ``(B, max_pages)``; token ``t`` of reque
 ``offsets[j] .. offsets[j+1]``): a decode task reading one head streams contiguous memory, and a score or value loop
 runs along contiguous tokens.
 
-Quantized caches (:data:`QUANTIZED_CACHE_DTYPES`: int8, float8_e4m3fn): one byte per element and, per token and KV
-head, a float32 scale (the head's largest magnitude in the row over 127 or 448), element = code * scale. The scales
-follow the data columns: a contiguous row is ``width`` codes then ``H_kv`` float32 scales (``4 * H_kv`` bytes); a page
-is ``width`` rows of codes then the scales as ``H_kv`` runs of ``page_size`` float32 (``4 * H_kv`` byte rows), so one
-block table addresses both. :func:`cache_width` gives a cache's last (contiguous) or middle (paged) size.
+Quantized caches (:data:`QUANTIZED_CACHE_DTYPES`: int8, float8_e4m3fn, and uint8 holding int4 codes): one byte per
+element (int4: two per byte, column ``2m`` in byte ``m``'s low nibble and ``2m + 1`` in its high one, two's complement
+codes in [-7, 7]) and, per token and KV head, a float32 scale (the head's largest magnitude in the row over 127, 448 or
+7), element = code * scale. The scales follow the data columns: a contiguous row is the codes (``width`` bytes, or
+``width / 2`` for int4) then ``H_kv`` float32 scales (``4 * H_kv`` bytes); a page is the codes' byte rows then the
+scales as ``H_kv`` runs of ``page_size`` float32 (``4 * H_kv`` byte rows), so one block table addresses both.
+:func:`kv_cache_dtype` maps the names ``"int8"``, ``"float8_e4m3fn"`` and ``"int4"`` to these dtypes.
+:func:`cache_width` gives a cache's last (contiguous) or middle (paged) size.
 :func:`append_kv` quantizes as it writes, :func:`decode_attention` reads the codes in place and
 :func:`prefill_attention` reads quantized pages (on the CPU; the CUDA ops take float caches only, so far).
 
@@ -47,6 +50,7 @@ __all__ = [
     "prefix_sums",
     "cache_width",
     "QUANTIZED_CACHE_DTYPES",
+    "kv_cache_dtype",
     "rotate_compress",
     "rope_rotate_compress",
     "prefill_plan",
@@ -60,23 +64,57 @@ __all__ = [
 
 
 # Cache dtypes stored as codes and per-(token, KV head) float32 scales (include/fdc/kv_format.h), with each one's
-# largest code magnitude.
-QUANTIZED_CACHE_DTYPES = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+# largest code magnitude; uint8 is the storage of int4 codes, two per byte.
+QUANTIZED_CACHE_DTYPES = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.uint8: 7.0}
 _SCALE_BYTES = 4
+_KV_CACHE_DTYPE_NAMES = {"int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn, "int4": torch.uint8}
+
+
+def kv_cache_dtype(kind: str | torch.dtype) -> torch.dtype:
+    """The dtype of a quantized cache of ``kind``: a name (``"int8"``, ``"float8_e4m3fn"``, ``"int4"``), one of
+    :data:`QUANTIZED_CACHE_DTYPES`, or ``torch.int4`` (stored as uint8, two codes per byte).
+
+    >>> import torch, fdc_ops
+    >>> fdc_ops.ops.kv_cache_dtype("int4"), fdc_ops.ops.kv_cache_dtype(torch.int8)
+    (torch.uint8, torch.int8)
+    """
+    if isinstance(kind, str) and kind in _KV_CACHE_DTYPE_NAMES:
+        return _KV_CACHE_DTYPE_NAMES[kind]
+    if kind == getattr(torch, "int4", None):
+        return torch.uint8
+    if isinstance(kind, torch.dtype) and kind in QUANTIZED_CACHE_DTYPES:
+        return kind
+    raise ValueError(f"fdc_ops.ops.kv_cache_dtype: a quantized cache is one of {list(_KV_CACHE_DTYPE_NAMES)} (or "
+                     f"{list(QUANTIZED_CACHE_DTYPES)}, or torch.int4), got {kind!r}")
 
 
 def cache_width(offsets: torch.Tensor, dtype: torch.dtype) -> int:
     """Columns of a cache row (contiguous ``(B, S_max, width)``) or rows of a page (paged ``(num_pages, width,
     page_size)``) for the layout ``offsets`` (``qk_offsets`` for K, ``v_offsets`` for V) stored as ``dtype``: the
-    layout's width, plus 4 bytes of scale per KV head for a quantized dtype.
+    layout's width (half of it for int4's uint8, two codes per byte), plus 4 bytes of scale per KV head for a
+    quantized dtype.
 
     >>> import torch, fdc_ops
     >>> offsets = fdc_ops.ops.prefix_sums([32, 16])
-    >>> fdc_ops.ops.cache_width(offsets, torch.bfloat16), fdc_ops.ops.cache_width(offsets, torch.int8)
-    (48, 56)
+    >>> [fdc_ops.ops.cache_width(offsets, dtype) for dtype in (torch.bfloat16, torch.int8, torch.uint8)]
+    [48, 56, 32]
     """
     width = int(offsets[-1])
-    return width + _SCALE_BYTES * (offsets.shape[0] - 1) if dtype in QUANTIZED_CACHE_DTYPES else width
+    if dtype not in QUANTIZED_CACHE_DTYPES:
+        return width
+    return width // _codes_per_element(dtype) + _SCALE_BYTES * (offsets.shape[0] - 1)
+
+
+def _codes_per_element(dtype: torch.dtype) -> int:
+    return 2 if dtype == torch.uint8 else 1
+
+
+def _data_width(stored: int, offsets: torch.Tensor, dtype: torch.dtype) -> int:
+    """The layout width of a cache whose rows (or pages' rows) are ``stored`` elements of ``dtype`` (cache_width's
+    inverse)."""
+    if dtype not in QUANTIZED_CACHE_DTYPES:
+        return stored
+    return (stored - _SCALE_BYTES * (offsets.shape[0] - 1)) * _codes_per_element(dtype)
 
 
 def prefix_sums(sizes) -> torch.Tensor:
@@ -232,8 +270,8 @@ def prefill_attention(
         q: ``(T_q, G * qk_offsets[-1])`` compressed queries.
         k: ``(T_k, qk_offsets[-1])`` compressed keys, or with ``block_table`` a paged key cache
             ``(num_pages, cache_width(qk_offsets, dtype), page_size)`` (the layout of :func:`decode_attention` and
-            :func:`append_kv`), of ``q``'s dtype or quantized (int8 or float8_e4m3fn, CPU only: dequantized as its
-            key blocks are packed).
+            :func:`append_kv`), of ``q``'s dtype or quantized (int8, float8_e4m3fn or int4's uint8, CPU only:
+            dequantized as its key blocks are packed).
         v: ``(T_k, v_offsets[-1])`` compressed values, or with ``block_table`` a paged value cache
             ``(num_pages, cache_width(v_offsets, dtype), page_size)``, the dtype of ``k``.
         cu_seqlens_q, cu_seqlens_k: ``(B + 1,)`` int32 sequence boundaries in ``q`` and in ``k``/``v``; with
@@ -353,7 +391,7 @@ def decode_attention(
     Args:
         q: ``(B, G * qk_offsets[-1])`` compressed queries.
         k_cache: ``(B, S_max, W)``, or paged ``(num_pages, W, page_size)``, ``W = cache_width(qk_offsets, dtype)``:
-            of ``q``'s dtype, or quantized (int8 or float8_e4m3fn, CPU only; see the module docstring).
+            of ``q``'s dtype, or quantized (int8, float8_e4m3fn or int4's uint8, CPU only; see the module docstring).
         v_cache: ``(B, S_max, W)``, or paged ``(num_pages, W, page_size)``, ``W = cache_width(v_offsets, dtype)``,
             the dtype of ``k_cache``.
         cache_seqlens: ``(B,)`` int32; slots at or past ``cache_seqlens[b]`` are never read, and a request of
@@ -438,10 +476,11 @@ def append_kv(
     Args:
         k_cache, v_cache: contiguous ``(B, S_max, width)`` caches with unit-stride rows, or paged
             ``(num_pages, width, page_size)`` caches with contiguous pages, ``width`` being :func:`cache_width`;
-            written in place. Of ``k``'s dtype, or quantized (int8 or float8_e4m3fn, CPU only): each new row's KV
-            heads are written as codes, ``round(x / scale)`` (ties to even; e4m3: its nearest value) with ``scale``
-            the head's largest magnitude in the row over 127 (int8) or 448 (e4m3), and the scale; a head with a
-            non-finite value is stored as a NaN scale, so whatever reads it gives NaN.
+            written in place. Of ``k``'s dtype, or quantized (int8, float8_e4m3fn or int4's uint8, CPU only): each
+            new row's KV heads are written as codes, ``round(x / scale)`` (ties to even; e4m3: its nearest value)
+            with ``scale`` the head's largest magnitude in the row over 127 (int8), 448 (e4m3) or 7 (int4), and the
+            scale (int4: two codes per byte, see the module docstring); a head with a non-finite value is stored as
+            a NaN scale, so whatever reads it gives NaN.
         k: ``(T, qk_offsets[-1])`` new compressed keys.
         v: ``(T, v_offsets[-1])`` new compressed values, dtype of ``k``.
         cu_seqlens: ``(B + 1,)`` int32 boundaries of each request's new rows in ``k``/``v`` (on CUDA: on the
@@ -557,7 +596,7 @@ def _prefill_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, qk_offsets, v_o
         batch = cu_seqlens_q.shape[0] - 1
         _check(block_table.dim() == 2 and block_table.shape[0] == batch, op,
                f"block_table must have shape (B={batch}, max_pages) but got {tuple(block_table.shape)}")
-    v_width = v.shape[1] if block_table is not None else v.shape[-1]
+    v_width = _data_width(v.shape[1], v_offsets, v.dtype) if block_table is not None else v.shape[-1]
     return q.new_empty((q.shape[0], group * v_width))
 
 
@@ -582,9 +621,7 @@ def _decode_attention_fake(q, k_cache, v_cache, cache_seqlens, qk_offsets, v_off
     _check_variant("decode_attention", q, qk_offsets, group, window_left, softcap, sinks)
     _check_cache("decode_attention", q.shape[0], k_cache, v_cache, cache_seqlens, block_table)
     _check_dims("decode_attention", q=(q, 2))
-    v_width = v_cache.shape[1] if block_table is not None else v_cache.shape[2]
-    if v_cache.dtype in QUANTIZED_CACHE_DTYPES:
-        v_width -= _SCALE_BYTES * (v_offsets.shape[0] - 1)
+    v_width = _data_width(v_cache.shape[1] if block_table is not None else v_cache.shape[2], v_offsets, v_cache.dtype)
     return q.new_empty((q.shape[0], group * v_width))
 
 

@@ -209,9 +209,9 @@ def quantize_kv_ref(x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) 
     """Rows x (T, W) as a quantized cache of ``dtype`` stores them (ops.append_kv): (codes (T, W), scales (T, H_kv)),
     both float64. Per row and KV head the scale is the largest magnitude over the format's largest code, rounded to
     float32 as the cache stores it; codes are x / scale, the quotient taken in float32 as the kernels take it (so
-    the codes are theirs exactly, ties included), rounded half to even (int8, within +-127) or to e4m3's nearest
-    value (within +-448); a head holding a non-finite value gets a NaN scale and zero codes, an all-zero one
-    scale 0."""
+    the codes are theirs exactly, ties included), rounded half to even (int8 within +-127, int4's uint8 within +-7)
+    or to e4m3's nearest value (within +-448); a head holding a non-finite value gets a NaN scale and zero codes, an
+    all-zero one scale 0. The codes are returned one per column, as values (unpacked, for int4)."""
     from .ops import QUANTIZED_CACHE_DTYPES
 
     code_max = QUANTIZED_CACHE_DTYPES[dtype]
@@ -224,8 +224,8 @@ def quantize_kv_ref(x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) 
         scale = (part.abs().amax(dim=1) / code_max).float().double()
         scale = torch.where(finite, scale, torch.nan)
         quotient = part.float() / scale.float()[:, None]
-        if dtype == torch.int8:
-            code = quotient.clamp(-127, 127).round().double()  # torch.round rounds half to even
+        if dtype in (torch.int8, torch.uint8):
+            code = quotient.clamp(-code_max, code_max).round().double()  # torch.round rounds half to even
         else:
             code = quotient.clamp(-448, 448).to(dtype).double()
         codes[:, bounds[j]:bounds[j + 1]] = torch.where((finite & (scale > 0))[:, None], code, 0.0)
@@ -233,20 +233,31 @@ def quantize_kv_ref(x: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) 
     return codes, scales
 
 
+def unpack_int4_ref(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """int4 codes stored two per byte (uint8) along ``dim`` (column 2m in byte m's low nibble, 2m + 1 in its high one,
+    two's complement) as one float64 code per column: ``dim`` grows twice as long."""
+    nibbles = torch.stack([packed & 0x0F, packed >> 4], dim=dim + 1 if dim >= 0 else dim).double()
+    codes = torch.where(nibbles >= 8, nibbles - 16, nibbles)
+    return codes.flatten(dim, dim + 1) if dim >= 0 else codes.flatten(dim - 1, dim)
+
+
 def dequantize_cache_ref(cache: torch.Tensor, offsets: torch.Tensor, paged: bool = False) -> torch.Tensor:
     """A quantized cache's elements, code * scale, in float64, in the layout of a float cache of the same kind:
-    contiguous (B, S_max, W) or, when ``paged``, (num_pages, W, page_size); every slot is converted, written or not."""
+    contiguous (B, S_max, W) or, when ``paged``, (num_pages, W, page_size); every slot is converted, written or not.
+    An int4 cache (uint8) holds its codes two per byte (unpack_int4_ref)."""
     heads, width = offsets.shape[0] - 1, int(offsets[-1])
     bounds = offsets.tolist()
+    int4 = cache.dtype == torch.uint8
+    stored = width // 2 if int4 else width  # bytes of codes per row (or byte rows per page)
     if paged:
         num_pages, _, page_size = cache.shape
-        codes = cache[:, :width].double()
-        scales = cache[:, width:].reshape(num_pages, 4 * heads * page_size).view(torch.float32)
+        codes = unpack_int4_ref(cache[:, :stored], 1) if int4 else cache[:, :width].double()
+        scales = cache[:, stored:].reshape(num_pages, 4 * heads * page_size).view(torch.float32)
         scales = scales.reshape(num_pages, heads, page_size).double()
         per_column = torch.cat([scales[:, j:j + 1].expand(-1, bounds[j + 1] - bounds[j], -1) for j in range(heads)], 1)
         return codes * per_column
-    codes = cache[..., :width].double()
-    scales = cache[..., width:].contiguous().view(torch.float32).double()  # (B, S_max, H_kv)
+    codes = unpack_int4_ref(cache[..., :stored], -1) if int4 else cache[..., :width].double()
+    scales = cache[..., stored:].contiguous().view(torch.float32).double()  # (B, S_max, H_kv)
     per_column = torch.cat([scales[..., j:j + 1].expand(-1, -1, bounds[j + 1] - bounds[j]) for j in range(heads)], -1)
     return codes * per_column
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from fdc_ops.apps import eval as eval_app
 from fdc_ops.identity import AttentionShape
@@ -43,18 +42,21 @@ def test_quantization_methods_need_the_long_context_metric(tmp_path):
         eval_app.run(out=str(tmp_path), methods=("FDC (defaults)", "KVQ-F int8"))
 
 
-@pytest.mark.parametrize("compression", [0.3, 0.5, 0.6, 0.75])
-def test_quantized_compression_counts_the_cache_bytes(compression):
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("compression", [0.3, 0.5, 0.6, 0.75, 0.8])
+def test_quantized_compression_counts_the_cache_bytes(compression, bits):
     """The budget of a quantized method, turned into widths, removes what its cache's bytes say it removes: one byte
-    per element and 4 per (token, KV head) scale in K and in V (fdc_ops.ops.cache_width), against 16-bit elements."""
+    (int8) or half of one (int4) per element and 4 per (token, KV head) scale in K and in V
+    (fdc_ops.ops.cache_width), against 16-bit elements."""
     from fdc_ops import ops
 
+    dtype = ops.kv_cache_dtype(f"int{bits}")
     shape = AttentionShape(num_layers=3, num_heads=6, num_kv_heads=2, head_dim=64, hidden_size=96)
-    allocation = eval_app.uniform_allocation(shape, eval_app.quantized_dimension_budget(compression, 64))
-    stored = sum(ops.cache_width(k, torch.int8) + ops.cache_width(v, torch.int8)
+    allocation = eval_app.uniform_allocation(shape, eval_app.quantized_dimension_budget(compression, 64, bits))
+    stored = sum(ops.cache_width(k, dtype) + ops.cache_width(v, dtype)
                  for k, v in (allocation.offsets(layer) for layer in range(3)))
     full = 3 * 2 * 2 * 64 * 2  # layers x (K, V) x KV heads x D x 2 bytes
-    total = eval_app.quantized_compression(allocation.compression_rate, 64)
+    total = eval_app.quantized_compression(allocation.compression_rate, 64, bits)
     assert total == pytest.approx(1 - stored / full)
     assert total >= compression - 1e-12 or allocation.compression_rate == 0.0
 

@@ -1,4 +1,4 @@
-"""hf.compress(..., kv_dtype=torch.int8 / torch.float8_e4m3fn): the compressed cache stored quantized (fdc_ops.ops,
+"""hf.compress(..., kv_dtype="int8" / "float8_e4m3fn" / "int4"): the compressed cache stored quantized (fdc_ops.ops,
 quantized caches), its kept dims mixed by a rotation folded into the weights. The prompt's own call sees no
 quantization (it attends its own rows); later calls read the quantized rows, one token at a time (decode_attention)
 or several (the cached rows dequantized for prefill_attention), close to the float cache; the cache holds the bytes
@@ -17,11 +17,11 @@ from test_hf import calibrated, left_padded
 
 transformers = pytest.importorskip("transformers", reason="the model side needs transformers")
 
-FORMATS = (torch.int8, torch.float8_e4m3fn)
+FORMATS = (torch.int8, torch.float8_e4m3fn, torch.uint8)  # uint8: int4 codes, two per byte
 # Largest logit error of a quantized cache against the float cache, as a share of the logits' largest magnitude:
-# measured 0.3-3.2% (int8) and 1.8-9.8% (e4m3) over 8 draws of the tiny random models (llama, qwen3; every call after
-# the prompt); the bounds are twice those.
-LOGIT_ERROR = {torch.int8: 0.065, torch.float8_e4m3fn: 0.2}
+# measured 0.3-3.2% (int8), 1.8-9.8% (e4m3) and 10-59% (int4: 15 levels) over 8 draws of the tiny random models (llama,
+# qwen3; every call after the prompt); the bounds are twice those.
+LOGIT_ERROR = {torch.int8: 0.065, torch.float8_e4m3fn: 0.2, torch.uint8: 1.2}
 
 
 def _steps(model, ids, mask, steps: int, chunk: int):
@@ -54,7 +54,8 @@ def test_a_quantized_cache_stays_near_the_float_cache(family, kv_dtype, method):
     ids, mask = left_padded(generator, model.config.vocab_size, [rng.randrange(3, 20) for _ in range(3)])
     expected, float_cache = _steps(model, ids, mask, steps=4, chunk=3)
     hf.restore(model)
-    hf.compress(model, artifact, allocation=allocation, kv_dtype=kv_dtype, method=method)
+    name = {torch.int8: "int8", torch.float8_e4m3fn: "float8_e4m3fn", torch.uint8: "int4"}[kv_dtype]
+    hf.compress(model, artifact, allocation=allocation, kv_dtype=name, method=method)
     actual, cache = _steps(model, ids, mask, steps=4, chunk=3)
 
     # the prompt's own call does not see the quantization, only the mixing's rounding (artifact.mix_kept_columns)
@@ -68,12 +69,13 @@ def test_a_quantized_cache_stays_near_the_float_cache(family, kv_dtype, method):
     tokens = [layer.cached_tokens() for layer in layers]
     widths = [ops.cache_width(layer.k_offsets, kv_dtype) + ops.cache_width(layer.v_offsets, kv_dtype)
               for layer in layers]
-    assert hf.kv_cache_nbytes(cache) == sum(t * w for t, w in zip(tokens, widths))  # one byte per element + scales
+    assert hf.kv_cache_nbytes(cache) == sum(t * w for t, w in zip(tokens, widths))  # codes + scales
     float_bytes = hf.kv_cache_nbytes(float_cache)
     heads = layers[0].k_offsets.shape[0] - 1
     floats = sum(t * int(layer.k_offsets[-1] + layer.v_offsets[-1]) for t, layer in zip(tokens, layers))
     assert float_bytes == floats * 4  # the tiny models run in float32
-    assert hf.kv_cache_nbytes(cache) == floats + sum(t * 8 * heads for t in tokens)
+    code_bytes = floats // 2 if kv_dtype == torch.uint8 else floats  # int4: two codes per byte
+    assert hf.kv_cache_nbytes(cache) == code_bytes + sum(t * 8 * heads for t in tokens)
 
 
 def test_mixing_keeps_every_product_and_spreads_the_kept_dims():
@@ -97,8 +99,10 @@ def test_mixing_keeps_every_product_and_spreads_the_kept_dims():
 
 def test_kv_dtype_refusals():
     model, artifact = calibrated("llama", 3)
-    with pytest.raises(ValueError, match=r"fdc_ops.hf.compress: kv_dtype must be None .* got torch.uint8"):
-        hf.compress(model, artifact, compression=0.2, kv_dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"fdc_ops.hf.compress: kv_dtype must be None .* got torch.int16"):
+        hf.compress(model, artifact, compression=0.2, kv_dtype=torch.int16)
+    with pytest.raises(ValueError, match=r"fdc_ops.hf.compress: kv_dtype must be None .* got 'int3'"):
+        hf.compress(model, artifact, compression=0.2, kv_dtype="int3")
     with pytest.raises(NotImplementedError, match="fdc_ops.hf.compress: kv_dtype with eviction"):
         hf.compress(model, artifact, compression=0.2, kv_dtype=torch.int8, eviction="snapkv", keep=0.5)
     hf.compress(model, artifact, compression=0.2, kv_dtype=torch.int8)

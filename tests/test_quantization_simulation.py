@@ -1,6 +1,6 @@
 """The simulation of quantized cache formats (fdc_ops.apps.quantization_simulation), which chose the formats below 8
-bits: it must reproduce the real int8 cache, leave a 16-bit half untouched, quantize exactly what each scheme says,
-and count the bytes the format would store."""
+bits: it must reproduce the real int8 and int4 caches, leave a 16-bit half untouched, quantize exactly what each
+scheme says, and count the bytes the format would store."""
 
 from __future__ import annotations
 
@@ -21,17 +21,18 @@ def _calibration(model, generator) -> list[torch.Tensor]:
     return [torch.randint(1, model.config.vocab_size, (1, 24), generator=generator) for _ in range(2)]
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_simulated_int8_is_the_real_int8_cache(family):
-    generator, rng, replay = case_generator("simulated int8", ["llama", "qwen3"].index(family))
+def test_simulated_formats_are_the_real_caches(family, bits):
+    generator, rng, replay = case_generator(f"simulated int{bits}", ["llama", "qwen3"].index(family))
     model, artifact = calibrated(family, rng.randrange(1000))
-    allocation = hf.compress(model, artifact, compression=rng.choice([0.2, 0.4]), kv_dtype=torch.int8)
+    allocation = hf.compress(model, artifact, compression=rng.choice([0.2, 0.4]), kv_dtype=f"int{bits}")
     ids, mask = left_padded(generator, model.config.vocab_size, [rng.randrange(3, 20) for _ in range(3)])
     real, _ = _steps(model, ids, mask, steps=3, chunk=3)
     hf.restore(model)
     hf.compress(model, artifact, allocation=allocation)
     exact, _ = _steps(model, ids, mask, steps=3, chunk=3)
-    with simulate_quantization(model, QuantizationScheme(key_bits=8, value_bits=8, rotate="both"), []):
+    with simulate_quantization(model, QuantizationScheme(key_bits=bits, value_bits=bits, rotate="both"), []):
         simulated, _ = _steps(model, ids, mask, steps=3, chunk=3)
     for step, (got, want, unquantized) in enumerate(zip(simulated[1:], real[1:], exact[1:])):
         # the same mixing, codes and scales: the real model's weights carry the mixing, the simulation mixes and

@@ -1,6 +1,6 @@
 // fdc::append_kv on the CPU: copies each request's new K/V rows after its current cache rows, quantizing them into
-// an int8 or float8_e4m3fn cache (fdc/kv_format.h). Every destination is validated before the first write, so a bad
-// request leaves the caches untouched.
+// an int8, float8_e4m3fn or int4 cache (fdc/kv_format.h). Every destination is validated before the first write, so a
+// bad request leaves the caches untouched.
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
@@ -48,10 +48,12 @@ inline int8_t encode(float q, int8_t*) { return static_cast<int8_t>(std::nearbyi
 inline c10::Float8_e4m3fn encode(float q, c10::Float8_e4m3fn*) {
   return c10::Float8_e4m3fn(std::clamp(q, -448.f, 448.f));
 }
+inline int8_t encode(float q, Int4Pair*) { return static_cast<int8_t>(std::nearbyint(std::clamp(q, -7.f, 7.f))); }
 
-// One row of `src` quantized (fdc/kv_format.h): KV head j's columns [offsets[j], offsets[j + 1]) to codes at
-// codes[c * code_stride], its scale (largest magnitude / kv_code_max) to scales[j * scale_stride]. A head holding a
-// non-finite value gets a NaN scale (every element it gives back is NaN) and zero codes; an all-zero head scale 0.
+// One row of `src` quantized (fdc/kv_format.h): KV head j's columns [offsets[j], offsets[j + 1]) to codes, element
+// c / kColumnsPer<C> of them at codes[element * code_stride] (int4: two columns per byte), its scale (largest
+// magnitude / kv_code_max) to scales[j * scale_stride]. A head holding a non-finite value gets a NaN scale (every
+// element it gives back is NaN) and zero codes; an all-zero head scale 0.
 template <typename C, typename T>
 void quantize_row(const T* src, const int32_t* offsets, int64_t heads, KvFormat format, C* codes, int64_t code_stride,
                   float* scales, int64_t scale_stride) {
@@ -66,15 +68,24 @@ void quantize_row(const T* src, const int32_t* offsets, int64_t heads, KvFormat 
     }
     const float scale = finite ? largest / code_max : std::numeric_limits<float>::quiet_NaN();
     scales[j * scale_stride] = scale;
-    const bool codes_of_zero = !finite || scale == 0.f;  // scale 0: all zeros, or magnitudes below 127 * 2^-149
-    for (int64_t c = offsets[j]; c < offsets[j + 1]; ++c) {
-      codes[c * code_stride] = codes_of_zero ? C(0) : encode(to_float(src[c]) / scale, static_cast<C*>(nullptr));
+    const bool codes_of_zero = !finite || scale == 0.f;  // scale 0: all zeros, or magnitudes below 7 * 2^-149
+    const auto code = [&](int64_t c) {
+      return codes_of_zero ? decltype(encode(0.f, static_cast<C*>(nullptr)))(0)
+                           : encode(to_float(src[c]) / scale, static_cast<C*>(nullptr));
+    };
+    if constexpr (std::is_same_v<C, Int4Pair>) {
+      for (int64_t c = offsets[j]; c < offsets[j + 1]; c += 2) {
+        const uint8_t low = static_cast<uint8_t>(code(c)) & 0x0F, high = static_cast<uint8_t>(code(c + 1)) << 4;
+        codes[(c / 2) * code_stride] = Int4Pair{static_cast<uint8_t>(low | high)};
+      }
+    } else {
+      for (int64_t c = offsets[j]; c < offsets[j + 1]; ++c) codes[c * code_stride] = code(c);
     }
   }
 }
 
-// Rows quantized into an int8 or float8_e4m3fn cache, each request's (contiguous) or each page run's (paged) rows by
-// one task: a row's codes and scales (the data columns, then the scales: fdc/kv_format.h) are written together.
+// Rows quantized into an int8, float8_e4m3fn or int4 cache, each request's (contiguous) or each page run's (paged) rows
+// by one task: a row's codes and scales (the data columns, then the scales: fdc/kv_format.h) are written together.
 void append_quantized(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
                       const std::vector<int32_t>& cu, const std::vector<int32_t>& pos,
                       const std::vector<int32_t>& table, const checks::AppendShape& shape) {
@@ -96,7 +107,8 @@ void append_quantized(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor
     }
   }
   const auto write = [&]<typename C, typename T>(at::Tensor& cache, const at::Tensor& rows, const int32_t* offsets,
-                                                 int64_t width, const Run& run) {
+                                                 int64_t layout_width, const Run& run) {
+    const int64_t width = layout_width / kColumnsPer<C>;  // data elements of a row, or byte rows of a page
     C* base = reinterpret_cast<C*>(cache.data_ptr());
     const T* src = rows.data_ptr<T>() + run.row * rows.stride(0);
     for (int64_t i = 0; i < run.n; ++i, src += rows.stride(0)) {
@@ -120,10 +132,11 @@ void append_quantized(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor
         }
       });
     };
-    if (format == KvFormat::kInt8) {
-      run_all.template operator()<int8_t>();
-    } else {
-      run_all.template operator()<c10::Float8_e4m3fn>();
+    switch (format) {
+      case KvFormat::kInt8: run_all.template operator()<int8_t>(); break;
+      case KvFormat::kFp8E4M3: run_all.template operator()<c10::Float8_e4m3fn>(); break;
+      case KvFormat::kInt4: run_all.template operator()<Int4Pair>(); break;
+      case KvFormat::kFloat: TORCH_INTERNAL_ASSERT(false, "fdc::append_kv: a float cache is not quantized");
     }
   });
 }

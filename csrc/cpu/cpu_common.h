@@ -53,9 +53,23 @@ enum class CpuIsa { kPortable = 0, kAvx512 = 1, kAvx512Bf16 = 2 };
 // caller in the error raised for any other value.
 CpuIsa cpu_isa(const char* op);
 
-// int8 and float8_e4m3fn: the element types of quantized caches (fdc/kv_format.h), whose rows end in scales.
+// The element type of an int4 cache (fdc/kv_format.h): one byte holding two columns' codes, column 2m's in the low
+// nibble and column 2m + 1's in the high one, two's complement.
+struct Int4Pair {
+  uint8_t bits;
+  int8_t low() const { return static_cast<int8_t>(static_cast<uint8_t>(bits << 4)) >> 4; }
+  int8_t high() const { return static_cast<int8_t>(bits) >> 4; }
+  int8_t code(int64_t column) const { return column % 2 == 0 ? low() : high(); }
+};
+
+// int8, float8_e4m3fn and int4: the element types of quantized caches (fdc/kv_format.h), whose rows end in scales.
 template <typename T>
-constexpr bool kQuantized = std::is_same_v<T, int8_t> || std::is_same_v<T, c10::Float8_e4m3fn>;
+constexpr bool kQuantized =
+    std::is_same_v<T, int8_t> || std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<T, Int4Pair>;
+
+// Columns per element of a cache of element type T (kv_columns_per_element): 2 for int4, else 1.
+template <typename T>
+constexpr int64_t kColumnsPer = std::is_same_v<T, Int4Pair> ? 2 : 1;
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }

@@ -261,7 +261,7 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
                           bt,
                           paged.max_pages,
                           paged.page_size,
-                          width,
+                          width / kColumnsPer<C>,
                           kv_stored_width(width, hkv, cache_format)};
     };
     const CacheView<C> kview = view_of(k_cache, layout.qk_width()), vview = view_of(v_cache, layout.v_width());
@@ -269,7 +269,7 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
     const T* qp = qc.data_ptr<T>();
     if (by_pieces) {
       at::parallel_for(0, int64_t(pieces.size()), 1, [&](int64_t p0, int64_t p1) {
-        RowScratch ws(group, layout.qk_offsets[hkv], layout.v_offsets[hkv], hkv * group);
+        RowScratch ws(group, layout.qk_offsets[hkv], layout.v_offsets[hkv], hkv * group, std::is_same_v<C, Int4Pair>);
         for (int64_t p = p0; p < p1; ++p) {
           run_piece_avx512(pieces[p], pb, qp, qc.stride(0), kview, vview, op_out, out.stride(0), ws,
                            isa == CpuIsa::kAvx512Bf16, way, p + 1 < p1 ? &pieces[p + 1] : nullptr);
@@ -292,6 +292,7 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
     switch (cache_format) {
       case KvFormat::kInt8: run.template operator()<scalar_t, int8_t>(); break;
       case KvFormat::kFp8E4M3: run.template operator()<scalar_t, c10::Float8_e4m3fn>(); break;
+      case KvFormat::kInt4: run.template operator()<scalar_t, Int4Pair>(); break;
       case KvFormat::kFloat: run.template operator()<scalar_t, scalar_t>(); break;
     }
   });

@@ -25,7 +25,8 @@ namespace {
 
 // Per-thread state of run_piece_avx512: queries as float (G * W_qk, q's own order), the unnormalised outputs
 // (G * W_v, the output's order), one online softmax per query head, the scores of one block for one KV head, and a
-// quantized cache's scales of one block for one KV head.
+// quantized cache's scales of one block for one KV head, and an int4 cache's codes of one block for one KV head
+// unpacked to int8.
 struct RowScratch {
   std::vector<float> q, acc, scores, key_scales, value_scales;
   std::vector<uint16_t> weights_bf16;  // scores' probabilities rounded to bf16, for axpy_rows_bf16
@@ -34,11 +35,35 @@ struct RowScratch {
   std::vector<int16_t> weights_int16;  // int8 values by axpy_rows_s8: the weights as int16, w = w_int16 * w_scale
   std::vector<float> w_scale;          // (G)
   std::vector<OnlineSoftmax> softmax;
-  RowScratch(int64_t group, int64_t qk_width, int64_t v_width, int64_t heads)
+  std::unique_ptr<int8_t[]> key_codes, value_codes;  // int4 caches: (kMaxBlockKeys * kMaxHeadDim), written first
+  RowScratch(int64_t group, int64_t qk_width, int64_t v_width, int64_t heads, bool int4)
       : q(group * qk_width), acc(group * v_width), scores(group * kMaxBlockKeys), key_scales(kMaxBlockKeys),
         value_scales(kMaxBlockKeys), weights_bf16(group * kMaxBlockKeys), q_int16(group * qk_width), q_scale(heads),
-        weights_int16(group * (kMaxBlockKeys + 1)), w_scale(group), softmax(heads) {}
+        weights_int16(group * (kMaxBlockKeys + 1)), w_scale(group), softmax(heads),
+        key_codes(int4 ? new int8_t[kMaxBlockKeys * kMaxHeadDim] : nullptr),
+        value_codes(int4 ? new int8_t[kMaxBlockKeys * kMaxHeadDim] : nullptr) {}
 };
+
+// An int4 cache's codes (fdc/kv_format.h) of one KV head in one block, unpacked to int8 for the int8 kernels: n
+// token-major rows of dim codes (from rows `stride` bytes apart) into out (n x dim), or, paged, the block's runs of
+// dim-major pages (dim / 2 byte rows, page_size apart, of each run's tokens) into out (dim rows of n, the block's
+// token order).
+FDC_AVX512 inline void unpack_int4_block(const Int4Pair* rows, int64_t stride, int64_t n, int64_t dim, int8_t* out) {
+  for (int64_t t = 0; t < n; ++t) {
+    avx512::unpack_int4_row(reinterpret_cast<const uint8_t*>(rows + t * stride), dim / 2, out + t * dim);
+  }
+}
+template <typename Runs>
+FDC_AVX512 inline void unpack_int4_runs(const Runs& runs, const Int4Pair* const* starts, int64_t col, int64_t page_size,
+                                        int64_t n, int64_t dim, int8_t* out) {
+  for (int64_t s = 0; s < runs.count; ++s) {
+    const uint8_t* run = reinterpret_cast<const uint8_t*>(starts[s] + (col / 2) * page_size);
+    for (int64_t m = 0; m < dim / 2; ++m) {
+      avx512::unpack_int4_columns(run + m * page_size, runs.len[s], out + 2 * m * n + runs.first[s],
+                                  out + (2 * m + 1) * n + runs.first[s]);
+    }
+  }
+}
 
 // rows[i * ld + t] *= factors[t] (times row_factors[i] when given) for i < count, t < n.
 FDC_AVX512 inline void scale_columns(float* rows, int64_t ld, int64_t count, const float* factors, int64_t n,
@@ -150,7 +175,11 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
   // half-precision queries (8 or 11 bits) and than the bf16 weights of the bf16 path; float32 queries keep the float
   // products, as the tests hold them to float32's accuracy. Measured with bench_ops --phase quantized (B=4 x 8K and
   // B=8 x 16K, bf16, 2-core Intel Xeon): 1.32-1.33x the bf16 cache's speed, against 1.08-1.13x widening to float.
-  const bool int8_rows = std::is_same_v<C, int8_t> && !std::is_same_v<T, float> && bf16_dot && !kc.paged();
+  // int4 codes are unpacked to int8 per KV head and block (unpack_int4_block, unpack_int4_runs), then take the int8
+  // kernels.
+  constexpr bool kInt4 = std::is_same_v<C, Int4Pair>;
+  constexpr bool kIntCodes = std::is_same_v<C, int8_t> || kInt4;
+  const bool int8_rows = kIntCodes && !std::is_same_v<T, float> && bf16_dot && !kc.paged();
   if (int8_rows) quantize_queries_int16(ws.q.data(), layout, ws.q_int16.data(), ws.q_scale.data());
   std::fill(ws.acc.begin(), ws.acc.end(), 0.f);
   std::fill(ws.softmax.begin(), ws.softmax.end(), OnlineSoftmax{});
@@ -225,31 +254,42 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
       if (kc.paged()) {  // each run's keys are dq columns of consecutive tokens: scores = sum_c q[c] K[c]
         for (int64_t i = 0; i < group; ++i) std::fill(scores + i * kMaxBlockKeys, scores + i * kMaxBlockKeys + n, 0.f);
         const uint16_t* q_bf16 = reinterpret_cast<const uint16_t*>(qb + group * k_col);  // read as bf16 only
-        for (int64_t s = 0; s < here.count; ++s) {
-          run_values[s] = here.v[s] + v_col * col_stride;
-          const C* keys = here.k[s] + k_col * col_stride;
-          float* run_scores = scores + here.first[s];
-          if constexpr (kBf16Cache) {
-            if (bf16_key_pages && kc.page_size == 16) {
-              avx512::dot_page16_bf16(q_bf16, dq, group, keys, dq, here.len[s], run_scores, kMaxBlockKeys, stream);
-              continue;
+        if constexpr (kInt4) {  // the block's codes as dq rows of n: one product over all runs
+          unpack_int4_runs(here, here.k, k_col, kc.page_size, n, dq, ws.key_codes.get());
+          avx512::axpy_rows(qj, dq, group, ws.key_codes.get(), n, dq, n, scores, kMaxBlockKeys, stream);
+        } else {
+          for (int64_t s = 0; s < here.count; ++s) {
+            run_values[s] = here.v[s] + v_col * col_stride;
+            const C* keys = here.k[s] + k_col * col_stride;
+            float* run_scores = scores + here.first[s];
+            if constexpr (kBf16Cache) {
+              if (bf16_key_pages && kc.page_size == 16) {
+                avx512::dot_page16_bf16(q_bf16, dq, group, keys, dq, here.len[s], run_scores, kMaxBlockKeys, stream);
+                continue;
+              }
+              if (bf16_key_pages) {
+                avx512::axpy_rows_bf16(q_bf16, dq, group, keys, col_stride, dq, here.len[s], run_scores, kMaxBlockKeys,
+                                       stream);
+                continue;
+              }
             }
-            if (bf16_key_pages) {
-              avx512::axpy_rows_bf16(q_bf16, dq, group, keys, col_stride, dq, here.len[s], run_scores, kMaxBlockKeys,
-                                     stream);
-              continue;
-            }
+            avx512::axpy_rows(qj, dq, group, keys, col_stride, dq, here.len[s], run_scores, kMaxBlockKeys, stream);
           }
-          avx512::axpy_rows(qj, dq, group, keys, col_stride, dq, here.len[s], run_scores, kMaxBlockKeys, stream);
         }
       } else {  // keys are n rows of dq: one dot product per (query head, key)
         const C* keys = kc.at(b, t0, k_col);
-        if constexpr (std::is_same_v<C, int8_t>) {
+        if constexpr (kIntCodes) {
+          const int8_t* codes = reinterpret_cast<const int8_t*>(keys);
+          int64_t codes_stride = kc.stride1;
+          if constexpr (kInt4) {
+            unpack_int4_block(keys, kc.stride1, n, dq, ws.key_codes.get());
+            codes = ws.key_codes.get(), codes_stride = dq;
+          }
           if (int8_rows) {
-            avx512::dot_rows_s8(ws.q_int16.data() + group * k_col, dq, group, keys, kc.stride1, n, dq, scores,
+            avx512::dot_rows_s8(ws.q_int16.data() + group * k_col, dq, group, codes, codes_stride, n, dq, scores,
                                 kMaxBlockKeys, stream);
           } else {
-            avx512::dot_rows(qj, dq, group, keys, kc.stride1, n, dq, scores, kMaxBlockKeys);
+            avx512::dot_rows(qj, dq, group, codes, codes_stride, n, dq, scores, kMaxBlockKeys);
           }
         } else if constexpr (kBf16Cache) {
           if (bf16_dot) {
@@ -289,8 +329,13 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
         std::fill(ws.value_scales.data(), ws.value_scales.data() + masked, 0.f);
         scale_columns(scores, kMaxBlockKeys, group, ws.value_scales.data(), n);
       }
-      if (vc.paged()) {  // each run's values are dv columns of consecutive tokens: acc[i][c] += p_i . V[c]
-        if (bf16_pages) {
+      if (vc.paged()) {         // each run's values are dv columns of consecutive tokens: acc[i][c] += p_i . V[c]
+        if constexpr (kInt4) {  // the block's codes as dv rows of n: one run
+          unpack_int4_runs(here, here.v, v_col, vc.page_size, n, dv, ws.value_codes.get());
+          const int8_t* codes[1] = {ws.value_codes.get()};
+          const int64_t first[1] = {0}, len[1] = {n};
+          avx512::dot_columns(scores, kMaxBlockKeys, group, codes, first, len, 1, n, dv, acc, dv, stream);
+        } else if (bf16_pages) {
           if constexpr (kBf16Cache) {
             if (vc.page_size == 16) {
               avx512::dot_columns_page16_bf16(weights, kMaxBlockKeys, group, run_values, here.first, here.len,
@@ -304,14 +349,20 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
           avx512::dot_columns(scores, kMaxBlockKeys, group, run_values, here.first, here.len, here.count, col_stride,
                               dv, acc, dv, stream);
         }
-      } else if constexpr (std::is_same_v<C, int8_t>) {  // values are n rows of dv: acc_i += sum_t p_i[t] V[t]
+      } else if constexpr (kIntCodes) {  // values are n rows of dv: acc_i += sum_t p_i[t] V[t]
+        const int8_t* codes = reinterpret_cast<const int8_t*>(vc.at(b, t0, v_col));
+        int64_t codes_stride = vc.stride1;
+        if constexpr (kInt4) {
+          unpack_int4_block(vc.at(b, t0, v_col), vc.stride1, n, dv, ws.value_codes.get());
+          codes = ws.value_codes.get(), codes_stride = dv;
+        }
         if (int8_rows) {
           quantize_weights_int16(scores, kMaxBlockKeys, group, n, ws.weights_int16.data(), kMaxBlockKeys + 1,
                                  ws.w_scale.data());
-          avx512::axpy_rows_s8(ws.weights_int16.data(), kMaxBlockKeys + 1, ws.w_scale.data(), group,
-                               vc.at(b, t0, v_col), vc.stride1, n, dv, acc, dv, stream);
+          avx512::axpy_rows_s8(ws.weights_int16.data(), kMaxBlockKeys + 1, ws.w_scale.data(), group, codes,
+                               codes_stride, n, dv, acc, dv, stream);
         } else {
-          avx512::axpy_rows(scores, kMaxBlockKeys, group, vc.at(b, t0, v_col), vc.stride1, n, dv, acc, dv, stream);
+          avx512::axpy_rows(scores, kMaxBlockKeys, group, codes, codes_stride, n, dv, acc, dv, stream);
         }
       } else if constexpr (kBf16Cache) {  // values are n rows of dv: acc_i += sum_t p_i[t] V[t]
         if (bf16_dot) {

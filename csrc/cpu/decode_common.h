@@ -38,7 +38,9 @@ struct FloatRows {
 };
 
 // One cache (K or V): contiguous (B, S_max, stored) or paged (num_pages, stored, page_size) with a block table, the
-// `stored` columns being the `width` data columns, then, for a quantized cache, one float32 scale per KV head.
+// `stored` elements being the `width` data elements, then, for a quantized cache, one float32 scale per KV head. A
+// column is a layout column; an element of T holds kColumnsPer<T> of them (two for int4), so a head's columns
+// [col, col + dim) are elements [col / kColumnsPer<T>, ...).
 template <typename T>
 struct CacheView {
   const T* data;
@@ -47,8 +49,8 @@ struct CacheView {
   const int32_t* block_table;  // (B, max_pages) when paged, else nullptr
   int64_t max_pages;
   int64_t page_size;
-  int64_t width;   // data columns
-  int64_t stored;  // columns of a row, or byte rows of a page: kv_stored_width
+  int64_t width;   // data elements of a row, or data element rows of a page
+  int64_t stored;  // elements of a row, or element rows of a page: kv_stored_width
 
   bool paged() const { return block_table != nullptr; }
 
@@ -82,6 +84,7 @@ struct CacheView {
   // waits on DRAM in turn.
   void prefetch(int64_t b, int64_t t0, int64_t t1, int64_t col, int64_t dim) const {
     constexpr int64_t kLine = 64;  // bytes per cache line
+    col /= kColumnsPer<T>, dim /= kColumnsPer<T>;
     const int64_t runs = paged() ? dim : t1 - t0;
     const int64_t run_bytes = (paged() ? t1 - t0 : dim) * static_cast<int64_t>(sizeof(T));
     const char* first = reinterpret_cast<const char*>(
@@ -95,6 +98,7 @@ struct CacheView {
   // Element (key t, column col) of request b: within a block (a page, when paged) keys follow each other stride1
   // elements apart (1 when paged), columns col_stride() apart.
   const T* at(int64_t b, int64_t t, int64_t col) const {
+    col /= kColumnsPer<T>;
     return paged() ? data + block_table[b * max_pages + t / page_size] * stride0 + col * page_size + t % page_size
                    : data + b * stride0 + t * stride1 + col;
   }
@@ -105,17 +109,25 @@ struct CacheView {
   // read in place; half-precision ones are widened into `scratch`, quantized ones widened and scaled. The block lies
   // within one page when paged (block_end).
   FloatRows block(int64_t b, int64_t t0, int64_t t1, int64_t j, int64_t col, int64_t dim, float* scratch) const {
-    const T* src;
+    const T* src = at(b, t0, col);
     int64_t src_stride, rows, cols;
     if (paged()) {
-      src = data + block_table[b * max_pages + t0 / page_size] * stride0 + col * page_size + t0 % page_size;
       src_stride = page_size, rows = dim, cols = t1 - t0;
     } else {
-      src = data + b * stride0 + t0 * stride1 + col;
       src_stride = stride1, rows = t1 - t0, cols = dim;
     }
     if constexpr (std::is_same_v<T, float>) {
       return {src, src_stride};
+    } else if constexpr (std::is_same_v<T, Int4Pair>) {  // column c's code is nibble c % 2 of element c / 2
+      const float* s = scales(b, t0, j);
+      const int64_t step = scale_stride();
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < cols; ++c) {
+          const Int4Pair pair = paged() ? src[(r / 2) * src_stride + c] : src[r * src_stride + c / 2];
+          scratch[r * cols + c] = static_cast<float>(pair.code(paged() ? r : c)) * s[(paged() ? c : r) * step];
+        }
+      }
+      return {scratch, cols};
     } else if constexpr (kQuantized<T>) {
       const float* s = scales(b, t0, j);
       const int64_t step = scale_stride();

@@ -225,8 +225,8 @@ PackedKV<T> pack_kv(const at::Tensor& k, const at::Tensor& v, const std::vector<
 // block_table[b][t / P], and its head j's columns are rows qk_offsets[j] .. of that page (v_offsets[j] .. for v), so
 // a page's keys of one column are contiguous. Only keys from the sequence's first query's window start on are read
 // (the pages before it need not exist); the blocks start at the block holding that key, zero before it and past the
-// sequence's last key. A quantized cache (S int8 or float8_e4m3fn: fdc/kv_format.h) is dequantized as it is packed,
-// each key's codes times its scale, which follows the page's data rows.
+// sequence's last key. A quantized cache (S int8, float8_e4m3fn or Int4Pair: fdc/kv_format.h) is dequantized as it is
+// packed, each key's codes times its scale, which follows the page's data rows.
 template <typename S, typename T>
 PackedKV<T> pack_kv_paged(const at::Tensor& k, const at::Tensor& v, const checks::PrefillInputs& in,
                           int64_t window_left) {
@@ -249,8 +249,8 @@ PackedKV<T> pack_kv_paged(const at::Tensor& k, const at::Tensor& v, const checks
   // Zeros where no key is read: before the first one, past the last one, and the padding columns of V.
   packed.k_storage = at::zeros({k_total}, k.options().dtype(c10::CppTypeToScalarType<T>::value));
   packed.v_storage = at::zeros({v_total}, v.options().dtype(c10::CppTypeToScalarType<T>::value));
-  const S* k_data = k.data_ptr<S>();
-  const S* v_data = v.data_ptr<S>();
+  const S* k_data = static_cast<const S*>(k.data_ptr());
+  const S* v_data = static_cast<const S*>(v.data_ptr());
   const int32_t* table = in.block_table.data_ptr<int32_t>();
   T* k_out = packed.k_storage.template data_ptr<T>();
   T* v_out = packed.v_storage.template data_ptr<T>();
@@ -266,21 +266,26 @@ PackedKV<T> pack_kv_paged(const at::Tensor& k, const at::Tensor& v, const checks
         const int64_t slot = key % page_size, in_block = (key - key0) % kKeyBlock;
         const int64_t run = std::min({page_size - slot, kKeyBlock - in_block, last_key[b] - key});
         const int64_t page = table[b * in.paged.max_pages + key / page_size];
-        const S* k_src = k_data + page * k.stride(0) + layout.qk_offsets[j] * page_size + slot;
-        const S* v_src = v_data + page * v.stride(0) + layout.v_offsets[j] * page_size + slot;
+        // Head j's first element row of the page, at the run's first key (int4: a byte row holds two columns).
+        const S* k_src = k_data + page * k.stride(0) + layout.qk_offsets[j] / kColumnsPer<S> * page_size + slot;
+        const S* v_src = v_data + page * v.stride(0) + layout.v_offsets[j] / kColumnsPer<S> * page_size + slot;
         // A quantized page's scales of head j from the run's first key on (none for a float cache).
         const float* k_scale = nullptr;
         const float* v_scale = nullptr;
         if constexpr (kQuantized<S>) {
           const int64_t first = j * page_size + slot;
-          k_scale = reinterpret_cast<const float*>(k_data + page * k.stride(0) + layout.qk_width() * page_size) + first;
-          v_scale = reinterpret_cast<const float*>(v_data + page * v.stride(0) + layout.v_width() * page_size) + first;
+          const int64_t k_rows = layout.qk_width() / kColumnsPer<S>, v_rows = layout.v_width() / kColumnsPer<S>;
+          k_scale = reinterpret_cast<const float*>(k_data + page * k.stride(0) + k_rows * page_size) + first;
+          v_scale = reinterpret_cast<const float*>(v_data + page * v.stride(0) + v_rows * page_size) + first;
         }
-        const auto value = [](S x, const float* scales, int64_t i) {
-          if constexpr (kQuantized<S>) {
-            return static_cast<T>(static_cast<float>(x) * scales[i]);
+        // Column c of the run's token i, from the head's first element row src.
+        const auto value = [page_size](const S* src, int64_t c, const float* scales, int64_t i) {
+          if constexpr (std::is_same_v<S, Int4Pair>) {
+            return static_cast<T>(static_cast<float>(src[(c / 2) * page_size + i].code(c)) * scales[i]);
+          } else if constexpr (kQuantized<S>) {
+            return static_cast<T>(static_cast<float>(src[c * page_size + i]) * scales[i]);
           } else {
-            return static_cast<T>(x);
+            return static_cast<T>(src[c * page_size + i]);
           }
         };
         const int64_t block = (key - key0) / kKeyBlock;
@@ -288,13 +293,12 @@ PackedKV<T> pack_kv_paged(const at::Tensor& k, const at::Tensor& v, const checks
         T* v_dst = v_out + packed.v_base[task] + block * kKeyBlock * dvp;
         for (int64_t c = 0; c < dq; ++c) {  // K^T block element (c, key) at (c / P, key, c % P)
           T* dst = k_dst + (c / kPair) * kKeyBlock * kPair + in_block * kPair + c % kPair;
-          const S* src = k_src + c * page_size;
-          for (int64_t i = 0; i < run; ++i) dst[i * kPair] = value(src[i], k_scale, i);
+          for (int64_t i = 0; i < run; ++i) dst[i * kPair] = value(k_src, c, k_scale, i);
         }
         for (int64_t i = 0; i < run; ++i) {  // V block element (key, x) at (key / P, x, key % P)
           const int64_t kk = in_block + i;
           T* dst = v_dst + (kk / kPair) * dvp * kPair + kk % kPair;
-          for (int64_t x = 0; x < dv; ++x) dst[x * kPair] = value(v_src[x * page_size + i], v_scale, i);
+          for (int64_t x = 0; x < dv; ++x) dst[x * kPair] = value(v_src, x, v_scale, i);
         }
         key += run;
       }
@@ -507,6 +511,7 @@ at::Tensor prefill_attention_cpu(const at::Tensor& q, const at::Tensor& k, const
     switch (in.format) {
       case KvFormat::kInt8: return pack_kv_paged<int8_t, T>(k, v, in, window_left);
       case KvFormat::kFp8E4M3: return pack_kv_paged<c10::Float8_e4m3fn, T>(k, v, in, window_left);
+      case KvFormat::kInt4: return pack_kv_paged<Int4Pair, T>(k, v, in, window_left);
       case KvFormat::kFloat: break;
     }
     return pack_kv_paged<S, T>(k, v, in, window_left);

@@ -82,6 +82,39 @@ FDC_AVX512 inline __mmask32 pairs_mask(int64_t count) {
   return count >= 2 * kLanes ? __mmask32(0xFFFFFFFF) : __mmask32((uint64_t(1) << count) - 1);
 }
 
+// Mask of the first min(count, 64) bytes of a register (count >= 0).
+FDC_AVX512 inline __mmask64 bytes_mask(int64_t count) {
+  return count >= 64 ? ~__mmask64(0) : (__mmask64(1) << count) - 1;
+}
+
+// int4 codes (fdc/kv_format.h: column 2m in byte m's low nibble, 2m + 1 in its high one, two's complement) as int8
+// codes, for the int8 kernels. A token-major row of `bytes` packed bytes to 2 * bytes codes in column order: each
+// byte widened to a 16-bit lane whose low byte becomes the low nibble's code and high byte the high nibble's (both
+// sign-extended by a shift up and an arithmetic shift down), so the lanes are the codes in order.
+FDC_AVX512 inline void unpack_int4_row(const uint8_t* src, int64_t bytes, int8_t* out) {
+  for (int64_t m = 0; m < bytes; m += 32) {
+    const int64_t left = std::min<int64_t>(32, bytes - m);
+    const __m512i w = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(static_cast<__mmask32>(bytes_mask(left)), src + m));
+    const __m512i low = _mm512_and_si512(_mm512_srai_epi16(_mm512_slli_epi16(w, 12), 12), _mm512_set1_epi16(0xFF));
+    const __m512i high = _mm512_slli_epi16(_mm512_srai_epi16(_mm512_slli_epi16(w, 8), 12), 8);
+    _mm512_mask_storeu_epi8(out + 2 * m, bytes_mask(2 * left), _mm512_or_si512(low, high));
+  }
+}
+
+// A dim-major page's byte row of n tokens (columns 2m and 2m + 1 of each) as two code rows of n: the low nibbles'
+// codes to low_out, the high ones' to high_out, each nibble looked up in a 16-entry table (vpshufb).
+FDC_AVX512 inline void unpack_int4_columns(const uint8_t* src, int64_t n, int8_t* low_out, int8_t* high_out) {
+  const __m512i codes = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1));
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int64_t t = 0; t < n; t += 64) {
+    const __mmask64 mask = bytes_mask(n - t);
+    const __m512i b = _mm512_maskz_loadu_epi8(mask, src + t);
+    _mm512_mask_storeu_epi8(low_out + t, mask, _mm512_shuffle_epi8(codes, _mm512_and_si512(b, nibble)));
+    _mm512_mask_storeu_epi8(high_out + t, mask,
+                            _mm512_shuffle_epi8(codes, _mm512_and_si512(_mm512_srli_epi16(b, 4), nibble)));
+  }
+}
+
 // 16 elements (those of `mask`, the rest 0) as float.
 FDC_AVX512 inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
 FDC_AVX512 inline __m512 load16(const c10::BFloat16* p, __mmask16 mask) {  // bf16 is the upper half of a float32

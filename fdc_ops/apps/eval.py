@@ -27,10 +27,10 @@ they act on); ``SnapKV`` and ``SnapKV-F`` the same with SnapKV's scores; ``... p
 head choosing its own tokens (the packed cache chooses once per layer), measured by simulation on the uncompressed
 model's attention. A point's compression is the share of the prompt's KV bytes removed. ``--metric retrieval`` asks
 for a number stated once early in a held-out text of 1400 tokens (what eviction loses that perplexity hides); the
-same methods run on it. Quantized caches (``KVQ int8`` / ``KVQ e4m3`` alone at full widths, ``KVQ-F int8`` /
-``KVQ-F e4m3`` under FDC's widths, ``KVQ-P int8`` under Palu's) run on both long-context metrics too; their
-compression counts the cache's bytes (a byte per element and its scales) against a 16-bit cache. Formats below 8
-bits are simulated (``... (simulated)``, apps/quantization_simulation.py), to choose one by measurement.
+same methods run on it. Quantized caches (``KVQ int8`` / ``KVQ e4m3`` / ``KVQ int4`` alone at full widths, ``KVQ-F
+...`` under FDC's widths, ``KVQ-P ...`` under Palu's) run on both long-context metrics too; their compression counts
+the cache's bytes (a byte, or half of one for int4, per element, and its scales) against a 16-bit cache. Other
+formats below 8 bits are simulated (``... (simulated)``, apps/quantization_simulation.py), to choose by measurement.
 
 Every evaluation is appended to ``<out>/<model>-eval-<metric>-points.json`` as it finishes (keyed by the widths, so
 an interrupted run resumes and equal allocations are measured once, and tagged with its artifact's calibration
@@ -86,9 +86,9 @@ EVICTION = {
     "SnapKV per KV head (simulated)": {"artifact": "default", "eviction": "snapkv", "split": "eviction",
                                        "simulate": "per_head"},
 }
-# Quantized caches (fdc_ops.ops: a byte per element and a float32 scale per token and KV head), alone (full widths)
-# and under FDC's widths (the paper's KVQ-F, with 8-bit formats) or Palu's (KVQ-P: its key latent quantized), on the
-# long-context metrics, where later tokens read the cache (the perplexity metric's one call never does). Their
+# Quantized caches (fdc_ops.ops: a byte, or half a byte for int4, per element and a float32 scale per token and KV
+# head), alone (full widths) and under FDC's widths (the paper's KVQ-F) or Palu's (KVQ-P: its key latent quantized),
+# on the long-context metrics, where later tokens read the cache (the perplexity metric's one call never does). Their
 # compression counts bytes against a 16-bit cache.
 QUANTIZATION = {
     "KVQ int8": {"artifact": "default", "kv_dtype": "int8", "uniform": True, "fixed": True},
@@ -96,6 +96,9 @@ QUANTIZATION = {
     "KVQ e4m3": {"artifact": "default", "kv_dtype": "float8_e4m3fn", "uniform": True, "fixed": True},
     "KVQ-F e4m3": {"artifact": "default", "kv_dtype": "float8_e4m3fn"},
     "KVQ-P int8": {"artifact": "default", "kv_dtype": "int8", "method": "palu"},
+    "KVQ int4": {"artifact": "default", "kv_dtype": "int4", "uniform": True, "fixed": True},
+    "KVQ-F int4": {"artifact": "default", "kv_dtype": "int4"},
+    "KVQ-P int4": {"artifact": "default", "kv_dtype": "int4", "method": "palu"},
 }
 # Candidate formats below 8 bits, simulated (apps/quantization_simulation.py: rows quantized and dequantized as they
 # are cached, bytes counted as the format would store them) to choose the 4-bit format by measurement; "rotated":
@@ -148,17 +151,17 @@ METRICS = ("perplexity", "edit_similarity", "long_perplexity", "retrieval")
 LONG_CONTEXT_METRICS = ("long_perplexity", "retrieval")  # where a prompt is long enough to evict from
 
 
-def quantized_compression(dimension_compression: float, head_dim: int) -> float:
-    """The share of a 16-bit cache's bytes an 8-bit quantized cache (fdc_ops.ops) removes at these widths: per token
-    and KV head, (1 - c) 2D elements of one byte plus 4 scale bytes for K and for V, against 2D elements of two
-    bytes: 1 - (1 - c) / 2 - 2 / D."""
-    return 1.0 - (1.0 - dimension_compression) / 2.0 - 2.0 / head_dim
+def quantized_compression(dimension_compression: float, head_dim: int, bits: int = 8) -> float:
+    """The share of a 16-bit cache's bytes a quantized cache of ``bits`` per element (fdc_ops.ops: 8, or 4 for int4)
+    removes at these widths: per token and KV head, (1 - c) 2D elements of bits / 8 bytes plus 4 scale bytes for K
+    and for V, against 2D elements of two bytes: 1 - (1 - c) bits / 16 - 2 / D."""
+    return 1.0 - (1.0 - dimension_compression) * bits / 16.0 - 2.0 / head_dim
 
 
-def quantized_dimension_budget(compression: float, head_dim: int) -> float:
-    """The dimension compression whose quantized cache removes ``compression`` of the 16-bit bytes (the inverse of
-    quantized_compression), 0 below what quantization alone removes."""
-    return max(0.0, 1.0 - 2.0 * (1.0 - compression - 2.0 / head_dim))
+def quantized_dimension_budget(compression: float, head_dim: int, bits: int = 8) -> float:
+    """The dimension compression whose quantized cache of ``bits`` per element removes ``compression`` of the 16-bit
+    bytes (the inverse of quantized_compression), 0 below what quantization alone removes."""
+    return max(0.0, 1.0 - 16.0 / bits * (1.0 - compression - 2.0 / head_dim))
 
 
 def scheme_dimension_budget(scheme: QuantizationScheme, compression: float, head_dim: int, tokens: int) -> float:
@@ -290,9 +293,10 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
         """(allocation, eviction policy or None, total compression of the prompt's KV bytes) for a budget."""
         split = settings.get("split")
         if "kv_dtype" in settings:
-            needed = 0.0 if settings.get("fixed") else quantized_dimension_budget(compression, shape.head_dim)
+            bits = 4 if settings["kv_dtype"] == "int4" else 8
+            needed = 0.0 if settings.get("fixed") else quantized_dimension_budget(compression, shape.head_dim, bits)
             allocation = allocation_for(settings, needed)
-            return allocation, None, quantized_compression(allocation.compression_rate, shape.head_dim)
+            return allocation, None, quantized_compression(allocation.compression_rate, shape.head_dim, bits)
         if "scheme" in settings:
             scheme, prompt = settings["scheme"], LONG_PROMPT if metric == "long_perplexity" else RETRIEVAL_TOKENS
             needed = 0.0 if settings.get("fixed") else scheme_dimension_budget(scheme, compression, shape.head_dim,
@@ -334,9 +338,8 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
                 finally:
                     hf.restore(model)
             else:
-                kv_dtype = getattr(torch, settings["kv_dtype"]) if "kv_dtype" in settings else None
                 hf.compress(model, artifacts[settings["artifact"]], allocation=allocation,
-                            method=settings.get("method", "fdc"), eviction=policy, kv_dtype=kv_dtype)
+                            method=settings.get("method", "fdc"), eviction=policy, kv_dtype=settings.get("kv_dtype"))
                 try:
                     score = measure()
                 finally:

@@ -38,7 +38,7 @@ def compress(model, artifact: artifacts.FDCArtifact | str, removal_rate: float |
              compression: float | None = None, allocation: artifacts.RankAllocation | None = None, qk_dims=None,
              v_dims=None, method: str = "fdc", weighting: str | None = None, rule: str | None = None,
              uniform: bool = False, eviction: str | evictions.EvictionPolicy | None = None,
-             keep: float | None = None, kv_dtype: torch.dtype | None = None) -> artifacts.RankAllocation:
+             keep: float | None = None, kv_dtype: torch.dtype | str | None = None) -> artifacts.RankAllocation:
     """Replaces every attention module of ``model`` in place by FDCAttention (``method="fdc"``) or the Palu baseline
     (``method="palu"``; ``qk_dims`` are then the widths of the cached key latent). Widths: a KV byte budget
     (``compression=0.1`` removes at least 10% of the cache, widths by ``rule``, default the measured sensitivities:
@@ -48,8 +48,9 @@ def compress(model, artifact: artifacts.FDCArtifact | str, removal_rate: float |
     (the /AC ablation). ``artifact``: an FDCArtifact, or ``"bundled"`` for the bundled SmolLM2's. ``eviction``:
     after each prompt, keep ``keep`` of its tokens in every layer's cache, chosen by ``"keyformer"`` or
     ``"snapkv"`` scores (or an fdc_ops.eviction.EvictionPolicy for its other settings; dynamic caches only, models
-    without sliding windows). ``kv_dtype``: ``torch.int8`` or ``torch.float8_e4m3fn`` stores the compressed cache
-    quantized (a float32 scale per token and KV head, fdc_ops.ops; the CPU ops read it in place), each KV head's
+    without sliding windows). ``kv_dtype``: ``"int8"``, ``"float8_e4m3fn"`` or ``"int4"`` (or the dtypes
+    fdc_ops.ops.kv_cache_dtype maps them to) stores the compressed cache quantized (a float32 scale per token and KV
+    head, int4 two codes per byte, fdc_ops.ops; the CPU ops read it in place), each KV head's
     kept dims mixed by a fixed random rotation folded into the weights, so that no outlier dim sets a row's scale
     (artifacts.mix_kept_columns): the prompt's own attention uses its unquantized rows, later tokens read the
     quantized ones (on the CPU, dynamic caches, no eviction, so far; Palu's latent and values are dequantized
@@ -70,7 +71,7 @@ def compress(model, artifact: artifacts.FDCArtifact | str, removal_rate: float |
                         f"(the bundled SmolLM2's), got {type(artifact).__name__}")
     artifact.check_model(model)
     policy = _eviction_policy(eviction, keep)
-    _check_kv_dtype(model, kv_dtype, method, policy)
+    kv_dtype = _check_kv_dtype(model, kv_dtype, method, policy)
     config = families.text_config(model)
     if policy is not None and any(families.layer_window(config, layer) >= 0
                                   for layer in range(len(families.attention_modules(model)))):
@@ -127,14 +128,17 @@ def compress(model, artifact: artifacts.FDCArtifact | str, removal_rate: float |
     return allocation
 
 
-def _check_kv_dtype(model, kv_dtype, method: str, policy) -> None:
-    """What a quantized cache (kv_dtype) needs, refused by name where it is not there yet."""
+def _check_kv_dtype(model, kv_dtype, method: str, policy) -> torch.dtype | None:
+    """The cache dtype of ``kv_dtype`` (ops.kv_cache_dtype), after what a quantized cache needs, refused by name where
+    it is not there yet."""
     if kv_dtype is None:
-        return
+        return None
     where = "fdc_ops.hf.compress"
-    if kv_dtype not in ops.QUANTIZED_CACHE_DTYPES:
-        raise ValueError(f"{where}: kv_dtype must be None (the activations' dtype) or one of "
-                         f"{list(ops.QUANTIZED_CACHE_DTYPES)}, got {kv_dtype!r}")
+    try:
+        kv_dtype = ops.kv_cache_dtype(kv_dtype)
+    except ValueError as error:
+        raise ValueError(f"{where}: kv_dtype must be None (the activations' dtype) or a quantized cache: "
+                         f"{error}") from None
     if policy is not None:
         raise NotImplementedError(f"{where}: kv_dtype with eviction is not supported yet (eviction scores and "
                                   "compacts float caches)")
@@ -142,6 +146,7 @@ def _check_kv_dtype(model, kv_dtype, method: str, policy) -> None:
     if device.type != "cpu":
         raise NotImplementedError(f"{where}: kv_dtype on {device.type} is not supported yet: the CUDA ops read "
                                   "float caches only")
+    return kv_dtype
 
 
 def _eviction_policy(eviction, keep) -> evictions.EvictionPolicy | None:

@@ -261,9 +261,16 @@ class CompressedKVLayer(DynamicLayer):
         if cache.dtype not in ops.QUANTIZED_CACHE_DTYPES:
             return cache
         width, bounds = int(offsets[-1]), offsets.tolist()
-        scales = cache[..., width:].contiguous().view(torch.float32)  # (..., H_kv)
+        stored = ops.cache_width(offsets, cache.dtype) - 4 * (len(bounds) - 1)  # bytes of codes per row
+        scales = cache[..., stored:].contiguous().view(torch.float32)  # (..., H_kv)
         dims = torch.tensor([bounds[j + 1] - bounds[j] for j in range(len(bounds) - 1)], device=cache.device)
-        return (cache[..., :width].to(torch.float32) * scales.repeat_interleave(dims, dim=-1)).to(dtype)
+        if cache.dtype == torch.uint8:  # int4: column 2m in byte m's low nibble, 2m + 1 in its high one
+            packed = cache[..., :stored].view(torch.int8)
+            nibbles = torch.stack([torch.bitwise_left_shift(packed, 4), packed], dim=-1)
+            codes = torch.bitwise_right_shift(nibbles, 4).flatten(-2)  # arithmetic shifts: two's complement codes
+        else:
+            codes = cache[..., :width]
+        return (codes.to(torch.float32) * scales.repeat_interleave(dims, dim=-1)).to(dtype)
 
     def nbytes(self, allocated: bool = False) -> int:
         """Bytes of the cached rows (``allocated``: of the buffers, spare capacity included)."""
