@@ -105,8 +105,49 @@ def test_kv_dtype_refusals():
         hf.compress(model, artifact, compression=0.2, kv_dtype="int3")
     with pytest.raises(NotImplementedError, match="fdc_ops.hf.compress: kv_dtype with eviction"):
         hf.compress(model, artifact, compression=0.2, kv_dtype=torch.int8, eviction="snapkv", keep=0.5)
-    hf.compress(model, artifact, compression=0.2, kv_dtype=torch.int8)
+    hf.compress(model, artifact, compression=0.2, kv_dtype=torch.int8, method="palu")
     ids = torch.randint(1, model.config.vocab_size, (1, 6))
-    with pytest.raises(NotImplementedError, match="a static cache with a quantized kv_dtype"), torch.no_grad():
+    with pytest.raises(NotImplementedError, match="the Palu baseline runs with a dynamic cache only"), \
+            torch.no_grad():
         model.generate(input_ids=ids, max_new_tokens=2, do_sample=False, cache_implementation="static",
                        pad_token_id=0)
+
+
+@pytest.mark.parametrize("kv_dtype", FORMATS)
+def test_a_static_quantized_cache_is_the_dynamic_one(kv_dtype):
+    """A StaticCache's compressed layers quantize as the dynamic ones do: a left-padded batch's chunked prompt (the
+    second chunk a prefill over the cached, dequantized rows) and decode steps give the dynamic cache's logits, both
+    eagerly and through one compiled decode step (fullgraph: the quantized cache's shape states its widths); generate()
+    over it gives the dynamic cache's tokens."""
+    generator, rng, replay = case_generator(f"static quantized {kv_dtype}", FORMATS.index(kv_dtype))
+    model, artifact = calibrated("llama", rng.randrange(1000))
+    hf.compress(model, artifact, compression=0.4, kv_dtype=kv_dtype)
+    keyword = hf.cache_keyword(model)
+    ids, mask = left_padded(generator, model.config.vocab_size, [9, 5])
+    static = transformers.StaticCache(config=model.config, max_cache_len=24)
+    dynamic = transformers.DynamicCache()
+    step = torch.compile(model.forward, backend="eager", fullgraph=True)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        split = rng.randrange(1, ids.shape[1])
+        for chunk in (slice(0, split), slice(split, None)):
+            expected = model(input_ids=ids[:, chunk], attention_mask=mask[:, : chunk.stop], **{keyword: dynamic})
+            actual = model(input_ids=ids[:, chunk], attention_mask=mask[:, : chunk.stop], **{keyword: static})
+            torch.testing.assert_close(actual.logits, expected.logits, rtol=1e-5, atol=1e-5, msg=replay)
+        logits = expected.logits[:, -1]
+        for index in range(4):
+            token = logits.argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(token)], 1)
+            torch._dynamo.mark_dynamic(mask, 1)
+            forward = step if index % 2 else model
+            actual = forward(input_ids=token, attention_mask=mask, **{keyword: static}).logits[:, -1]
+            logits = model(input_ids=token, attention_mask=mask, **{keyword: dynamic}).logits[:, -1]
+            torch.testing.assert_close(actual, logits, rtol=1e-5, atol=1e-5, msg=replay)
+    layers = [layer for layer in static.layers if isinstance(layer, CompressedKVLayer)]
+    assert layers and all(layer.k_cache.dtype == kv_dtype for layer in layers), replay
+    prompt_ids, prompt_mask = left_padded(generator, model.config.vocab_size, [7, 4])
+    expected = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=5, do_sample=False,
+                              pad_token_id=0)
+    actual = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=5, do_sample=False,
+                            pad_token_id=0, cache_implementation="static")
+    assert torch.equal(actual, expected), replay

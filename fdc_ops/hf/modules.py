@@ -344,8 +344,9 @@ class StaticCompressedKVLayer(CompressedKVLayer):
 
     is_compileable = True
 
-    def __init__(self, k_offsets: torch.Tensor, v_offsets: torch.Tensor, max_cache_len: int):
-        super().__init__(k_offsets, v_offsets)
+    def __init__(self, k_offsets: torch.Tensor, v_offsets: torch.Tensor, max_cache_len: int,
+                 kv_dtype: torch.dtype | None = None):
+        super().__init__(k_offsets, v_offsets, kv_dtype=kv_dtype)
         self.max_cache_len = max_cache_len
         self.cumulative_length: torch.Tensor | None = None  # () int64: positions seen, padding included
         # Whether a call has written rows since allocation or reset: a host flag that changes at the first call
@@ -353,7 +354,9 @@ class StaticCompressedKVLayer(CompressedKVLayer):
         self.filled = False
 
     def allocate(self, batch: int, dtype: torch.dtype, device: torch.device) -> None:
-        self._allocate(batch, self.max_cache_len, dtype, device)
+        """Buffers for ``batch`` requests of ``max_cache_len`` rows, in the quantized kv_dtype when the layer has one,
+        else in ``dtype`` (the activations')."""
+        self._allocate(batch, self.max_cache_len, self.kv_dtype or dtype, device)
         self.lengths = torch.zeros(batch, dtype=torch.int32, device=device)
         self.cumulative_length = torch.zeros((), dtype=torch.int64, device=device)
         if not torch.compiler.is_compiling():  # fixed addresses: compiled graphs (and CUDA graphs) may keep them
@@ -434,15 +437,12 @@ def _cache_layer(cache, layer: int, k_offsets: torch.Tensor, v_offsets: torch.Te
     if current.get_seq_length() != 0:
         raise ValueError(f"fdc_ops.hf.modules: layer {layer} of the cache already holds uncompressed keys and values")
     if isinstance(current, StaticLayer):
-        if kv_dtype is not None:
-            raise NotImplementedError(f"fdc_ops.hf.modules: layer {layer}: a static cache with a quantized kv_dtype "
-                                      f"({kv_dtype}) is not supported yet: use the dynamic cache (the default)")
         if current.is_sliding:
             raise NotImplementedError(f"fdc_ops.hf.modules: layer {layer} of the static cache is a sliding-window "
                                       "layer, which keeps only its window's rows, in a ring; a static compressed "
                                       "cache does not (its rows stay in token order): use the dynamic cache (the "
                                       "default), whose compressed layers drop the rows past the window")
-        layers[layer] = StaticCompressedKVLayer(k_offsets, v_offsets, current.max_cache_len)
+        layers[layer] = StaticCompressedKVLayer(k_offsets, v_offsets, current.max_cache_len, kv_dtype)
     else:
         layers[layer] = CompressedKVLayer(k_offsets, v_offsets, window_left, kv_dtype)
     return layers[layer]
@@ -550,8 +550,11 @@ class FDCAttention(_CompressedAttentionBase):
         k = self._heads(self.k_proj, self.k_norm, hidden_states, Hkv).reshape(B * S, Hkv, self.head_dim)
         cos, sin = (t.expand(B, S, -1).reshape(B * S, -1).to(q.dtype) for t in position_embeddings)
         rotation = self.rotation if self.rotation.dtype == q.dtype else self.rotation.to(q.dtype)
-        # The packed widths are the offsets' values, which compiled graphs do not see: the cache's shape states them.
+        # The packed widths are the offsets' values, which compiled graphs do not see: the cache's shape states them
+        # (a quantized cache's rows end in 4 bytes of scale per KV head, and int4 codes take half a byte each).
         k_width = layer.k_cache.shape[2]
+        if layer.kv_dtype is not None:
+            k_width = (k_width - 4 * Hkv) * (2 if layer.kv_dtype == torch.uint8 else 1)
         q_rows = ops.rope_rotate_compress(q, cos, sin, rotation, self.qk_offsets, G, out_width=G * k_width)
         k_rows = ops.rope_rotate_compress(k, cos, sin, rotation, self.qk_offsets, 1, out_width=k_width)
         # q_rows: (B * S, G * k_width), k_rows: (B * S, k_width)
@@ -578,8 +581,8 @@ class FDCAttention(_CompressedAttentionBase):
             else:  # every request's cached rows back to back (fixed size: B * max_cache_len rows)
                 cached = torch.arange(layer.max_cache_len, device=q.device)[None, :] < layer.lengths[:, None]
                 gather = torch.argsort((~cached).reshape(-1).to(torch.int8), stable=True)
-                k_all = layer.k_cache.reshape(-1, layer.k_cache.shape[2])[gather]
-                v_all = layer.v_cache.reshape(-1, layer.v_cache.shape[2])[gather]
+                k_all = layer.float_rows(_rows_at(layer.k_cache, gather), self.qk_offsets, q_rows.dtype)
+                v_all = layer.float_rows(_rows_at(layer.v_cache, gather), self.v_offsets, q_rows.dtype)
                 cu_k = ops.prefix_sums(layer.lengths)
             out = ops.prefill_attention(q_real, k_all, v_all, cu, cu_k, self.qk_offsets, self.v_offsets, G,
                                         self.scaling, True, window_left=self.window_left,
@@ -624,6 +627,15 @@ def _attend(module, q_rows, k_rows, v_rows, rows: CallRows, new_positions, layer
     if module.eviction is not None and was_empty:  # the prompt is processed: keep what its last queries attend to
         _evict(module, layer, q_rows, rows, k_cache, k_offsets)
     return out
+
+
+def _rows_at(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` of a (B, capacity, width) cache's B * capacity rows; a quantized cache's are taken as bytes
+    (torch indexes no float8 on the CPU)."""
+    rows = cache.reshape(-1, cache.shape[2])
+    if cache.dtype in ops.QUANTIZED_CACHE_DTYPES:
+        return rows.view(torch.uint8)[index].view(cache.dtype)
+    return rows[index]
 
 
 def _masked_rows(cache: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
