@@ -151,3 +151,25 @@ def test_a_static_quantized_cache_is_the_dynamic_one(kv_dtype):
     actual = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, max_new_tokens=5, do_sample=False,
                             pad_token_id=0, cache_implementation="static")
     assert torch.equal(actual, expected), replay
+
+
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+def test_a_one_token_prompt_attends_its_own_unquantized_rows(cache_kind):
+    """A prompt of one token per request into an empty quantized cache (which a decode step's shape would read back
+    quantized) sees no quantization, as longer prompts do: its logits are the float cache's."""
+    generator, rng, replay = case_generator(f"one-token prompt {cache_kind}", 0)
+    model, artifact = calibrated("llama", rng.randrange(1000))
+    allocation = hf.compress(model, artifact, compression=0.4)
+    ids = torch.randint(1, model.config.vocab_size, (2, 1), generator=generator)
+    keyword = hf.cache_keyword(model)
+
+    def prompt_logits() -> torch.Tensor:
+        cache = transformers.DynamicCache() if cache_kind == "dynamic" else \
+            transformers.StaticCache(config=model.config, max_cache_len=8)
+        with torch.no_grad():
+            return model(input_ids=ids, attention_mask=torch.ones_like(ids), **{keyword: cache}).logits
+
+    expected = prompt_logits()
+    hf.restore(model)
+    hf.compress(model, artifact, allocation=allocation, kv_dtype="int4")
+    torch.testing.assert_close(prompt_logits(), expected, rtol=1e-5, atol=1e-5, msg=replay)

@@ -568,7 +568,9 @@ class FDCAttention(_CompressedAttentionBase):
         first_call = not layer.filled
         k_new, v_new = (k_rows, v_rows) if order is None else (k_rows[order], v_rows[order])
         layer.append_rows(k_new, v_new, cu, counts, S)
-        if S == 1:  # decode: one query per request, in request order
+        # decode: one query per request, in request order; a one-token prompt into an empty quantized cache takes the
+        # prefill below, which attends the call's own unquantized rows (as the dynamic layer's prompts do)
+        if S == 1 and not (first_call and layer.kv_dtype is not None):
             out = ops.decode_attention(q_rows, layer.k_cache, layer.v_cache, layer.lengths, self.qk_offsets,
                                        self.v_offsets, G, self.scaling, window_left=self.window_left,
                                        softcap=self.softcap)  # (B, G * v_width)
@@ -609,7 +611,9 @@ def _attend(module, q_rows, k_rows, v_rows, rows: CallRows, new_positions, layer
         k_cache, v_cache = keys_from_cache(layer)
     else:
         k_cache, v_cache = layer.k_cache, layer.v_cache
-    if new_positions == 1 and all(count == 1 for count in rows.host_counts):
+    # a one-token prompt into an empty quantized cache attends its own unquantized rows below, as every prompt does
+    if new_positions == 1 and all(count == 1 for count in rows.host_counts) and not (
+            was_empty and layer.kv_dtype is not None):
         return ops.decode_attention(q_rows, k_cache, v_cache, layer.lengths, k_offsets, module.v_offsets, G, scale,
                                     **variant)
     cu_k = ops.prefix_sums(layer.lengths)
