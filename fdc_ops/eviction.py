@@ -84,11 +84,14 @@ def window_scores(q: torch.Tensor, cu_seqlens_q: torch.Tensor, k_cache: torch.Te
     """Per-KV-head scores of every cached key: (B, H_kv, S) float32, zero past each request's length.
 
     q: (T, G * qk_offsets[-1]) packed queries of the call, request b's at rows [cu_seqlens_q[b], cu_seqlens_q[b+1]),
-    which are the last tokens of its cache (the call appended them); k_cache: (B, S, qk_offsets[-1]) packed keys;
+    which are the last tokens of its cache (the call appended them); k_cache: (B, S, qk_offsets[-1]) packed keys, or
+    a quantized cache (B, S, ops.cache_width(qk_offsets, dtype)), scored from its dequantized keys;
     cache_seqlens: (B,) int32 cached tokens; qk_offsets: (H_kv + 1,) int32 CPU; softcap as in prefill_attention;
     seed: Keyformer's noise (default policy.seed). Request b's noise depends on nothing but the seed and its own
     length: uniforms(noise_stream(seed), (G, window, length)) draws its u for each KV head in order, so a request
     scores the same alone and in any batch (and on any device); -log(-log u) is Gumbel(0, 1) noise."""
+    from . import ops
+
     where = "fdc_ops.eviction.window_scores"
     _check_rows(where, q, cu_seqlens_q, k_cache, cache_seqlens, qk_offsets, group)
     B, S = k_cache.shape[0], k_cache.shape[1]
@@ -116,6 +119,8 @@ def window_scores(q: torch.Tensor, cu_seqlens_q: torch.Tensor, k_cache: torch.Te
     H_kv = len(bounds) - 1
     if S == 0:
         return torch.zeros(B, H_kv, S, dtype=torch.float32, device=device)
+    if k_cache.dtype in ops.QUANTIZED_CACHE_DTYPES:  # float keys, once for all heads (a prompt's cost, not a step's)
+        k_cache = ops.dequantize_rows(k_cache, qk_offsets)
     # Every head's logits in one buffer, so that what follows the products runs once for all heads: (H_kv, B, G *
     # window, S), each head's block contiguous for bmm's out=. The scale goes on the window's queries, a tensor S /
     # dim times smaller than the logits.
@@ -219,12 +224,16 @@ def select_tokens(scores: torch.Tensor, cache_seqlens: torch.Tensor, policy: Evi
 
 
 def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor, index: torch.Tensor,
-               kept: list[int], block_table: torch.Tensor | None = None) -> None:
+               kept: list[int], block_table: torch.Tensor | None = None, num_kv_heads: int | None = None) -> None:
     """Keeps request b's tokens index[b, :kept[b]] (increasing) as its first kept[b] tokens, in place, and sets
     cache_seqlens to kept. Contiguous caches (B, S, width), or paged ones (num_pages, width, page_size) with
     block_table (B, max_pages) int32, laid out as the ops read them; later appends and attention read the compacted
-    cache as any other. Everything is checked before anything is written, and the kept rows are read out before any
-    is written: a refused call changes nothing, and no kept row is overwritten before it is read."""
+    cache as any other. Quantized caches (fdc_ops.ops) move each token's codes with its scales: a contiguous row holds
+    both; a page keeps its scales apart, in its last 4 * num_kv_heads byte rows, so paged quantized caches need
+    ``num_kv_heads``. Everything is checked before anything is written, and the kept rows are read out before any is
+    written: a refused call changes nothing, and no kept row is overwritten before it is read."""
+    from . import ops
+
     where = "fdc_ops.eviction.compact_kv"
     B = cache_seqlens.numel()
     if cache_seqlens.dim() != 1 or cache_seqlens.dtype != torch.int32:
@@ -237,11 +246,24 @@ def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torc
     lengths = cache_seqlens.tolist()
     if any(count > length for count, length in zip(kept, lengths)):
         raise ValueError(f"{where}: kept {kept} exceeds the cached tokens {lengths}")
-    _refuse_quantized(where, k_cache)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache.dim() != 3 or cache.device != index.device:
             raise ValueError(f"{where}: {name} must be a 3-D cache on index's device, got {tuple(cache.shape)} on "
                              f"{cache.device}")
+    quantized = k_cache.dtype in ops.QUANTIZED_CACHE_DTYPES
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"{where}: v_cache must have k_cache's dtype {k_cache.dtype}, got {v_cache.dtype}")
+    scale_rows = 0  # a quantized page's byte rows of scales (none in a contiguous row's layout: they follow the codes)
+    if quantized and block_table is not None:
+        if num_kv_heads is None or num_kv_heads < 1:
+            raise ValueError(f"{where}: paged quantized caches ({k_cache.dtype}) keep each page's scales in its last "
+                             f"4 * num_kv_heads byte rows: pass num_kv_heads, got {num_kv_heads}")
+        scale_rows = 4 * num_kv_heads  # a float32 per KV head and slot
+        if min(k_cache.shape[1], v_cache.shape[1]) <= scale_rows:
+            raise ValueError(f"{where}: quantized pages of {num_kv_heads} KV heads need more than {scale_rows} byte "
+                             f"rows, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if quantized:  # moved as bytes (torch indexes no float8 on the CPU); views, so written through
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     taken = torch.arange(index.shape[1], device=index.device)[None, :] < torch.tensor(kept, device=index.device)[:,
                                                                                                                  None]
     if bool(taken.any()):
@@ -288,28 +310,28 @@ def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torc
         source_page, source_slot = table[b_rows, source // page_size], source % page_size
         target_page, target_slot = table[b_rows, i_cols // page_size], i_cols % page_size
         for cache in (k_cache, v_cache):
-            by_slot = cache.transpose(1, 2)  # (num_pages, page_size, width): a view, written through
+            data_rows = cache.shape[1] - scale_rows
+            by_slot = cache[:, :data_rows].transpose(1, 2)  # (num_pages, page_size, width): a view, written through
             rows = by_slot[source_page, source_slot]  # (kept tokens, width), read whole before any write
             by_slot[target_page, target_slot] = rows
+            if scale_rows:  # (num_pages, H_kv, page_size) float32: a view of the pages' scale rows
+                scales = cache[:, data_rows:].reshape(cache.shape[0], -1).view(torch.float32)
+                scales = scales.view(cache.shape[0], num_kv_heads, page_size)
+                moved = scales[source_page, :, source_slot]  # (kept tokens, H_kv), read whole before any write
+                scales[target_page, :, target_slot] = moved
     cache_seqlens.copy_(torch.tensor(kept, dtype=torch.int32, device=cache_seqlens.device))
 
 
-def _refuse_quantized(where: str, k_cache: torch.Tensor) -> None:
-    from .ops import QUANTIZED_CACHE_DTYPES
-
-    if k_cache.dtype in QUANTIZED_CACHE_DTYPES:
-        raise ValueError(f"{where}: k_cache is a quantized cache ({k_cache.dtype}), which eviction does not handle "
-                         "yet: evict from float32, float16 or bfloat16 caches")
-
-
 def _check_rows(where: str, q, cu_seqlens_q, k_cache, cache_seqlens, qk_offsets, group) -> None:
-    _refuse_quantized(where, k_cache)
+    from . import ops
+
     if qk_offsets.dim() != 1 or qk_offsets.device.type != "cpu":
         raise ValueError(f"{where}: qk_offsets must be a 1-D CPU tensor of prefix sums")
     width = int(qk_offsets[-1])
+    stored = ops.cache_width(qk_offsets, k_cache.dtype)  # the width, or a quantized row's codes and scales
     B = cache_seqlens.numel()
-    if k_cache.dim() != 3 or k_cache.shape[0] != B or k_cache.shape[2] != width:
-        raise ValueError(f"{where}: k_cache must be (B={B}, S, {width}), got {tuple(k_cache.shape)}")
+    if k_cache.dim() != 3 or k_cache.shape[0] != B or k_cache.shape[2] != stored:
+        raise ValueError(f"{where}: k_cache must be (B={B}, S, {stored}), got {tuple(k_cache.shape)}")
     if q.dim() != 2 or q.shape[1] != group * width:
         raise ValueError(f"{where}: q must be (T, group * {width} = {group * width}), got {tuple(q.shape)}")
     if cu_seqlens_q.dim() != 1 or cu_seqlens_q.numel() != B + 1:

@@ -51,6 +51,7 @@ __all__ = [
     "cache_width",
     "QUANTIZED_CACHE_DTYPES",
     "kv_cache_dtype",
+    "dequantize_rows",
     "rotate_compress",
     "rope_rotate_compress",
     "prefill_plan",
@@ -103,6 +104,40 @@ def cache_width(offsets: torch.Tensor, dtype: torch.dtype) -> int:
     if dtype not in QUANTIZED_CACHE_DTYPES:
         return width
     return width // _codes_per_element(dtype) + _SCALE_BYTES * (offsets.shape[0] - 1)
+
+
+def dequantize_rows(rows: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Token-major cache rows ``(..., cache_width(offsets, rows.dtype))`` (a contiguous cache, or rows taken from one)
+    as ``(..., offsets[-1])`` elements of ``dtype``: code x its (token, KV head) scale for a quantized cache (int4's
+    nibbles unpacked), the rows themselves, converted, for a float one. A copy: what reads a quantized cache in place
+    is the ops; this is for the Python paths that need float keys (eviction scores, a prefill over cached rows).
+
+    >>> import torch, fdc_ops
+    >>> offsets = fdc_ops.ops.prefix_sums([8])
+    >>> cache = torch.zeros(1, 2, fdc_ops.ops.cache_width(offsets, torch.uint8), dtype=torch.uint8)
+    >>> fdc_ops.ops.append_kv(cache, cache.clone(), torch.arange(8.0)[None], torch.zeros(1, 8),
+    ...                       torch.tensor([0, 1], dtype=torch.int32), torch.zeros(1, dtype=torch.int32), offsets,
+    ...                       offsets)
+    >>> fdc_ops.ops.dequantize_rows(cache[0, :1], offsets)
+    tensor([[0., 1., 2., 3., 4., 5., 6., 7.]])
+    """
+    if rows.dtype not in QUANTIZED_CACHE_DTYPES:
+        return rows.to(dtype)
+    bounds = offsets.tolist()
+    heads = len(bounds) - 1
+    stored = cache_width(offsets, rows.dtype) - _SCALE_BYTES * heads  # bytes of codes per row
+    if rows.shape[-1] != stored + _SCALE_BYTES * heads:
+        raise ValueError(f"fdc_ops.ops.dequantize_rows: rows must have {stored + _SCALE_BYTES * heads} columns "
+                         f"(cache_width) for these offsets, got shape {tuple(rows.shape)}")
+    scales = rows[..., stored:].contiguous().view(torch.float32)  # (..., H_kv)
+    dims = torch.tensor([bounds[j + 1] - bounds[j] for j in range(heads)], device=rows.device)
+    if rows.dtype == torch.uint8:  # int4: column 2m in byte m's low nibble, 2m + 1 in its high one
+        packed = rows[..., :stored].view(torch.int8)
+        nibbles = torch.stack([torch.bitwise_left_shift(packed, 4), packed], dim=-1)
+        codes = torch.bitwise_right_shift(nibbles, 4).flatten(-2)  # arithmetic shifts: two's complement codes
+    else:
+        codes = rows[..., :stored]
+    return (codes.to(torch.float32) * scales.repeat_interleave(dims, dim=-1)).to(dtype)
 
 
 def _codes_per_element(dtype: torch.dtype) -> int:

@@ -103,8 +103,6 @@ def test_kv_dtype_refusals():
         hf.compress(model, artifact, compression=0.2, kv_dtype=torch.int16)
     with pytest.raises(ValueError, match=r"fdc_ops.hf.compress: kv_dtype must be None .* got 'int3'"):
         hf.compress(model, artifact, compression=0.2, kv_dtype="int3")
-    with pytest.raises(NotImplementedError, match="fdc_ops.hf.compress: kv_dtype with eviction"):
-        hf.compress(model, artifact, compression=0.2, kv_dtype=torch.int8, eviction="snapkv", keep=0.5)
     hf.compress(model, artifact, compression=0.2, kv_dtype=torch.int8, method="palu")
     ids = torch.randint(1, model.config.vocab_size, (1, 6))
     with pytest.raises(NotImplementedError, match="the Palu baseline runs with a dynamic cache only"), \
@@ -173,3 +171,26 @@ def test_a_one_token_prompt_attends_its_own_unquantized_rows(cache_kind):
     hf.restore(model)
     hf.compress(model, artifact, allocation=allocation, kv_dtype="int4")
     torch.testing.assert_close(prompt_logits(), expected, rtol=1e-5, atol=1e-5, msg=replay)
+
+
+@pytest.mark.parametrize("method", ["fdc", "palu"])
+def test_eviction_keeps_the_same_tokens_of_a_quantized_cache(method):
+    """Eviction and a quantized cache stacked (the paper's three compressions at once): the prompt's scores come from
+    its own unquantized keys, as it attended them (Palu: its rebuilt keys), so the selection is the float cache's;
+    the kept rows move with their scales, later steps read them, the cache holds what it keeps, and the logits stay
+    within the int8 bound of the float cache with the same eviction."""
+    generator, rng, replay = case_generator(f"quantized eviction {method}", 0)
+    model, artifact = calibrated("llama", rng.randrange(1000))
+    settings = dict(eviction="snapkv", keep=0.5, method=method)
+    allocation = hf.compress(model, artifact, compression=0.2, **settings)
+    ids, mask = left_padded(generator, model.config.vocab_size, [rng.randrange(40, 60) for _ in range(2)])
+    expected, float_cache = _steps(model, ids, mask, steps=3, chunk=2)
+    hf.restore(model)
+    hf.compress(model, artifact, allocation=allocation, kv_dtype="int8", **settings)
+    actual, cache = _steps(model, ids, mask, steps=3, chunk=2)
+    for float_layer, layer in zip(float_cache.layers, cache.layers):
+        assert torch.equal(layer.kept_positions, float_layer.kept_positions), replay
+        assert layer.host_lengths == float_layer.host_lengths and layer.k_cache.dtype == torch.int8, replay
+    for step, (got, want) in enumerate(zip(actual[1:], expected[1:])):
+        error = float((got - want).abs().max() / want.abs().max())
+        assert error < LOGIT_ERROR[torch.int8], f"call {step + 1}: logit error {error:.4f} {replay}"

@@ -286,16 +286,57 @@ def test_quantized_cache_errors():
         ops.prefill_attention(torch.randn(2, 24), rows, rows, cu, cu, qk_offsets, v_offsets, 1, 0.3, True)
 
 
-def test_eviction_refuses_quantized_caches():
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("case", range(CASES // 4))
+def test_eviction_moves_quantized_rows_with_their_scales(case, paged):
+    """compact_kv on a quantized cache (poisoned, filled by append_kv) is compact_kv of its dequantized cache: each
+    kept token's codes travel with its scales (a contiguous row's, or a page's scale rows), every other slot keeps
+    what it held; window_scores of a quantized cache are those of its dequantized keys."""
     from fdc_ops import eviction
 
-    cache = torch.zeros(1, 4, 32, dtype=torch.int8)
-    with pytest.raises(ValueError, match="fdc_ops.eviction.compact_kv: k_cache is a quantized cache"):
-        eviction.compact_kv(cache, cache, torch.tensor([2], dtype=torch.int32), torch.tensor([[1]]), [1])
-    with pytest.raises(ValueError, match="fdc_ops.eviction.window_scores: k_cache is a quantized cache"):
-        eviction.window_scores(torch.randn(1, 24), torch.tensor([0, 1], dtype=torch.int32), cache,
-                               torch.tensor([2], dtype=torch.int32), offsets([8, 16]), 1, 0.3,
-                               eviction.EvictionPolicy("snapkv", keep=0.5))
+    gen, rng, replay = case_generator(f"quantized eviction paged={paged}", case)
+    layout = random_layout(rng, max_kv_heads=4, max_group=3)
+    fmt, dtype = rng.choice(FORMATS), rng.choice(DTYPES)
+    batch = rng.randint(1, 3)
+    lengths = random_lengths(rng, batch, choices=(0, 1, 7, 33, 70))
+    capacity = max(lengths) + rng.randint(0, 5)
+    page_size = rng.choice([1, 4, 16])
+    block_table, num_pages = (random_block_table(lengths, capacity, page_size, rng) if paged else (None, 0))
+    k_cache, v_cache = _empty_cache(layout.qk_offsets, layout.v_offsets, fmt, batch, capacity, block_table, num_pages,
+                                    page_size)
+    cu = offsets(lengths)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    ops.append_kv(k_cache, v_cache, randn((int(cu[-1]), layout.qk_width), dtype, gen),
+                  randn((int(cu[-1]), layout.v_width), dtype, gen), cu, torch.zeros_like(seqlens), layout.qk_offsets,
+                  layout.v_offsets, block_table)
+    policy = eviction.EvictionPolicy("snapkv", keep=rng.choice([0.3, 0.6]), window=4)
+    if not paged:
+        q = randn((int(cu[-1]), layout.group * layout.qk_width), dtype, gen)
+        args = (q, cu, k_cache, seqlens, layout.qk_offsets, layout.group, 0.2, policy)
+        k_float = reference.dequantize_cache_ref(k_cache, layout.qk_offsets).float()
+        torch.testing.assert_close(eviction.window_scores(*args),
+                                   eviction.window_scores(q, cu, k_float, *args[3:]), msg=replay)
+    index, kept = eviction.select_tokens(torch.rand((batch, capacity), generator=gen), seqlens, policy)
+    selections = [index[b, : kept[b]].tolist() for b in range(batch)]
+    floats = [reference.dequantize_cache_ref(cache, offs, paged=paged)
+              for cache, offs in ((k_cache, layout.qk_offsets), (v_cache, layout.v_offsets))]
+    expected = reference.compact_kv_ref(*floats, selections, block_table)
+    eviction.compact_kv(k_cache, v_cache, seqlens, index, kept, block_table, num_kv_heads=layout.num_kv_heads)
+    assert seqlens.tolist() == kept, replay
+    for cache, offs, want in ((k_cache, layout.qk_offsets, expected[0]), (v_cache, layout.v_offsets, expected[1])):
+        got = reference.dequantize_cache_ref(cache, offs, paged=paged)
+        assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)), f"{fmt} {replay}"
+
+
+def test_paged_quantized_eviction_needs_the_kv_head_count():
+    from fdc_ops import eviction
+
+    pages = torch.zeros(2, ops.cache_width(offsets([8, 16]), torch.int8), 4, dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"fdc_ops.eviction.compact_kv: paged quantized caches \(torch.int8\) keep "
+                                         r"each page's scales in its last 4 \* num_kv_heads byte rows: pass "
+                                         r"num_kv_heads"):
+        eviction.compact_kv(pages, pages, torch.tensor([2], dtype=torch.int32), torch.tensor([[1]]), [1],
+                            torch.tensor([[0]], dtype=torch.int32))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the CUDA ops' refusal of quantized "

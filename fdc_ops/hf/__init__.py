@@ -53,7 +53,7 @@ def compress(model, artifact: artifacts.FDCArtifact | str, removal_rate: float |
     head, int4 two codes per byte, fdc_ops.ops; the CPU ops read it in place), each KV head's
     kept dims mixed by a fixed random rotation folded into the weights, so that no outlier dim sets a row's scale
     (artifacts.mix_kept_columns): the prompt's own attention uses its unquantized rows, later tokens read the
-    quantized ones (on the CPU, dynamic caches, no eviction, so far; Palu's latent and values are dequantized
+    quantized ones (on the CPU, so far; Palu's latent and values are dequantized
     whole at each call, as its keys are rebuilt whole: the paper's KVQ-P, for accuracy). Returns the allocation
     used. generate() and forward() work unchanged; fdc_ops.hf.restore undoes it."""
     if not isinstance(method, str) or method not in METHODS:
@@ -71,7 +71,7 @@ def compress(model, artifact: artifacts.FDCArtifact | str, removal_rate: float |
                         f"(the bundled SmolLM2's), got {type(artifact).__name__}")
     artifact.check_model(model)
     policy = _eviction_policy(eviction, keep)
-    kv_dtype = _check_kv_dtype(model, kv_dtype, method, policy)
+    kv_dtype = _check_kv_dtype(model, kv_dtype)
     config = families.text_config(model)
     if policy is not None and any(families.layer_window(config, layer) >= 0
                                   for layer in range(len(families.attention_modules(model)))):
@@ -128,7 +128,7 @@ def compress(model, artifact: artifacts.FDCArtifact | str, removal_rate: float |
     return allocation
 
 
-def _check_kv_dtype(model, kv_dtype, method: str, policy) -> torch.dtype | None:
+def _check_kv_dtype(model, kv_dtype) -> torch.dtype | None:
     """The cache dtype of ``kv_dtype`` (ops.kv_cache_dtype), after what a quantized cache needs, refused by name where
     it is not there yet."""
     if kv_dtype is None:
@@ -139,9 +139,6 @@ def _check_kv_dtype(model, kv_dtype, method: str, policy) -> torch.dtype | None:
     except ValueError as error:
         raise ValueError(f"{where}: kv_dtype must be None (the activations' dtype) or a quantized cache: "
                          f"{error}") from None
-    if policy is not None:
-        raise NotImplementedError(f"{where}: kv_dtype with eviction is not supported yet (eviction scores and "
-                                  "compacts float caches)")
     device = next(model.parameters()).device
     if device.type != "cpu":
         raise NotImplementedError(f"{where}: kv_dtype on {device.type} is not supported yet: the CUDA ops read "

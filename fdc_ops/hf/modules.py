@@ -256,21 +256,11 @@ class CompressedKVLayer(DynamicLayer):
 
     def float_rows(self, cache: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows (..., stored width) of this layer's K (``offsets`` = k_offsets) or V cache as ``dtype`` (..., width):
-        themselves for a float cache, code x scale per KV head for a quantized one (what a prefill over cached rows
-        reads: prefill_attention takes float keys)."""
+        themselves for a float cache, code x scale per KV head for a quantized one (ops.dequantize_rows: what a
+        prefill over cached rows reads, as prefill_attention takes float keys)."""
         if cache.dtype not in ops.QUANTIZED_CACHE_DTYPES:
             return cache
-        width, bounds = int(offsets[-1]), offsets.tolist()
-        stored = ops.cache_width(offsets, cache.dtype) - 4 * (len(bounds) - 1)  # bytes of codes per row
-        scales = cache[..., stored:].contiguous().view(torch.float32)  # (..., H_kv)
-        dims = torch.tensor([bounds[j + 1] - bounds[j] for j in range(len(bounds) - 1)], device=cache.device)
-        if cache.dtype == torch.uint8:  # int4: column 2m in byte m's low nibble, 2m + 1 in its high one
-            packed = cache[..., :stored].view(torch.int8)
-            nibbles = torch.stack([torch.bitwise_left_shift(packed, 4), packed], dim=-1)
-            codes = torch.bitwise_right_shift(nibbles, 4).flatten(-2)  # arithmetic shifts: two's complement codes
-        else:
-            codes = cache[..., :width]
-        return (codes.to(torch.float32) * scales.repeat_interleave(dims, dim=-1)).to(dtype)
+        return ops.dequantize_rows(cache, offsets, dtype)
 
     def nbytes(self, allocated: bool = False) -> int:
         """Bytes of the cached rows (``allocated``: of the buffers, spare capacity included)."""
@@ -629,6 +619,10 @@ def _attend(module, q_rows, k_rows, v_rows, rows: CallRows, new_positions, layer
     out = ops.prefill_attention(q_rows, k_rows_all, v_rows_all, rows.cu, cu_k, k_offsets, module.v_offsets, G,
                                 scale, True, **variant)
     if module.eviction is not None and was_empty:  # the prompt is processed: keep what its last queries attend to
+        if k_cache.dtype in ops.QUANTIZED_CACHE_DTYPES:  # scored on its own unquantized rows, as it attended them
+            longest = max(layer.host_lengths)
+            k_cache = k_rows.new_zeros(len(layer.host_lengths), longest, k_rows.shape[1])  # (B, longest, k width)
+            k_cache[torch.arange(longest, device=k_rows.device)[None, :] < layer.lengths[:, None]] = k_rows
         _evict(module, layer, q_rows, rows, k_cache, k_offsets)
     return out
 
