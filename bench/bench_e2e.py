@@ -16,7 +16,9 @@ prompt (8K by default), TBT <= 0.75 x uncompressed. With --evict K (shares kept,
 each compression rate also runs with eviction after the prompt, and against the same widths without eviction: the
 prompt's TTFT (scoring included) <= 1.05 x, the eviction itself (timed inside the prompt's pass) <= 5% of it, and
 attention time per decode step <= (K + 0.1) x (it reads K of the prompt's rows; what does not scale with the rows is
-the projections and the rotation) at the longest prompt.
+the projections and the rotation) at the longest prompt. With --kv-dtypes (int8, float8_e4m3fn, int4: the compressed
+cache quantized, hf.compress(kv_dtype=...)), each compression rate also runs with each quantized cache, its TBT
+reported against the same widths' float cache (the paper's KVQ-F against FDC).
 
 --profile: torch.profiler tables of one decode step of each model (self CPU time by op), printed and kept in the
 JSON. Timing: every model is loaded at once; for each prompt they prefill in turn (TTFT above; the last round's
@@ -190,6 +192,9 @@ def main() -> None:
     parser.add_argument("--evict", type=floats, default=[],
                         help="shares of each prompt kept by Keyformer eviction, comma-separated (each compression "
                              "rate also runs with each)")
+    parser.add_argument("--kv-dtypes", type=lambda text: [x for x in text.split(",") if x], default=[],
+                        help="quantized caches (int8, float8_e4m3fn, int4), comma-separated (each compression rate "
+                             "also runs with each)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--profile", action="store_true", help="profile one decode step of each model")
     parser.add_argument("--ttft-rounds", type=int, default=3,
@@ -202,12 +207,14 @@ def main() -> None:
     timer = Timer(device, repeats=1, warmup=0)
     gen = torch.Generator().manual_seed(0)
 
-    specs: list[tuple[str, float | None, float | None]] = [("uncompressed (sdpa)", None, None)]
+    # (name, compression rate, eviction keep, quantized cache dtype name)
+    specs: list[tuple[str, float | None, float | None, str | None]] = [("uncompressed (sdpa)", None, None, None)]
     for rate in args.compressions:
-        specs.append((f"fdc {rate:.0%} compressed", rate, None))
-        specs += [(f"fdc {rate:.0%}, keep {keep:.0%}", rate, keep) for keep in args.evict]
+        specs.append((f"fdc {rate:.0%} compressed", rate, None, None))
+        specs += [(f"fdc {rate:.0%}, keep {keep:.0%}", rate, keep, None) for keep in args.evict]
+        specs += [(f"fdc {rate:.0%}, {kind} cache", rate, None, kind) for kind in args.kv_dtypes]
     models, artifact = [], None
-    for name, rate, keep in specs:
+    for name, rate, keep, kind in specs:
         model, tokenizer = load_model(dtype=dtype)
         model.to(device)
         width = None
@@ -216,9 +223,10 @@ def main() -> None:
                 artifact = calibration.load_or_calibrate(model, tokenizer, text="wikipedia", progress=False)
             dims, width = uniform_widths(model, rate)
             eviction = {} if keep is None else {"eviction": "keyformer", "keep": keep}
-            hf.compress(model, artifact, qk_dims=dims, v_dims=dims, **eviction)
+            hf.compress(model, artifact, qk_dims=dims, v_dims=dims, kv_dtype=kind, **eviction)
         models.append((name, rate, width, model, AttentionClock(model)))
-    keeps = {name: keep for name, _, keep in specs}
+    keeps = {name: keep for name, _, keep, _ in specs}
+    kinds = {name: kind for name, _, _, kind in specs}
     vocab = models[0][3].config.vocab_size
 
     # The models' decode steps interleave (step i of every model, then step i + 1), so a slow moment of a shared
@@ -253,6 +261,7 @@ def main() -> None:
                                                                                            eviction_samples):
                     steps = run.steps
                     rows.append({"model": name, "compression": rate, "width": width, "eviction_keep": keeps[name],
+                                 "kv_dtype": kinds[name],
                                  "attn_implementation": model.config._attn_implementation, "prompt": prompt_len,
                                  "batch": batch, "new_tokens": args.new_tokens, "ttft_ms": ttft * 1e3,
                                  "ttft_samples_ms": [t * 1e3 for t in samples],
@@ -273,7 +282,8 @@ def main() -> None:
                 print(f"\none decode step of {name}, P={args.prompts[0]}, B={args.batches[0]}:\n{profiles[name]}")
 
     base = {(r["prompt"], r["batch"]): r for r in rows if r["compression"] is None}
-    whole = {(r["compression"], r["prompt"], r["batch"]): r for r in rows if r["eviction_keep"] is None}
+    whole = {(r["compression"], r["prompt"], r["batch"]): r for r in rows
+             if r["eviction_keep"] is None and r["kv_dtype"] is None}
     targets = []
     for r in rows:
         if r["compression"] is None:
@@ -281,6 +291,9 @@ def main() -> None:
         ref = base[(r["prompt"], r["batch"])]
         r["tbt_vs_uncompressed"] = r["tbt_ms"] / ref["tbt_ms"]
         r["ttft_vs_uncompressed"] = r["ttft_ms"] / ref["ttft_ms"]
+        if r["kv_dtype"] is not None:  # against the same widths' float cache
+            r["tbt_vs_float_cache"] = r["tbt_ms"] / whole[(r["compression"], r["prompt"], r["batch"])]["tbt_ms"]
+            continue
         if r["eviction_keep"] is not None:  # against the same widths keeping every token
             same = whole[(r["compression"], r["prompt"], r["batch"])]
             r["ttft_vs_all_tokens"] = r["ttft_ms"] / same["ttft_ms"]
@@ -311,12 +324,14 @@ def main() -> None:
     commit, dirty = git_commit()
     print(f"\ndevice: {name}; torch {torch.__version__}; threads {torch.get_num_threads()}; commit {commit[:12]}"
           f"{' (dirty)' if dirty else ''}; SmolLM2-135M {args.dtype}, {args.new_tokens} new tokens")
-    print(f"{'model':<24} {'P':>5} {'B':>2} {'TTFT ms':>9} {'x':>6} {'TBT ms':>8} {'x':>6} {'attn':>5}")
+    print(f"{'model':<28} {'P':>5} {'B':>2} {'TTFT ms':>9} {'x':>6} {'TBT ms':>8} {'x':>6} {'attn':>5}"
+          f"{'  TBT x float cache' if args.kv_dtypes else ''}")
     for r in rows:
-        print(f"{r['model']:<24} {r['prompt']:>5} {r['batch']:>2} {r['ttft_ms']:>9.1f} "
+        quantized = f"  {r['tbt_vs_float_cache']:.3f}" if "tbt_vs_float_cache" in r else ""
+        print(f"{r['model']:<28} {r['prompt']:>5} {r['batch']:>2} {r['ttft_ms']:>9.1f} "
               f"{r.get('ttft_vs_uncompressed', 1.0):>6.3f} {r['tbt_ms']:>8.2f} "
               f"{r.get('tbt_vs_uncompressed', 1.0):>6.3f} "
-              f"{r['attention_share']:>5.0%}")
+              f"{r['attention_share']:>5.0%}{quantized}")
     for t in targets:
         print(f"target {t['where']}: {t['what']}: {t['value']:.3f} {t['verdict']}")
     report = record("e2e", name, device_type=device.type, threads=torch.get_num_threads(), quick=args.quick,

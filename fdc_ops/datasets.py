@@ -130,3 +130,23 @@ def held_out_windows(token_ids: torch.Tensor, document_starts: torch.Tensor, cou
         picks.extend(start + turn * seq_len for (start, _), room in zip(spans, fits) if turn < room)
     return torch.stack([token_ids[start: start + seq_len] for start in picks[:count]])
 
+
+def unseen_windows(token_ids: torch.Tensor, document_starts: torch.Tensor, count: int,
+                   seq_len: int) -> torch.Tensor:
+    """(count, seq_len) windows of a text no calibration read (another domain than the calibration's: any of its
+    tokens is held out), for the long-context measures on it. Windows start where documents start, so short documents
+    (HumanEval's programs, ~200 tokens) are read whole and in a row, and do not overlap: the first at the first
+    document, each next one at the first document starting after the previous window's end.
+
+    token_ids: (N,) int64; document_starts: (num_documents,) int64, ascending."""
+    picks, edge = [], 0
+    for start in document_starts.tolist():
+        if len(picks) == count:
+            break
+        if start >= edge and start + seq_len <= token_ids.numel():
+            picks.append(start)
+            edge = start + seq_len
+    if count <= 0 or len(picks) < count:
+        raise ValueError(f"fdc_ops: the text has room for {len(picks)} windows of {seq_len} tokens starting at "
+                         f"documents, fewer than the {count} asked for")
+    return torch.stack([token_ids[start: start + seq_len] for start in picks])

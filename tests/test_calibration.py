@@ -531,6 +531,28 @@ def test_calibration_windows_name_what_does_not_fit():
         datasets.calibration_windows(torch.arange(400), torch.arange(0, 400, 10), 3, 100)
 
 
+@pytest.mark.parametrize("case", range(4))
+def test_unseen_windows_read_documents_in_a_row(case):
+    _, rng, replay = case_generator("unseen_windows", case)
+    lengths = [rng.randint(1, 300) for _ in range(rng.randint(40, 120))]
+    starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
+    ids = torch.arange(sum(lengths))
+    seq_len = rng.randint(4, 400)
+    expected, edge = [], 0  # each window at the first document starting at or past the previous one's end
+    for start in starts.tolist():
+        if start >= edge and start + seq_len <= ids.numel():
+            expected.append(start)
+            edge = start + seq_len
+    count = rng.randint(1, len(expected))
+    windows = datasets.unseen_windows(ids, starts, count, seq_len)
+    assert tuple(windows.shape) == (count, seq_len), replay
+    assert [int(window[0]) for window in windows] == expected[:count], replay
+    assert all(torch.equal(window, ids[int(window[0]): int(window[0]) + seq_len]) for window in windows), replay
+    with pytest.raises(ValueError, match=rf"room for {len(expected)} windows of {seq_len} tokens starting at "
+                                         rf"documents, fewer than the {len(expected) + 1} asked for"):
+        datasets.unseen_windows(ids, starts, len(expected) + 1, seq_len)
+
+
 class CharacterTokenizer:
     """A stand-in tokenizer for a tiny model: one token per character, modulo its vocabulary."""
 

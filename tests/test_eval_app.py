@@ -37,6 +37,16 @@ def test_eviction_methods_need_the_long_context_metric(tmp_path):
         eval_app.run(out=str(tmp_path), methods=("FDC (defaults)", "KF-F"))
 
 
+def test_a_scored_text_other_than_wikipedia_needs_long_perplexity_and_another_calibration_text(tmp_path):
+    with pytest.raises(ValueError, match=r"scored_text='humaneval' is for the long_perplexity metric of a model "
+                                         r"calibrated on another text .* got metric 'perplexity'"):
+        eval_app.run(out=str(tmp_path), scored_text="humaneval")
+    with pytest.raises(ValueError, match=r"got metric 'long_perplexity' and calibration text 'humaneval'"):
+        eval_app.run(out=str(tmp_path), metric="long_perplexity", text="humaneval", scored_text="humaneval")
+    with pytest.raises(ValueError, match=r"scored_text must be one of \['wikipedia', 'humaneval'\], got 'pg19'"):
+        eval_app.run(out=str(tmp_path), metric="long_perplexity", scored_text="pg19")
+
+
 def test_quantization_methods_need_the_long_context_metric(tmp_path):
     with pytest.raises(ValueError, match=r"\['KVQ-F int8'\] quantize the cache, which the perplexity metric never"):
         eval_app.run(out=str(tmp_path), methods=("FDC (defaults)", "KVQ-F int8"))
@@ -131,3 +141,19 @@ def test_retrieval_probes_state_one_number_each_and_score_the_answers():
         accuracy = metrics.retrieval_accuracy(_Reader(honest), _CharacterTokenizer(), fillers, batch_size=2,
                                               progress=False)
         assert accuracy == expected
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("compression", [0.3, 0.5, 0.6, 0.75, 0.9])
+def test_stacked_budgets_split_what_quantization_leaves_evenly(compression, bits):
+    """All three stacked: the widths' quantized bytes and the kept tokens each keep the same share of what
+    quantization alone leaves, and together remove the budget (full widths and every token below quantization's
+    own share)."""
+    alone = eval_app.quantized_compression(0.0, 64, bits)
+    dims, keep = eval_app.stacked_budgets(compression, 64, bits)
+    widths_share = (1 - eval_app.quantized_compression(dims, 64, bits)) / (1 - alone)
+    if compression <= alone:
+        assert (dims, keep) == (0.0, 1.0)
+    else:
+        assert widths_share == pytest.approx(keep)
+        assert 1 - keep * (1 - eval_app.quantized_compression(dims, 64, bits)) == pytest.approx(compression)

@@ -144,6 +144,9 @@ def main() -> None:
                           "text, asked at its end; both take the eviction methods")
     evaluate.add_argument("--text", choices=["random", "wikipedia", "humaneval"], default="wikipedia",
                           help="calibration text of every method")
+    evaluate.add_argument("--scored-text", choices=["wikipedia", "humaneval"], default="wikipedia",
+                          help="text long_perplexity scores: Wikipedia's held-out tail, or HumanEval's programs "
+                               "(code: a domain the calibration text did not cover)")
     evaluate.add_argument("--methods", nargs="+", default=None,
                           help="methods to measure (default: the four compared, or FDC, Palu, Keyformer, KF-F and "
                                "KF-P for long_perplexity; fdc_ops/apps/eval.py lists ablations)")
@@ -227,7 +230,7 @@ def _run(args) -> None:
         eval_app.run(out=args.out, metric=args.metric, text=args.text, methods=args.methods, refine=tuple(args.refine),
                      refine_steps=args.refine_steps, grid=tuple(args.grid) if args.grid else None,
                     eval_tokens=args.eval_tokens, problems=args.problems, max_new_tokens=args.max_new_tokens,
-                    budget_s=args.budget_s, windows=args.windows)
+                    budget_s=args.budget_s, windows=args.windows, scored_text=args.scored_text)
     elif args.command == "calibrate":
         _calibrate(args)
     elif args.command == "report":

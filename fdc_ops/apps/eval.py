@@ -28,8 +28,9 @@ head choosing its own tokens (the packed cache chooses once per layer), measured
 model's attention. A point's compression is the share of the prompt's KV bytes removed. ``--metric retrieval`` asks
 for a number stated once early in a held-out text of 1400 tokens (what eviction loses that perplexity hides); the
 same methods run on it. Quantized caches (``KVQ int8`` / ``KVQ e4m3`` / ``KVQ int4`` alone at full widths, ``KVQ-F
-...`` under FDC's widths, ``KVQ-P ...`` under Palu's) run on both long-context metrics too; their compression counts
-the cache's bytes (a byte, or half of one for int4, per element, and its scales) against a 16-bit cache. Other
+...`` under FDC's widths, ``KVQ-P ...`` under Palu's, ``KF-KVQ-F int8`` / ``KF-KVQ-P int8`` all three stacked with
+Keyformer eviction) run on both long-context metrics too; their compression counts the cache's bytes (a byte, or
+half of one for int4, per element, and its scales) against a 16-bit cache. Other
 formats below 8 bits are simulated (``... (simulated)``, apps/quantization_simulation.py), to choose by measurement.
 
 Every evaluation is appended to ``<out>/<model>-eval-<metric>-points.json`` as it finishes (keyed by the widths, so
@@ -99,6 +100,10 @@ QUANTIZATION = {
     "KVQ int4": {"artifact": "default", "kv_dtype": "int4", "uniform": True, "fixed": True},
     "KVQ-F int4": {"artifact": "default", "kv_dtype": "int4"},
     "KVQ-P int4": {"artifact": "default", "kv_dtype": "int4", "method": "palu"},
+    # all three stacked: int8 takes its own share, then Keyformer eviction and FDC's (Palu's) widths half each of the
+    # rest (stacked_budgets)
+    "KF-KVQ-F int8": {"artifact": "default", "kv_dtype": "int8", "eviction": "keyformer"},
+    "KF-KVQ-P int8": {"artifact": "default", "kv_dtype": "int8", "eviction": "keyformer", "method": "palu"},
 }
 # Candidate formats below 8 bits, simulated (apps/quantization_simulation.py: rows quantized and dequantized as they
 # are cached, bytes counted as the format would store them) to choose the 4-bit format by measurement; "rotated":
@@ -164,6 +169,16 @@ def quantized_dimension_budget(compression: float, head_dim: int, bits: int = 8)
     return max(0.0, 1.0 - 16.0 / bits * (1.0 - compression - 2.0 / head_dim))
 
 
+def stacked_budgets(compression: float, head_dim: int, bits: int = 8) -> tuple[float, float]:
+    """(dimension compression, share of tokens eviction keeps) for all three compressions stacked to remove
+    ``compression`` of the 16-bit bytes: quantization alone removes quantized_compression(0); eviction and the widths
+    then keep the same share s of what is left each, s^2 = (1 - compression) / (1 - quantization alone), the widths'
+    share counted in quantized bytes (scales included). Below quantization alone: full widths, every token."""
+    alone = quantized_compression(0.0, head_dim, bits)
+    share = math.sqrt(min(1.0, (1.0 - compression) / (1.0 - alone)))
+    return quantized_dimension_budget(1.0 - share * (1.0 - alone), head_dim, bits), share
+
+
 def scheme_dimension_budget(scheme: QuantizationScheme, compression: float, head_dim: int, tokens: int) -> float:
     """The dimension compression whose cache in the simulated format ``scheme`` removes ``compression`` of a
     ``tokens``-token request's 16-bit bytes (both halves at the same width), 0 below what the format alone removes."""
@@ -210,13 +225,22 @@ def _key(name: str, allocation: RankAllocation) -> str:
 def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str = "wikipedia",
         methods: tuple[str, ...] | None = None, refine: tuple[float, ...] = (0.99, 0.9), refine_steps: int = 3,
         eval_tokens: int = 4096, problems: int = 16, max_new_tokens: int = 64, budget_s: float | None = None,
-        grid: tuple[float, ...] | None = None, windows: int = 16) -> dict:
+        grid: tuple[float, ...] | None = None, windows: int = 16, scored_text: str = "wikipedia") -> dict:
     """Measures what is missing (see the module docstring), for at most ``budget_s`` seconds of evaluations, and
     writes the curves. ``grid``: the budgets measured before refinement (default GRID; LONG_GRID for
     the long-context metrics); ``windows``: held-out windows of the long-context metrics (retrieval: one probe
-    each). Returns the results dictionary."""
+    each). ``scored_text``: the text long_perplexity scores, ``wikipedia`` (its held-out tail) or ``humaneval``
+    (code, a domain the default calibration never reads: windows of its programs in a row, datasets.unseen_windows;
+    results then go to files named with it). Returns the results dictionary."""
     if metric not in METRICS:
         raise ValueError(f"fdc_ops.apps.eval.run: metric must be one of {METRICS}, got {metric!r}")
+    if scored_text not in datasets.DOCUMENTS:
+        raise ValueError(f"fdc_ops.apps.eval.run: scored_text must be one of {list(datasets.DOCUMENTS)}, got "
+                         f"{scored_text!r}")
+    if scored_text != "wikipedia" and (metric != "long_perplexity" or scored_text == text):
+        raise ValueError(f"fdc_ops.apps.eval.run: scored_text={scored_text!r} is for the long_perplexity metric of "
+                         f"a model calibrated on another text (a domain calibration never read), got metric "
+                         f"{metric!r} and calibration text {text!r}")
     long_context = metric in LONG_CONTEXT_METRICS
     grid = tuple(grid or (LONG_GRID if long_context else GRID))
     if not grid or any(not 0.0 < budget < 1.0 for budget in grid):
@@ -246,7 +270,8 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
     long_windows = None
     if long_context:
         length = LONG_PROMPT + LONG_SCORED if metric == "long_perplexity" else RETRIEVAL_TOKENS
-        long_windows = datasets.held_out_windows(*datasets.text_documents(tokenizer, "wikipedia"), windows, length)
+        take = datasets.held_out_windows if scored_text == "wikipedia" else datasets.unseen_windows
+        long_windows = take(*datasets.text_documents(tokenizer, scored_text), windows, length)
 
     def measure() -> float:
         if metric == "perplexity":
@@ -264,13 +289,15 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
     directory = Path(out)
     directory.mkdir(parents=True, exist_ok=True)
     model_name = "smollm2"
-    points_path = directory / f"{model_name}-eval-{metric}-points.json"
+    stem = f"{model_name}-eval-{metric}" + ("" if scored_text == "wikipedia" else f"-{scored_text}")
+    points_path = directory / f"{stem}-points.json"
     settings_tag = {"metric": metric, "text": text, "eval_tokens": eval_tokens, "problems": problems,
                     "max_new_tokens": max_new_tokens, "fingerprint": families.fingerprint(model)}
     if long_context:  # what the other metrics' settings would be is irrelevant to it
         settings_tag = {"metric": metric, "text": text, "windows": windows, "fingerprint": families.fingerprint(model),
                         **({"prompt_tokens": LONG_PROMPT, "scored_tokens": LONG_SCORED}
-                           if metric == "long_perplexity" else {"filler_tokens": RETRIEVAL_TOKENS})}
+                           if metric == "long_perplexity" else {"filler_tokens": RETRIEVAL_TOKENS}),
+                        **({} if scored_text == "wikipedia" else {"scored_text": scored_text})}
     store = _read_points(points_path)
     if store.get("settings") != settings_tag:
         store = {"settings": settings_tag, "base": None, "points": {}}
@@ -294,6 +321,14 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
         split = settings.get("split")
         if "kv_dtype" in settings:
             bits = 4 if settings["kv_dtype"] == "int4" else 8
+            if "eviction" in settings:
+                needed, share = stacked_budgets(compression, shape.head_dim, bits)
+                allocation = allocation_for(settings, needed)
+                policy = evictions.EvictionPolicy(settings["eviction"], keep=share)
+                prompt = LONG_PROMPT if metric == "long_perplexity" else RETRIEVAL_TOKENS
+                kept = policy.kept_tokens(prompt) / prompt
+                return allocation, policy, 1.0 - kept * (1.0 - quantized_compression(allocation.compression_rate,
+                                                                                     shape.head_dim, bits))
             needed = 0.0 if settings.get("fixed") else quantized_dimension_budget(compression, shape.head_dim, bits)
             allocation = allocation_for(settings, needed)
             return allocation, None, quantized_compression(allocation.compression_rate, shape.head_dim, bits)
@@ -367,12 +402,13 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
         print(f"stopping: the {budget_s:.0f} s budget is spent; run again to continue")
     current = {name: calibrations[table[name]["artifact"]] for name in methods}
     used = {name: artifact.metadata["calibration"] for name, artifact in artifacts.items()}
-    return _write(directory, model_name, metric, store, current, used, complete, begin)
+    return _write(directory, model_name, stem, metric, store, current, used, complete, begin)
 
 
-def _write(directory: Path, model_name: str, metric: str, store: dict, current: dict, used: dict, complete: bool,
-           begin: float) -> dict:
-    """current: {method: the calibration tag its points must carry}; used: the artifacts' calibration settings."""
+def _write(directory: Path, model_name: str, stem: str, metric: str, store: dict, current: dict, used: dict,
+           complete: bool, begin: float) -> dict:
+    """current: {method: the calibration tag its points must carry}; used: the artifacts' calibration settings; the
+    results go to ``<stem>.json`` and ``.png`` in ``directory``."""
     curves = {}
     for name, tag in current.items():
         points = sorted((p["compression"], p["relative_score"]) for p in store["points"].values()
@@ -398,9 +434,9 @@ def _write(directory: Path, model_name: str, metric: str, store: dict, current: 
                "run": {"device": provenance.device_name(torch.device("cpu")), "torch": torch.__version__,
                        "threads": torch.get_num_threads(), "commit": commit, "dirty": dirty, "utc": utc,
                        "seconds": time.time() - begin}}
-    path = directory / f"{model_name}-eval-{metric}.json"
+    path = directory / f"{stem}.json"
     files.write_json_atomically(path, results, indent=1)
-    _plot(directory / f"{model_name}-eval-{metric}.png", curves, metric)
+    _plot(directory / f"{stem}.png", curves, metric)
     print(f"\nwritten to {path} and its .png")
     return results
 
