@@ -53,6 +53,10 @@ FDC_AVX512 inline void unpack_int4_block(const Int4Pair* rows, int64_t stride, i
     avx512::unpack_int4_row(reinterpret_cast<const uint8_t*>(rows + t * stride), dim / 2, out + t * dim);
   }
 }
+// A cache's integer codes as the int8 kernels' row type: int8_t, or uint8_t for int4's packed pairs.
+inline const int8_t* int_codes(const int8_t* codes) { return codes; }
+inline const uint8_t* int_codes(const Int4Pair* codes) { return reinterpret_cast<const uint8_t*>(codes); }
+
 template <typename Runs>
 FDC_AVX512 inline void unpack_int4_runs(const Runs& runs, const Int4Pair* const* starts, int64_t col, int64_t page_size,
                                         int64_t n, int64_t dim, int8_t* out) {
@@ -175,8 +179,9 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
   // half-precision queries (8 or 11 bits) and than the bf16 weights of the bf16 path; float32 queries keep the float
   // products, as the tests hold them to float32's accuracy. Measured with bench_ops --phase quantized (B=4 x 8K and
   // B=8 x 16K, bf16, 2-core Intel Xeon): 1.32-1.33x the bf16 cache's speed, against 1.08-1.13x widening to float.
-  // int4 codes are unpacked to int8 per KV head and block (unpack_int4_block, unpack_int4_runs), then take the int8
-  // kernels.
+  // int4 rows take the same vpdpwssd kernels, each byte's two nibbles widened into one int32 lane's int16 pair as
+  // the rows are loaded (load_codes_epi16); where the int8 kernels widen codes to float (float32 queries, dim-major
+  // pages), int4 codes are unpacked to int8 per KV head and block first (unpack_int4_block, unpack_int4_runs).
   constexpr bool kInt4 = std::is_same_v<C, Int4Pair>;
   constexpr bool kIntCodes = std::is_same_v<C, int8_t> || kInt4;
   const bool int8_rows = kIntCodes && !std::is_same_v<T, float> && bf16_dot && !kc.paged();
@@ -279,16 +284,16 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
       } else {  // keys are n rows of dq: one dot product per (query head, key)
         const C* keys = kc.at(b, t0, k_col);
         if constexpr (kIntCodes) {
-          const int8_t* codes = reinterpret_cast<const int8_t*>(keys);
-          int64_t codes_stride = kc.stride1;
-          if constexpr (kInt4) {
-            unpack_int4_block(keys, kc.stride1, n, dq, ws.key_codes.get());
-            codes = ws.key_codes.get(), codes_stride = dq;
-          }
-          if (int8_rows) {
-            avx512::dot_rows_s8(ws.q_int16.data() + group * k_col, dq, group, codes, codes_stride, n, dq, scores,
-                                kMaxBlockKeys, stream);
+          if (int8_rows) {  // int4 rows read packed (load_codes_epi16)
+            avx512::dot_rows_s8(ws.q_int16.data() + group * k_col, dq, group, int_codes(keys), kc.stride1, n, dq,
+                                scores, kMaxBlockKeys, stream);
           } else {
+            const int8_t* codes = reinterpret_cast<const int8_t*>(keys);
+            int64_t codes_stride = kc.stride1;
+            if constexpr (kInt4) {
+              unpack_int4_block(keys, kc.stride1, n, dq, ws.key_codes.get());
+              codes = ws.key_codes.get(), codes_stride = dq;
+            }
             avx512::dot_rows(qj, dq, group, codes, codes_stride, n, dq, scores, kMaxBlockKeys);
           }
         } else if constexpr (kBf16Cache) {
@@ -350,18 +355,18 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
                               dv, acc, dv, stream);
         }
       } else if constexpr (kIntCodes) {  // values are n rows of dv: acc_i += sum_t p_i[t] V[t]
-        const int8_t* codes = reinterpret_cast<const int8_t*>(vc.at(b, t0, v_col));
-        int64_t codes_stride = vc.stride1;
-        if constexpr (kInt4) {
-          unpack_int4_block(vc.at(b, t0, v_col), vc.stride1, n, dv, ws.value_codes.get());
-          codes = ws.value_codes.get(), codes_stride = dv;
-        }
-        if (int8_rows) {
+        if (int8_rows) {                 // int4 rows read packed (load_codes_epi16)
           quantize_weights_int16(scores, kMaxBlockKeys, group, n, ws.weights_int16.data(), kMaxBlockKeys + 1,
                                  ws.w_scale.data());
-          avx512::axpy_rows_s8(ws.weights_int16.data(), kMaxBlockKeys + 1, ws.w_scale.data(), group, codes,
-                               codes_stride, n, dv, acc, dv, stream);
+          avx512::axpy_rows_s8(ws.weights_int16.data(), kMaxBlockKeys + 1, ws.w_scale.data(), group,
+                               int_codes(vc.at(b, t0, v_col)), vc.stride1, n, dv, acc, dv, stream);
         } else {
+          const int8_t* codes = reinterpret_cast<const int8_t*>(vc.at(b, t0, v_col));
+          int64_t codes_stride = vc.stride1;
+          if constexpr (kInt4) {
+            unpack_int4_block(vc.at(b, t0, v_col), vc.stride1, n, dv, ws.value_codes.get());
+            codes = ws.value_codes.get(), codes_stride = dv;
+          }
           avx512::axpy_rows(scores, kMaxBlockKeys, group, codes, codes_stride, n, dv, acc, dv, stream);
         }
       } else if constexpr (kBf16Cache) {  // values are n rows of dv: acc_i += sum_t p_i[t] V[t]

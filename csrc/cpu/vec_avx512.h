@@ -115,6 +115,22 @@ FDC_AVX512 inline void unpack_int4_columns(const uint8_t* src, int64_t n, int8_t
   }
 }
 
+// 32 codes of a quantized cache's token-major row, widened to int16 in column order (the operand of vpdpwssd, whose
+// int32 lane i is the pair of columns 2i and 2i + 1), columns x .. x + 31 of those in `columns` (the rest 0). int8
+// rows (int8_t) are sign-extended bytes; int4 rows (uint8_t: two codes per byte, column 2m in byte m's low nibble)
+// widen byte i to lane i and sign-extend its nibbles into the lane's two halves, so a lane is already a column pair
+// and no unpacked copy is written. x is even; `columns` covers a whole number of bytes (widths are multiples of 8).
+FDC_AVX512 inline __m512i load_codes_epi16(const int8_t* row, int64_t x, __mmask32 columns) {
+  return _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(columns, row + x));
+}
+FDC_AVX512 inline __m512i load_codes_epi16(const uint8_t* row, int64_t x, __mmask32 columns) {
+  const __mmask16 bytes = static_cast<__mmask16>((uint32_t(1) << (__builtin_popcount(columns) / 2)) - 1);
+  const __m512i w = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(bytes, row + x / 2));
+  const __m512i low = _mm512_srai_epi32(_mm512_slli_epi32(w, 28), 28);
+  const __m512i high = _mm512_slli_epi32(_mm512_srai_epi32(_mm512_slli_epi32(w, 24), 28), 16);
+  return _mm512_mask_blend_epi16(0xAAAAAAAA, low, high);
+}
+
 // 16 elements (those of `mask`, the rest 0) as float.
 FDC_AVX512 inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
 FDC_AVX512 inline __m512 load16(const c10::BFloat16* p, __mmask16 mask) {  // bf16 is the upper half of a float32

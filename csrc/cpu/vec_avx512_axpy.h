@@ -179,9 +179,10 @@ FDC_AVX512_BF16 inline void axpy_rows_bf16(const uint16_t* w, int64_t w_ld, int6
 // r + 1 are widened to int16 and interleaved as there, and one vpdpwssd adds w[r] row_r + w[r + 1] row_{r + 1} to 16
 // columns' int32 sums exactly (|sum| <= 512 * 32767 * 127 < 2^31 for the n <= 512 keys of a block); the sums become
 // float once, times each head's weight scale w_scale[h], and are added into acc in column order. w: each head's
-// weights, zero after n up to an even count.
-template <int kHeads, int kChunks>
-FDC_AVX512_VNNI void axpy_pairs_tile_s8(const int16_t* w, int64_t w_ld, const float* w_scale, const int8_t* rows,
+// weights, zero after n up to an even count. Codes: int8_t rows, or uint8_t rows of int4 codes two per byte
+// (load_codes_epi16); rows point at the tile's first column, row_stride counts elements of Codes (bytes).
+template <int kHeads, int kChunks, typename Codes>
+FDC_AVX512_VNNI void axpy_pairs_tile_s8(const int16_t* w, int64_t w_ld, const float* w_scale, const Codes* rows,
                                         int64_t row_stride, int64_t n, __mmask32 last, float* acc, int64_t acc_ld,
                                         PrefetchStream& stream) {
   PrefetchStream ahead = stream;
@@ -193,14 +194,13 @@ FDC_AVX512_VNNI void axpy_pairs_tile_s8(const int16_t* w, int64_t w_ld, const fl
 #pragma GCC unroll 2
     for (int c = 0; c < kChunks; ++c) low[h][c] = high[h][c] = _mm512_setzero_si512();
   for (int64_t r = 0; r < n; r += 2) {
-    const int8_t* row = rows + r * row_stride;
+    const Codes* row = rows + r * row_stride;
     __m512i x_low[kChunks], x_high[kChunks];
 #pragma GCC unroll 2
     for (int c = 0; c < kChunks; ++c) {
       const __mmask32 mask = chunk_mask(c);
-      const __m512i a = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, row + c * kPairs));
-      const __m512i b =
-          _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(r + 1 < n ? mask : __mmask32(0), row + row_stride + c * kPairs));
+      const __m512i a = load_codes_epi16(row, c * kPairs, mask);
+      const __m512i b = load_codes_epi16(row + row_stride, c * kPairs, r + 1 < n ? mask : __mmask32(0));
       ahead.step();
       x_low[c] = _mm512_unpacklo_epi16(a, b);
       x_high[c] = _mm512_unpackhi_epi16(a, b);
@@ -238,11 +238,13 @@ FDC_AVX512_VNNI void axpy_pairs_tile_s8(const int16_t* w, int64_t w_ld, const fl
   stream = ahead;
 }
 
-// axpy_rows for int8 rows with int16 weights (w_ld elements per head, scaled by w_scale per head), by
-// axpy_pairs_tile_s8: tiles of up to 4 heads x 64 columns.
+// axpy_rows for int8 (or int4: Codes uint8_t) rows with int16 weights (w_ld elements per head, scaled by w_scale per
+// head), by axpy_pairs_tile_s8: tiles of up to 4 heads x 64 columns. row_stride: elements of Codes between rows.
+template <typename Codes>
 FDC_AVX512_VNNI inline void axpy_rows_s8(const int16_t* w, int64_t w_ld, const float* w_scale, int64_t group,
-                                         const int8_t* rows, int64_t row_stride, int64_t n, int64_t len, float* acc,
+                                         const Codes* rows, int64_t row_stride, int64_t n, int64_t len, float* acc,
                                          int64_t acc_ld, PrefetchStream& ahead) {
+  constexpr int64_t kColumnsPerCode = std::is_same_v<Codes, uint8_t> ? 2 : 1;
   constexpr int64_t kPairs = 2 * kLanes, kTileColumns = 2 * kPairs;
   for (int64_t x0 = 0; x0 < len; x0 += kTileColumns) {
     const int64_t cols = std::min(kTileColumns, len - x0);
@@ -252,17 +254,17 @@ FDC_AVX512_VNNI inline void axpy_rows_s8(const int16_t* w, int64_t w_ld, const f
       const int heads = static_cast<int>(std::min<int64_t>(4, group - h0));
       const int16_t* wh = w + h0 * w_ld;
       const float* sh = w_scale + h0;
-      const int8_t* r = rows + x0;
+      const Codes* r = rows + x0 / kColumnsPerCode;
       float* ah = acc + h0 * acc_ld + x0;
       switch (heads * 2 + chunks - 1) {
-        case 2: axpy_pairs_tile_s8<1, 1>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
-        case 3: axpy_pairs_tile_s8<1, 2>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
-        case 4: axpy_pairs_tile_s8<2, 1>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
-        case 5: axpy_pairs_tile_s8<2, 2>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
-        case 6: axpy_pairs_tile_s8<3, 1>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
-        case 7: axpy_pairs_tile_s8<3, 2>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
-        case 8: axpy_pairs_tile_s8<4, 1>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
-        case 9: axpy_pairs_tile_s8<4, 2>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 2: axpy_pairs_tile_s8<1, 1, Codes>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 3: axpy_pairs_tile_s8<1, 2, Codes>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 4: axpy_pairs_tile_s8<2, 1, Codes>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 5: axpy_pairs_tile_s8<2, 2, Codes>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 6: axpy_pairs_tile_s8<3, 1, Codes>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 7: axpy_pairs_tile_s8<3, 2, Codes>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 8: axpy_pairs_tile_s8<4, 1, Codes>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 9: axpy_pairs_tile_s8<4, 2, Codes>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
         default: TORCH_CHECK(false, "fdc: int8 axpy tile of ", heads, " heads and ", chunks, " registers");
       }
     }

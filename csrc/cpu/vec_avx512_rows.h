@@ -196,9 +196,9 @@ FDC_AVX512_BF16 inline void dot_rows_bf16(const uint16_t* a, int64_t a_ld, int64
 // AVX-512 VNNI: each row's 32 codes are widened to int16 as they are loaded, and vpdpwssd with a query's int16 pair
 // broadcast adds both products to 16 rows' int32 sums exactly (|sum| <= 256 * 32767 * 127 < 2^31), so nothing is
 // rounded until the sums become float. out[h * out_ld + r] = sum_x a[h * a_ld + x] * row r [x], overwritten; len is
-// even.
-template <int kHeads>
-FDC_AVX512_VNNI void dot_rows_s8_lanes(const int16_t* a, int64_t a_ld, const int8_t* const* row, int64_t len,
+// even. Codes: int8_t rows, or uint8_t rows of int4 codes two per byte (load_codes_epi16), read without unpacking.
+template <int kHeads, typename Codes>
+FDC_AVX512_VNNI void dot_rows_s8_lanes(const int16_t* a, int64_t a_ld, const Codes* const* row, int64_t len,
                                        __mmask16 store, float* out, int64_t out_ld, PrefetchStream& stream) {
   PrefetchStream ahead = stream;
   constexpr int64_t kPairs = 2 * kLanes;               // int16 elements per register
@@ -214,7 +214,7 @@ FDC_AVX512_VNNI void dot_rows_s8_lanes(const int16_t* a, int64_t a_ld, const int
     __m512i t[kLanes];
 #pragma GCC unroll 16
     for (int k = 0; k < kLanes; ++k) {
-      t[k] = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(mask, row[k] + x));
+      t[k] = load_codes_epi16(row[k], x, mask);
       ahead.step();
     }
     transpose16x16_epi32(t);
@@ -239,13 +239,15 @@ FDC_AVX512_VNNI void dot_rows_s8_lanes(const int16_t* a, int64_t a_ld, const int
   stream = ahead;
 }
 
-// dot_rows for int16 `a` and int8 rows by dot_rows_s8_lanes: 16 rows at a time (a short last group repeats its final
-// row and stores only the real ones), query heads 8 at a time; the products are exact integers.
-FDC_AVX512_VNNI inline void dot_rows_s8(const int16_t* a, int64_t a_ld, int64_t group, const int8_t* rows,
+// dot_rows for int16 `a` and int8 (or int4: Codes uint8_t) rows by dot_rows_s8_lanes: 16 rows at a time (a short
+// last group repeats its final row and stores only the real ones), query heads 8 at a time; the products are exact
+// integers. row_stride: elements of Codes (bytes) between rows.
+template <typename Codes>
+FDC_AVX512_VNNI inline void dot_rows_s8(const int16_t* a, int64_t a_ld, int64_t group, const Codes* rows,
                                         int64_t row_stride, int64_t n, int64_t len, float* out, int64_t out_ld,
                                         PrefetchStream& ahead) {
   for (int64_t r0 = 0; r0 < n; r0 += kLanes) {
-    const int8_t* row[kLanes];
+    const Codes* row[kLanes];
     for (int64_t k = 0; k < kLanes; ++k) row[k] = rows + std::min(r0 + k, n - 1) * row_stride;
     const __mmask16 store = lanes_mask(n - r0);
     for_head_tiles_of_8(group, [&](int64_t h0, auto heads) {
