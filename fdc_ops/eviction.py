@@ -315,7 +315,7 @@ def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torc
             rows = by_slot[source_page, source_slot]  # (kept tokens, width), read whole before any write
             by_slot[target_page, target_slot] = rows
             if scale_rows:  # (num_pages, H_kv, page_size) float32: a view of the pages' scale rows
-                scales = cache[:, data_rows:].reshape(cache.shape[0], -1).view(torch.float32)
+                scales = cache[:, data_rows:].reshape(cache.shape[0], scale_rows * page_size).view(torch.float32)
                 scales = scales.view(cache.shape[0], num_kv_heads, page_size)
                 moved = scales[source_page, :, source_slot]  # (kept tokens, H_kv), read whole before any write
                 scales[target_page, :, target_slot] = moved

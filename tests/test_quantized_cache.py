@@ -328,7 +328,7 @@ def test_eviction_moves_quantized_rows_with_their_scales(case, paged):
         assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)), f"{fmt} {replay}"
 
 
-def test_paged_quantized_eviction_needs_the_kv_head_count():
+def test_paged_quantized_eviction_needs_the_kv_head_count_and_takes_an_empty_pool():
     from fdc_ops import eviction
 
     pages = torch.zeros(2, ops.cache_width(offsets([8, 16]), torch.int8), 4, dtype=torch.int8)
@@ -337,6 +337,10 @@ def test_paged_quantized_eviction_needs_the_kv_head_count():
                                          r"num_kv_heads"):
         eviction.compact_kv(pages, pages, torch.tensor([2], dtype=torch.int32), torch.tensor([[1]]), [1],
                             torch.tensor([[0]], dtype=torch.int32))
+    empty_pool, seqlens = pages[:0], torch.zeros(1, dtype=torch.int32)  # no request holds a token: nothing moves
+    eviction.compact_kv(empty_pool, empty_pool.clone(), seqlens, torch.zeros(1, 0, dtype=torch.int64), [0],
+                        torch.zeros(1, 1, dtype=torch.int32), num_kv_heads=2)
+    assert seqlens.tolist() == [0]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the CUDA ops' refusal of quantized "
