@@ -52,6 +52,7 @@ __all__ = [
     "QUANTIZED_CACHE_DTYPES",
     "kv_cache_dtype",
     "dequantize_rows",
+    "data_width",
     "rotate_compress",
     "rope_rotate_compress",
     "prefill_plan",
@@ -144,9 +145,16 @@ def _codes_per_element(dtype: torch.dtype) -> int:
     return 2 if dtype == torch.uint8 else 1
 
 
-def _data_width(stored: int, offsets: torch.Tensor, dtype: torch.dtype) -> int:
-    """The layout width of a cache whose rows (or pages' rows) are ``stored`` elements of ``dtype`` (cache_width's
-    inverse)."""
+def data_width(stored: int, offsets: torch.Tensor, dtype: torch.dtype) -> int:
+    """The layout width (``offsets[-1]``) of a cache whose rows (or pages' rows) are ``stored`` elements of
+    ``dtype``: cache_width's inverse, reading only the number of KV heads from ``offsets`` (so a compiled graph, which
+    does not see the offsets' values, can take the width from a cache's shape).
+
+    >>> import torch, fdc_ops
+    >>> offsets = fdc_ops.ops.prefix_sums([32, 16])
+    >>> fdc_ops.ops.data_width(fdc_ops.ops.cache_width(offsets, torch.uint8), offsets, torch.uint8)
+    48
+    """
     if dtype not in QUANTIZED_CACHE_DTYPES:
         return stored
     return (stored - _SCALE_BYTES * (offsets.shape[0] - 1)) * _codes_per_element(dtype)
@@ -631,7 +639,7 @@ def _prefill_attention_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, qk_offsets, v_o
         batch = cu_seqlens_q.shape[0] - 1
         _check(block_table.dim() == 2 and block_table.shape[0] == batch, op,
                f"block_table must have shape (B={batch}, max_pages) but got {tuple(block_table.shape)}")
-    v_width = _data_width(v.shape[1], v_offsets, v.dtype) if block_table is not None else v.shape[-1]
+    v_width = data_width(v.shape[1], v_offsets, v.dtype) if block_table is not None else v.shape[-1]
     return q.new_empty((q.shape[0], group * v_width))
 
 
@@ -656,7 +664,7 @@ def _decode_attention_fake(q, k_cache, v_cache, cache_seqlens, qk_offsets, v_off
     _check_variant("decode_attention", q, qk_offsets, group, window_left, softcap, sinks)
     _check_cache("decode_attention", q.shape[0], k_cache, v_cache, cache_seqlens, block_table)
     _check_dims("decode_attention", q=(q, 2))
-    v_width = _data_width(v_cache.shape[1] if block_table is not None else v_cache.shape[2], v_offsets, v_cache.dtype)
+    v_width = data_width(v_cache.shape[1] if block_table is not None else v_cache.shape[2], v_offsets, v_cache.dtype)
     return q.new_empty((q.shape[0], group * v_width))
 
 

@@ -542,9 +542,7 @@ class FDCAttention(_CompressedAttentionBase):
         rotation = self.rotation if self.rotation.dtype == q.dtype else self.rotation.to(q.dtype)
         # The packed widths are the offsets' values, which compiled graphs do not see: the cache's shape states them
         # (a quantized cache's rows end in 4 bytes of scale per KV head, and int4 codes take half a byte each).
-        k_width = layer.k_cache.shape[2]
-        if layer.kv_dtype is not None:
-            k_width = (k_width - 4 * Hkv) * (2 if layer.kv_dtype == torch.uint8 else 1)
+        k_width = ops.data_width(layer.k_cache.shape[2], self.qk_offsets, layer.k_cache.dtype)
         q_rows = ops.rope_rotate_compress(q, cos, sin, rotation, self.qk_offsets, G, out_width=G * k_width)
         k_rows = ops.rope_rotate_compress(k, cos, sin, rotation, self.qk_offsets, 1, out_width=k_width)
         # q_rows: (B * S, G * k_width), k_rows: (B * S, k_width)
@@ -613,7 +611,7 @@ def _attend(module, q_rows, k_rows, v_rows, rows: CallRows, new_positions, layer
         k_rows_all, v_rows_all = k_cache[0, : layer.host_lengths[0]], v_cache[0, : layer.host_lengths[0]]
     else:  # requests' cached rows gathered back to back, as prefill_attention takes them
         mask = torch.arange(k_cache.shape[1], device=rows.counts.device)[None, :] < layer.lengths[:, None]
-        k_rows_all, v_rows_all = _masked_rows(k_cache, mask), _masked_rows(v_cache, mask)
+        k_rows_all, v_rows_all = _rows_at(k_cache, mask.reshape(-1)), _rows_at(v_cache, mask.reshape(-1))
     k_rows_all = layer.float_rows(k_rows_all, k_offsets, q_rows.dtype)
     v_rows_all = layer.float_rows(v_rows_all, module.v_offsets, q_rows.dtype)
     out = ops.prefill_attention(q_rows, k_rows_all, v_rows_all, rows.cu, cu_k, k_offsets, module.v_offsets, G,
@@ -628,20 +626,12 @@ def _attend(module, q_rows, k_rows, v_rows, rows: CallRows, new_positions, layer
 
 
 def _rows_at(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Rows ``index`` of a (B, capacity, width) cache's B * capacity rows; a quantized cache's are taken as bytes
-    (torch indexes no float8 on the CPU)."""
+    """Rows ``index`` (positions, or a (B * capacity,) mask) of a (B, capacity, width) cache's B * capacity rows; a
+    quantized cache's are taken as bytes (torch indexes no float8 on the CPU)."""
     rows = cache.reshape(-1, cache.shape[2])
     if cache.dtype in ops.QUANTIZED_CACHE_DTYPES:
         return rows.view(torch.uint8)[index].view(cache.dtype)
     return rows[index]
-
-
-def _masked_rows(cache: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """cache[mask] for a (B, capacity, width) cache and a (B, capacity) mask; a quantized cache's rows are taken as
-    bytes (torch indexes no float8 on the CPU)."""
-    if cache.dtype in ops.QUANTIZED_CACHE_DTYPES:
-        return cache.view(torch.uint8)[mask].view(cache.dtype)
-    return cache[mask]
 
 
 def _evict(module, layer: CompressedKVLayer, q_rows, rows: CallRows, k_cache, k_offsets) -> None:
