@@ -1,7 +1,7 @@
 """Sliding-window models compressed: Mistral (every layer windowed), Qwen2 with ``use_sliding_window``, Gemma 2 and
 Gemma 3's text model (windowed and full layers mixed; Gemma 2's logits soft-capped, Gemma 3's local RoPE and q/k
 norms), tiny random-weight checkpoints, FDC and Palu, against the original models with their own sliding-window masks
-and caches; and the compressed cache of a windowed layer staying bounded."""
+and caches; the compressed cache of a windowed layer staying bounded, dynamic and static."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from conftest import case_generator
 from fdc_ops import calibration, hf
 from fdc_ops.hf import families
-from fdc_ops.hf.modules import INITIAL_CAPACITY, CompressedKVLayer
+from fdc_ops.hf.modules import INITIAL_CAPACITY, CompressedKVLayer, StaticWindowCompressedKVLayer
 from tiny_models import tiny_model
 
 transformers = pytest.importorskip("transformers", reason="the model side needs transformers")
@@ -124,9 +124,81 @@ def test_a_windowed_layer_keeps_a_bounded_cache(method):
     assert keeping.layers[1].host_lengths == [total, total]
 
 
-def test_a_static_cache_of_a_windowed_model_is_refused_by_name():
-    model, artifact = windowed_model("mistral", 0)
-    hf.compress(model, artifact, compression=0.2)
-    ids = torch.randint(1, model.config.vocab_size, (1, 9))
-    with pytest.raises(NotImplementedError, match="sliding-window layer.*use the dynamic cache"):
-        generate(model, ids, cache_implementation="static")
+def left_padded(generator, vocab: int, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, max length) ids and 0/1 mask of random prompts of the given lengths, left-padded with 0."""
+    width = max(lengths)
+    ids, mask = torch.zeros(len(lengths), width, dtype=torch.long), torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        ids[row, width - length:] = torch.randint(1, vocab, (length,), generator=generator)
+        mask[row, width - length:] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", sorted(WINDOWED))
+def test_a_static_cache_of_a_windowed_model_is_the_dynamic_one(family):
+    """A StaticCache's sliding-window layers (transformers sizes them at the window) become rings of the window's
+    rows: generate() of a left-padded batch far past the window (the masks generate() builds for a static cache, sdpa
+    and eager), beam search, and a prompt given in chunks that cross the window's edge (a chunk over a full ring
+    included) give the dynamic cache's tokens and logits; a windowed layer holds the window, a full one every token;
+    a static cache shorter than the window keeps its rows in order, with the same logits."""
+    generator, rng, replay = case_generator(f"static_windowed_{family}", 0)
+    model, artifact = windowed_model(family, rng.randrange(1000))
+    hf.compress(model, artifact, compression=rng.choice([0.2, 0.4]))
+    ids, mask = left_padded(generator, model.config.vocab_size, [rng.randrange(2, 3 * WINDOW) for _ in range(3)])
+    for implementation in ("eager",) if family == "gemma2" else ("sdpa", "eager"):
+        model.config._attn_implementation = implementation
+        expected = generate(model, ids, mask, max_new_tokens=4 * WINDOW)
+        assert torch.equal(generate(model, ids, mask, max_new_tokens=4 * WINDOW, cache_implementation="static"),
+                           expected), f"{implementation}: {replay}"
+    beams = generate(model, ids[1:2], num_beams=3, max_new_tokens=2 * WINDOW)
+    assert torch.equal(generate(model, ids[1:2], num_beams=3, max_new_tokens=2 * WINDOW,
+                                cache_implementation="static"), beams), replay
+
+    keyword = hf.cache_keyword(model)
+    long_ids, long_mask = left_padded(generator, model.config.vocab_size, [3 * WINDOW + 2, 2 * WINDOW - 1])
+    cuts = sorted(rng.sample(range(1, long_ids.shape[1]), 3))  # chunks of random lengths, some past the window
+    static = transformers.StaticCache(config=model.config, max_cache_len=long_ids.shape[1] + 2)
+    dynamic = transformers.DynamicCache()
+    with torch.no_grad():
+        for start, stop in zip([0, *cuts], [*cuts, long_ids.shape[1]]):
+            expected = model(input_ids=long_ids[:, start:stop], attention_mask=long_mask[:, :stop],
+                             **{keyword: dynamic})
+            actual = model(input_ids=long_ids[:, start:stop], attention_mask=long_mask[:, :stop], **{keyword: static})
+            torch.testing.assert_close(actual.logits, expected.logits, rtol=1e-5, atol=1e-5, msg=replay)
+    for layer, windowed in zip(static.layers, (families.layer_window(model.config, i) >= 0 for i in range(2))):
+        assert isinstance(layer, StaticWindowCompressedKVLayer) == windowed, replay
+        held = [min(WINDOW, length) if windowed else length for length in long_mask.sum(1).tolist()]
+        assert layer.k_cache.shape[1] == (WINDOW if windowed else long_ids.shape[1] + 2), replay
+        assert layer.nbytes() == sum(held) * (layer.k_cache.shape[2] + layer.v_cache.shape[2]) * \
+            layer.k_cache.element_size(), replay
+
+    short = transformers.StaticCache(config=model.config, max_cache_len=WINDOW - 1)
+    dynamic = transformers.DynamicCache()
+    with torch.no_grad():
+        expected = model(input_ids=long_ids[:, -3:], **{keyword: dynamic})
+        actual = model(input_ids=long_ids[:, -3:], **{keyword: short})
+    torch.testing.assert_close(actual.logits, expected.logits, rtol=1e-5, atol=1e-5, msg=replay)
+    assert not any(isinstance(layer, StaticWindowCompressedKVLayer) for layer in short.layers), replay
+
+
+@pytest.mark.parametrize("family,kv_dtype", [("mistral", "int4"), ("qwen2", "float8_e4m3fn"), ("gemma3", "int8")])
+def test_a_static_windowed_cache_quantizes_and_compiles(family, kv_dtype):
+    """A quantized StaticCache of a windowed model gives the dynamic cache's tokens, eagerly and through generate()'s
+    own compilation of the decode step (fullgraph, no graph break; two graphs: the first specialised on the
+    positions seen, the second with them symbolic, as for transformers' own sliding layers)."""
+    generator, rng, replay = case_generator(f"static_windowed_quantized_{family}", 0)
+    model, artifact = windowed_model(family, rng.randrange(1000))
+    hf.compress(model, artifact, compression=0.3, kv_dtype=kv_dtype)
+    ids, mask = left_padded(generator, model.config.vocab_size, [rng.randrange(2, WINDOW), 2 * WINDOW + 1])
+    expected = generate(model, ids, mask, max_new_tokens=3 * WINDOW)
+    assert torch.equal(generate(model, ids, mask, max_new_tokens=3 * WINDOW, cache_implementation="static"),
+                       expected), replay
+    config = transformers.CompileConfig(fullgraph=True, backend="eager")
+    config._compile_all_devices = True  # generate() compiles on accelerators only unless told
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    assert torch.equal(generate(model, ids, mask, max_new_tokens=3 * WINDOW, cache_implementation="static",
+                                compile_config=config), expected), replay
+    assert counters["stats"]["unique_graphs"] - graphs <= 2, "a graph per step: the positions seen stay a guard"
+    assert sum(counters["graph_break"].values()) == breaks, f"graph breaks: {dict(counters['graph_break'])}"

@@ -82,15 +82,19 @@ class PaddingState:
                                       f"(batch, length) of 0/1, got shape {tuple(self.mask.shape)}")
         return self.mask[:, -new_tokens:].to(device=device, dtype=torch.bool)
 
-    def static_valid(self, batch: int, new_tokens: int, past: torch.Tensor) -> torch.Tensor | None:
+    def static_valid(self, batch: int, new_tokens: int, past: torch.Tensor, mask_offset: int) -> torch.Tensor | None:
         """(B, new_tokens) bool, which of the call's new tokens are real, or None when all are; for a static cache,
-        read without any host synchronisation. past: () int64, positions before the call. Besides the 2-D mask,
-        takes the 4-D one that generate() builds for a static cache ((B, 1 or heads, new_tokens, max_cache_len),
-        bool or additive float; per layer type in a dict for some families): a token is real where it may attend
-        to itself."""
+        read without any host synchronisation. past: () int64, positions before the call; mask_offset: the position
+        of the first key column of the masks built for the layer (a sliding-window ring's, once it is full). Besides
+        the 2-D mask, takes the 4-D one that generate() builds for a static cache ((B, 1 or heads, new_tokens, key
+        columns), bool or additive float; per layer type in a dict for some families): a token is real where it may
+        attend to itself."""
         mask = self.mask
-        if isinstance(mask, dict):  # one mask per layer type (Qwen2 and others): these layers are full attention
-            mask = mask.get("full_attention")
+        if isinstance(mask, dict):  # one mask per layer type (Qwen2, Gemma); the full-attention one starts at 0
+            if "full_attention" in mask:
+                mask, mask_offset = mask["full_attention"], 0
+            else:
+                mask = mask.get("sliding_attention")
         if mask is None:
             return None
         if not isinstance(mask, torch.Tensor) or mask.dim() not in (2, 4):
@@ -100,7 +104,7 @@ class PaddingState:
         if mask.dim() == 2:
             return mask[:, -new_tokens:].to(device=past.device, dtype=torch.bool)
         queries = torch.arange(new_tokens, device=mask.device)
-        own = mask[:, 0, queries, past.to(mask.device) + queries]  # (B, new_tokens): each query's own key
+        own = mask[:, 0, queries, past.to(mask.device) - mask_offset + queries]  # (B, new_tokens): own keys
         return (own if own.dtype == torch.bool else own == 0).to(past.device)
 
     def rows(self, batch: int, new_tokens: int, device: torch.device) -> CallRows:
@@ -354,10 +358,13 @@ class StaticCompressedKVLayer(CompressedKVLayer):
                 torch._dynamo.mark_static_address(buffer)
 
     def append_rows(self, k_rows: torch.Tensor, v_rows: torch.Tensor, cu_seqlens: torch.Tensor,
-                    counts: torch.Tensor, new_positions: int) -> None:
+                    counts: torch.Tensor, new_positions: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Writes each request's new rows after its cached ones. k_rows: (T, k_width), v_rows: (T, v_width), with
         request b's real rows at ``cu_seqlens[b]:cu_seqlens[b+1]`` ((B + 1,) int32) and any rows after the last
-        ignored; counts: (B,) int32 real rows per request; new_positions: the call's sequence length."""
+        ignored; counts: (B,) int32 real rows per request; new_positions: the call's sequence length. Returns the
+        rows the call's queries attend: K (B, rows, k width) and V (B, rows, v width) caches, request b's first
+        ``seen[b]`` rows ((B,) int32), its cached ones and then the call's, in token order (one-token calls: in any
+        order)."""
         batch = counts.shape[0]
         if self.k_cache is None:
             self.allocate(batch, k_rows.dtype, k_rows.device)
@@ -372,6 +379,11 @@ class StaticCompressedKVLayer(CompressedKVLayer):
         self.lengths.add_(counts)
         self.cumulative_length.add_(new_positions)
         self.filled = True
+        return self.k_cache, self.v_cache, self.lengths
+
+    def mask_offset(self) -> int:
+        """The position of the first key column in the masks built for this layer (get_mask_sizes)."""
+        return 0
 
     def append(self, *args, **kwargs) -> None:
         raise RuntimeError("fdc_ops.hf.modules: a static compressed cache layer is written by append_rows")
@@ -410,12 +422,102 @@ class StaticCompressedKVLayer(CompressedKVLayer):
             raise NotImplementedError("fdc_ops.hf.modules: a static compressed cache keeps its batch size")
 
 
+class StaticWindowCompressedKVLayer(StaticCompressedKVLayer):
+    """A static compressed layer for a sliding-window layer whose capacity is its window (standing in for
+    transformers' ``StaticSlidingWindowLayer`` when the window is shorter than the cache): a ring of ``window`` rows
+    per request, position p of a request in row ``p % window``, so its memory is the window's whatever the context.
+    ``lengths`` counts each request's real tokens seen (it passes the window); the ring holds the last
+    ``min(lengths, window)``.
+
+    A one-token step writes its row over the one its window has just left and attends the whole ring in place
+    (attention over a set of keys does not depend on their order, and every row of the ring is inside the window).
+    A call of several tokens reads the ring out in token order followed by its own rows, where its queries attend
+    with the window applied, and writes the last ``window`` rows of that back into the ring. Only fixed-shape tensor
+    operations, like the layer it extends; the mask sizes (transformers' own formula, so generate() builds the masks
+    it builds for its own sliding layers) come from the positions seen kept as a host integer too, as transformers'
+    layer keeps them."""
+
+    is_sliding = True
+
+    def __init__(self, k_offsets: torch.Tensor, v_offsets: torch.Tensor, window: int,
+                 kv_dtype: torch.dtype | None = None):
+        super().__init__(k_offsets, v_offsets, window, kv_dtype)
+        self.host_positions = 0  # positions seen, padding included: what the mask sizes are computed from
+
+    def append_rows(self, k_rows: torch.Tensor, v_rows: torch.Tensor, cu_seqlens: torch.Tensor,
+                    counts: torch.Tensor, new_positions: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        batch, window = counts.shape[0], self.max_cache_len
+        if self.k_cache is None:
+            self.allocate(batch, k_rows.dtype, k_rows.device)
+        elif batch != self.k_cache.shape[0]:
+            raise ValueError(f"fdc_ops.hf.modules: the static cache holds {self.k_cache.shape[0]} requests, the call "
+                             f"has {batch}")
+        self.host_positions += new_positions
+        self.cumulative_length.add_(new_positions)
+        self.filled = True
+        if new_positions == 1:  # each request's row (if real) over the one its window has left
+            ops.append_kv(self.k_cache, self.v_cache, k_rows, v_rows, cu_seqlens, self.lengths % window,
+                          self.k_offsets, self.v_offsets)
+            self.lengths.add_(counts)
+            return self.k_cache, self.v_cache, self.lengths.clamp_max(window)
+        # The call's rows in the cache's format (quantized as append_kv writes them), request b's at [b, :counts[b]].
+        staged_k = torch.empty(batch, new_positions, self.k_cache.shape[2], dtype=self.k_cache.dtype,
+                               device=self.k_cache.device)
+        staged_v = torch.empty(batch, new_positions, self.v_cache.shape[2], dtype=self.v_cache.dtype,
+                               device=self.v_cache.device)
+        ops.append_kv(staged_k, staged_v, k_rows, v_rows, cu_seqlens, torch.zeros_like(self.lengths),
+                      self.k_offsets, self.v_offsets)
+        held = self.lengths.clamp_max(window).to(torch.int64)  # (B,) rows in the ring
+        oldest = self.lengths.to(torch.int64) - held  # (B,) the position of the oldest
+        column = torch.arange(window + new_positions, device=held.device)[None, :]  # rows in token order
+        # Row j in token order: ring row (oldest + j) % window while j < held, then staged row j - held.
+        source = torch.where(column < held[:, None], (oldest[:, None] + column) % window,
+                             window + (column - held[:, None]).clamp(0, new_positions - 1))  # (B, window + S)
+        seen_length = held + counts  # (B,) rows the call's queries may see, the call's own included
+        # Ring row s next holds the newest position q = s (mod window) below `end`, row q - oldest in token order
+        # (none yet where q < 0: such a row keeps whatever it held, and nothing reads it).
+        end = self.lengths.to(torch.int64) + counts  # (B,) positions after the call
+        ring_row = torch.arange(window, device=held.device)[None, :]
+        newest = end[:, None] - 1 - (end[:, None] - 1 - ring_row) % window  # (B, window)
+        outputs = []
+        for name, staged in (("k_cache", staged_k), ("v_cache", staged_v)):
+            ring = getattr(self, name)
+            as_bytes = ring.dtype in ops.QUANTIZED_CACHE_DTYPES  # moved as bytes (torch gathers no float8)
+            ring_data = ring.view(torch.uint8) if as_bytes else ring
+            both = torch.cat((ring_data, staged.view(torch.uint8) if as_bytes else staged), 1)
+            in_order = torch.gather(both, 1, source[:, :, None].expand(-1, -1, both.shape[2]))  # (B, window + S, W)
+            kept = torch.gather(in_order, 1, (newest - oldest[:, None]).clamp_min(0)[:, :, None].expand(
+                -1, -1, both.shape[2]))  # (B, window, W)
+            ring_data.copy_(torch.where((newest >= 0)[:, :, None], kept, ring_data))
+            outputs.append(in_order.view(ring.dtype) if as_bytes else in_order)
+        self.lengths.add_(counts)
+        return outputs[0], outputs[1], seen_length.to(torch.int32)
+
+    def cached_tokens(self) -> int:
+        return int(self.lengths.clamp_max(self.max_cache_len).sum()) if self.lengths is not None else 0
+
+    def mask_offset(self) -> int:
+        """The position of the first key column in the masks built for this layer's type (get_mask_sizes)."""
+        return max(self.host_positions - self.max_cache_len + 1, 0)
+
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        window, seen = self.max_cache_len, self.host_positions
+        if seen >= window:
+            return window + query_length - 1, self.mask_offset()
+        return max(window, seen + query_length), 0
+
+    def reset(self) -> None:
+        super().reset()
+        self.host_positions = 0
+
+
 def _cache_layer(cache, layer: int, k_offsets: torch.Tensor, v_offsets: torch.Tensor, window_left: int = -1,
                  kv_dtype: torch.dtype | None = None) -> CompressedKVLayer:
     """The compressed layer ``layer`` of a transformers cache, installed in place of an empty layer the first time
     (generate() creates a DynamicCache, or a StaticCache for ``cache_implementation="static"``; the compressed modules
-    take over its layers: a StaticLayer becomes a StaticCompressedKVLayer of the same capacity, any dynamic layer,
-    sliding-window ones included, a CompressedKVLayer that drops what the layer's window no longer sees)."""
+    take over its layers: a StaticLayer becomes a StaticCompressedKVLayer of the same capacity, or a
+    StaticWindowCompressedKVLayer for a sliding-window one as long as its window; any dynamic layer, sliding-window
+    ones included, a CompressedKVLayer that drops what the layer's window no longer sees)."""
     layers = getattr(cache, "layers", None)
     if layers is None:
         raise TypeError(f"fdc_ops.hf.modules: the cache must be a transformers Cache with layers, got {type(cache)}")
@@ -427,12 +529,11 @@ def _cache_layer(cache, layer: int, k_offsets: torch.Tensor, v_offsets: torch.Te
     if current.get_seq_length() != 0:
         raise ValueError(f"fdc_ops.hf.modules: layer {layer} of the cache already holds uncompressed keys and values")
     if isinstance(current, StaticLayer):
-        if current.is_sliding:
-            raise NotImplementedError(f"fdc_ops.hf.modules: layer {layer} of the static cache is a sliding-window "
-                                      "layer, which keeps only its window's rows, in a ring; a static compressed "
-                                      "cache does not (its rows stay in token order): use the dynamic cache (the "
-                                      "default), whose compressed layers drop the rows past the window")
-        layers[layer] = StaticCompressedKVLayer(k_offsets, v_offsets, current.max_cache_len, kv_dtype)
+        # transformers sizes a sliding layer at min(window, max_cache_len): a ring when that is the window, else
+        # the whole sequence fits and its rows stay in order (the ops apply the window)
+        ring = current.is_sliding and window_left >= 0 and current.max_cache_len == window_left + 1
+        kind = StaticWindowCompressedKVLayer if ring else StaticCompressedKVLayer
+        layers[layer] = kind(k_offsets, v_offsets, current.max_cache_len, kv_dtype)
     else:
         layers[layer] = CompressedKVLayer(k_offsets, v_offsets, window_left, kv_dtype)
     return layers[layer]
@@ -535,7 +636,7 @@ class FDCAttention(_CompressedAttentionBase):
         if layer.k_cache is None:
             layer.allocate(B, hidden_states.dtype, hidden_states.device)
         past = layer.cumulative_length
-        valid = self._padding.static_valid(B, S, past)  # (B, S) bool, or None: every token real
+        valid = self._padding.static_valid(B, S, past, layer.mask_offset())  # (B, S) bool, or None: all real
         q = self._heads(self.q_proj, self.q_norm, hidden_states, H).reshape(B * S, H, self.head_dim)
         k = self._heads(self.k_proj, self.k_norm, hidden_states, Hkv).reshape(B * S, Hkv, self.head_dim)
         cos, sin = (t.expand(B, S, -1).reshape(B * S, -1).to(q.dtype) for t in position_embeddings)
@@ -555,11 +656,11 @@ class FDCAttention(_CompressedAttentionBase):
         cu = ops.prefix_sums(counts)
         first_call = not layer.filled
         k_new, v_new = (k_rows, v_rows) if order is None else (k_rows[order], v_rows[order])
-        layer.append_rows(k_new, v_new, cu, counts, S)
+        k_seen, v_seen, seen = layer.append_rows(k_new, v_new, cu, counts, S)
         # decode: one query per request, in request order; a one-token prompt into an empty quantized cache takes the
         # prefill below, which attends the call's own unquantized rows (as the dynamic layer's prompts do)
         if S == 1 and not (first_call and layer.kv_dtype is not None):
-            out = ops.decode_attention(q_rows, layer.k_cache, layer.v_cache, layer.lengths, self.qk_offsets,
+            out = ops.decode_attention(q_rows, k_seen, v_seen, seen, self.qk_offsets,
                                        self.v_offsets, G, self.scaling, window_left=self.window_left,
                                        softcap=self.softcap)  # (B, G * v_width)
             if valid is not None:
@@ -568,12 +669,12 @@ class FDCAttention(_CompressedAttentionBase):
             q_real = q_rows if order is None else q_rows[order]
             if first_call:  # a prompt into an empty cache: its keys are the call's own rows
                 k_all, v_all, cu_k = k_new, v_new, cu
-            else:  # every request's cached rows back to back (fixed size: B * max_cache_len rows)
-                cached = torch.arange(layer.max_cache_len, device=q.device)[None, :] < layer.lengths[:, None]
+            else:  # every request's rows seen back to back (fixed size: all B * k_seen.shape[1] of them)
+                cached = torch.arange(k_seen.shape[1], device=q.device)[None, :] < seen[:, None]
                 gather = torch.argsort((~cached).reshape(-1).to(torch.int8), stable=True)
-                k_all = layer.float_rows(_rows_at(layer.k_cache, gather), self.qk_offsets, q_rows.dtype)
-                v_all = layer.float_rows(_rows_at(layer.v_cache, gather), self.v_offsets, q_rows.dtype)
-                cu_k = ops.prefix_sums(layer.lengths)
+                k_all = layer.float_rows(_rows_at(k_seen, gather), self.qk_offsets, q_rows.dtype)
+                v_all = layer.float_rows(_rows_at(v_seen, gather), self.v_offsets, q_rows.dtype)
+                cu_k = ops.prefix_sums(seen)
             out = ops.prefill_attention(q_real, k_all, v_all, cu, cu_k, self.qk_offsets, self.v_offsets, G,
                                         self.scaling, True, window_left=self.window_left,
                                         softcap=self.softcap)  # (B * S, G * v_width): zeros past cu[-1]
