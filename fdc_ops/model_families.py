@@ -25,13 +25,10 @@ FAMILIES = (
     Family("phi3", "Phi3ForCausalLM", False, None,
            "vLLM's Phi-3 is a Llama with a fused checkpoint projection, which the plugin's identity check would have "
            "to split"),
-    Family("gemma2", "Gemma2ForCausalLM", False, None,
-           "the plugin's attention backend does not pass logit soft-capping to the ops yet"),
+    Family("gemma2", "Gemma2ForCausalLM", False, "FDCGemma2ForCausalLM"),
     # Gemma 3's text model: per-head q/k norms before RoPE (Qwen3's place), a RoPE of its own for the sliding-window
     # layers (the decoder hands each layer its tables), windowed and full layers by turns.
-    Family("gemma3_text", "Gemma3ForCausalLM", True, None,
-           "vLLM would keep its windowed and full layers in separate KV cache groups, a layout the plugin's per-layer "
-           "page sizes have not been tried with"),
+    Family("gemma3_text", "Gemma3ForCausalLM", True, "FDCGemma3ForCausalLM"),
 )
 BY_MODEL_TYPE = {family.model_type: family for family in FAMILIES}
 BY_ARCHITECTURE = {family.architecture: family for family in FAMILIES}

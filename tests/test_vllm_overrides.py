@@ -35,8 +35,9 @@ def test_overrides_refuse_what_the_plugin_cannot_serve(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json does not exist"):
         fdc_ops.vllm.hf_overrides(tmp_path, tmp_path, compression=0.1)
     with pytest.raises(ValueError, match=r"architectures \['Phi3ForCausalLM'\]; the FDC plugin supports "
-                                         r"LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM "
-                                         r"\(Phi3ForCausalLM: vLLM's Phi-3 is a Llama with a fused"):
+                                         r"LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+                                         r"Gemma2ForCausalLM, Gemma3ForCausalLM \(Phi3ForCausalLM: vLLM's Phi-3 is a "
+                                         r"Llama with a fused"):
         fdc_ops.vllm.hf_overrides(model_dir(tmp_path / "phi3", ["Phi3ForCausalLM"]), tmp_path, compression=0.1)
 
 

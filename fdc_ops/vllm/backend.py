@@ -228,8 +228,7 @@ class FDCAttentionImpl(AttentionImpl):
                  alibi_slopes: list[float] | None, sliding_window: int | None, kv_cache_dtype: str,
                  logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
                  kv_sharing_target_layer_name: str | None = None, **unsupported) -> None:
-        refused = {"alibi_slopes": alibi_slopes, "logits_soft_cap": logits_soft_cap,
-                   "kv_sharing_target_layer_name": kv_sharing_target_layer_name,
+        refused = {"alibi_slopes": alibi_slopes, "kv_sharing_target_layer_name": kv_sharing_target_layer_name,
                    **{name: value for name, value in unsupported.items() if value is not None}}
         for name, value in refused.items():
             if value is not None:
@@ -244,9 +243,12 @@ class FDCAttentionImpl(AttentionImpl):
                                       f"{kv_cache_dtype!r}")
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"fdc_ops.vllm: sliding_window must be at least 1 token but got {sliding_window}")
+        if logits_soft_cap is not None and not logits_soft_cap >= 0:
+            raise ValueError(f"fdc_ops.vllm: logits_soft_cap must be None or >= 0 but got {logits_soft_cap}")
         self.num_heads, self.head_size, self.num_kv_heads, self.scale = num_heads, head_size, num_kv_heads, scale
         # vLLM's window W covers the query's own key and the W - 1 before it: the ops' window_left is W - 1.
         self.window_left = -1 if sliding_window is None else sliding_window - 1
+        self.softcap = logits_soft_cap or 0.0  # cap * tanh(scores / cap) (Gemma 2); 0: none, as the ops take it
         self.kv_cache_dtype = kv_cache_dtype
         self.cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype]  # the ops' quantized cache dtype; None: the model's
         self.attn_type = attn_type
@@ -282,7 +284,7 @@ class FDCAttentionImpl(AttentionImpl):
             else:  # prompts from scratch: their keys are the step's own rows, beside their queries
                 keys, values, cu_seqlens_k, prefill_table = own_rows[0], own_rows[1], prefill.query_rows, None
             result = ops.prefill_attention(q, keys, values, prefill.query_rows, cu_seqlens_k, qk_offsets, v_offsets,
-                                           G, layer.scaling, True, window_left=self.window_left,
+                                           G, layer.scaling, True, window_left=self.window_left, softcap=self.softcap,
                                            block_table=prefill_table)  # (tokens, G * v_width), decode rows zero
             if padded:
                 output[:tokens] = result
@@ -292,7 +294,7 @@ class FDCAttentionImpl(AttentionImpl):
             result = ops.decode_attention(q if decodes == tokens else q[:decodes], k_cache, v_cache,
                                           meta.decode_seq_lens, qk_offsets, v_offsets, G, layer.scaling,
                                           self.decode_plan(meta, layer, self.window_left), decode_table,
-                                          window_left=self.window_left)
+                                          window_left=self.window_left, softcap=self.softcap)
             if decodes == output.shape[0]:
                 output.copy_(result)
             else:

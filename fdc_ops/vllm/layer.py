@@ -24,15 +24,18 @@ class CompressedPagedAttention(Attention):
     parallelism, of this rank's heads). page: ``(key columns, columns)`` per token of the layer's KV cache page as
     every rank declares it, at least ``(k_width, k_width + v_width)``; None for exactly this layer's widths (one
     rank). sliding_window: the layer's window W (each query sees its own key and the W - 1 before it, vLLM's and
-    Hugging Face's meaning), or None; exactly what vLLM's own attention module of the layer has. backend: the
-    attention backend class that runs the layer."""
+    Hugging Face's meaning), or None; exactly what vLLM's own attention module of the layer has. logits_soft_cap:
+    the cap of the scaled scores (Gemma 2's ``attn_logit_softcapping``), or None. backend: the attention backend
+    class that runs the layer."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, k_offsets: torch.Tensor,
                  v_offsets: torch.Tensor, cache_config: CacheConfig | None, prefix: str,
-                 page: tuple[int, int] | None, sliding_window: int | None, backend: type):
+                 page: tuple[int, int] | None, sliding_window: int | None, backend: type,
+                 logits_soft_cap: float | None = None):
         register_attention_backend()
         super().__init__(num_heads, head_size, scale, num_kv_heads=num_kv_heads, cache_config=cache_config,
-                         prefix=prefix, attn_backend=backend, per_layer_sliding_window=sliding_window)
+                         prefix=prefix, attn_backend=backend, per_layer_sliding_window=sliding_window,
+                         logits_soft_cap=logits_soft_cap)
         # vLLM's Attention falls back to the model-wide window when given none: the layer must have its module's.
         if self.sliding_window != sliding_window:
             raise ValueError(f"fdc_ops.vllm: layer {prefix} was built with sliding window {self.sliding_window} but "
@@ -102,12 +105,13 @@ class FDCPagedAttention(CompressedPagedAttention):
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, rotation: torch.Tensor,
                  qk_offsets: torch.Tensor, v_offsets: torch.Tensor, cache_config: CacheConfig | None, prefix: str,
-                 page: tuple[int, int] | None = None, sliding_window: int | None = None):
+                 page: tuple[int, int] | None = None, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None):
         if rotation.shape[:2] != (num_kv_heads, head_size) or rotation.shape[2] < int((qk_offsets.diff()).max()):
             raise ValueError(f"fdc_ops.vllm: rotation must have shape ({num_kv_heads}, {head_size}, >= max qk dim) "
                              f"but got {tuple(rotation.shape)}")
         super().__init__(num_heads, head_size, scale, num_kv_heads, qk_offsets, v_offsets, cache_config, prefix,
-                         page, sliding_window, FDCAttentionBackend)
+                         page, sliding_window, FDCAttentionBackend, logits_soft_cap)
         self.register_buffer("rotation", rotation.contiguous(), persistent=False)
         self.qk_offsets = qk_offsets  # the attention's key widths: the cached ones
 
@@ -126,12 +130,12 @@ class PaluPagedAttention(CompressedPagedAttention):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, key_up: torch.Tensor,
                  k_offsets: torch.Tensor, v_offsets: torch.Tensor, k_norm: nn.Module | None, rotary_emb: nn.Module,
                  cache_config: CacheConfig | None, prefix: str, page: tuple[int, int] | None = None,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
         if tuple(key_up.shape) != (int(k_offsets[-1]), num_kv_heads * head_size):
             raise ValueError(f"fdc_ops.vllm: key_up must have shape ({int(k_offsets[-1])}, "
                              f"{num_kv_heads * head_size}) but got {tuple(key_up.shape)}")
         super().__init__(num_heads, head_size, scale, num_kv_heads, k_offsets, v_offsets, cache_config, prefix,
-                         page, sliding_window, PaluAttentionBackend)
+                         page, sliding_window, PaluAttentionBackend, logits_soft_cap)
         self.register_buffer("key_up", key_up.contiguous(), persistent=False)
         # the attention's key widths: full-width rebuilt keys
         self.qk_offsets = torch.arange(num_kv_heads + 1, dtype=torch.int32) * head_size

@@ -33,6 +33,8 @@ import torch
 from torch import nn
 from vllm.config import get_current_vllm_config
 from vllm.distributed import get_tensor_model_parallel_rank, tensor_model_parallel_all_reduce
+from vllm.model_executor.models.gemma2 import Gemma2ForCausalLM
+from vllm.model_executor.models.gemma3 import Gemma3ForCausalLM
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.model_executor.models.mistral import MistralForCausalLM
 from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
@@ -158,6 +160,8 @@ class VllmCompressedAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = original.num_heads, original.num_kv_heads, original.head_dim
         self.q_size, self.kv_size, self.scaling = original.q_size, original.kv_size, original.scaling
         self.sliding_window = original.attn.sliding_window
+        # the family's attention logit soft-cap (Gemma 2), from the config as vLLM's own module takes it
+        self.logits_soft_cap = getattr(hf_config, "attn_logit_softcapping", None)
         _check_shape(hf_config, fdc.artifact)
         self.layer_index = layer = extract_layer_index(self.attn_prefix)
         self.fdc = fdc
@@ -254,7 +258,8 @@ class VllmFDCAttention(VllmCompressedAttention):
         rotation = fdc.artifact.qk_rotation[self.layer_index, self.kv_heads, :, :int(self.k_dims.max())]
         self.attn = FDCPagedAttention(self.num_heads, self.head_dim, self.scaling, self.num_kv_heads,
                                       rotation.to(torch.get_default_dtype()), self.k_offsets, self.v_offsets,
-                                      cache_config, self.attn_prefix, self.page, sliding_window=self.sliding_window)
+                                      cache_config, self.attn_prefix, self.page, sliding_window=self.sliding_window,
+                                      logits_soft_cap=self.logits_soft_cap)
         if self.attn.cache_dtype is not None:  # a quantized cache's rows mixed as fdc_ops.hf.compress mixes them
             self.attn.rotation.copy_(mix_kept_columns(rotation, self.k_dims.tolist(), "qk", self.layer_index,
                                                       self.kv_heads))
@@ -262,8 +267,9 @@ class VllmFDCAttention(VllmCompressedAttention):
     def fold_keys(self, k_weight: torch.Tensor, k_bias: torch.Tensor | None):
         return k_weight, k_bias
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        """positions: (T,); hidden_states: (T, hidden). Returns (T, hidden)."""
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, **unused) -> torch.Tensor:
+        """positions: (T,); hidden_states: (T, hidden) (Gemma 3's decoder layer passes its keyword arguments on,
+        which its own attention ignores too). Returns (T, hidden)."""
         q, k, v = self.project(hidden_states)  # k: (T, H_kv * D)
         if self.has_qk_norm:
             k = self.k_norm(k.view(k.shape[0], self.num_kv_heads, self.head_dim)).view(k.shape[0], self.kv_size)
@@ -284,15 +290,16 @@ class VllmPaluAttention(VllmCompressedAttention):
         self.attn = PaluPagedAttention(self.num_heads, self.head_dim, self.scaling, self.num_kv_heads, key_up,
                                        self.k_offsets, self.v_offsets, self.k_norm if self.has_qk_norm else None,
                                        self.rotary_emb, cache_config, self.attn_prefix, self.page,
-                                       sliding_window=self.sliding_window)
+                                       sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap)
 
     def fold_keys(self, k_weight: torch.Tensor, k_bias: torch.Tensor | None):
         latent = fold_key_latent(k_weight, self.key_basis, self.k_dims.tolist(), k_bias)
         bias = None if latent.latent_bias is None else latent.latent_bias.to(k_weight.dtype)
         return latent.latent_weight.to(k_weight.dtype), bias
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        """positions: (T,); hidden_states: (T, hidden). Returns (T, hidden)."""
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, **unused) -> torch.Tensor:
+        """positions: (T,); hidden_states: (T, hidden) (and Gemma 3's keyword arguments, unused). Returns (T,
+        hidden)."""
         q, latent, v = self.project(hidden_states)  # latent: (T, k_width)
         q, _ = self.rotary_emb(positions, q, None)
         return self.output(self.attn(q, latent, v))
@@ -397,3 +404,13 @@ class FDCQwen2ForCausalLM(FDCModelMixin, Qwen2ForCausalLM):
 
 class FDCQwen3ForCausalLM(FDCModelMixin, Qwen3ForCausalLM):
     """vLLM's Qwen3ForCausalLM (per-head q/k norms before RoPE, kept as they are) with FDC attention."""
+
+
+class FDCGemma2ForCausalLM(FDCModelMixin, Gemma2ForCausalLM):
+    """vLLM's Gemma2ForCausalLM (windowed and full layers by turns, soft-capped attention logits, a query scale of
+    its own) with FDC attention."""
+
+
+class FDCGemma3ForCausalLM(FDCModelMixin, Gemma3ForCausalLM):
+    """vLLM's Gemma3ForCausalLM, the text model (per-head q/k norms before RoPE, a RoPE of its own for the windowed
+    layers, windowed and full layers by turns) with FDC attention."""

@@ -1,12 +1,13 @@
-"""The FDC model classes of the other families (Mistral, Qwen2, Qwen3) in vLLM's CPU engine, on tiny random-weight
-Hugging Face checkpoints written here (with the bundled SmolLM2's tokenizer), calibrated with fast settings.
+"""The FDC model classes of the other families (Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3's text model) in vLLM's
+CPU engine, on tiny random-weight Hugging Face checkpoints written here (with the bundled SmolLM2's tokenizer),
+calibrated with fast settings.
 
 Per family, four eager engines: vLLM's own class, FDC at full rank (the same tokens), FDC at a real compression with
 heads of different widths (the tokens of the project's Hugging Face FDC model, fdc_ops.hf.compress, on the same
-checkpoint), and the Palu baseline at that compression (the Hugging Face Palu module's tokens). Llama is covered on
-the real SmolLM2 by test_vllm_plugin.py.
+checkpoint), and the Palu baseline at that compression (the Hugging Face Palu module's tokens); for the families of
+windowed and full layers, vLLM's own and FDC again with every layer in one KV cache group. Llama is covered on the
+real SmolLM2 by test_vllm_plugin.py.
 """
-
 from __future__ import annotations
 
 from pathlib import Path
@@ -32,7 +33,17 @@ FAMILIES = {
     "mistral_window": ("MistralConfig", dict(head_dim=32, sliding_window=6)),
     "qwen2": ("Qwen2Config", dict(head_dim=32)),  # QKV bias; vLLM's Qwen2 takes head_dim = hidden / heads
     "qwen3": ("Qwen3Config", dict(head_dim=64)),  # per-head q/k norms; head_dim != hidden / heads, as in Qwen3 models
+    # Windowed and full layers by turns (vLLM keeps them in two KV cache groups), windows shorter than the prompts
+    # plus their new tokens. Gemma 2: soft-capped attention logits, a query scale that is not 1/sqrt(D).
+    "gemma2": ("Gemma2Config", dict(head_dim=32, sliding_window=6, query_pre_attn_scalar=48,
+                                    attn_logit_softcapping=2.0, final_logit_softcapping=None,
+                                    layer_types=["sliding_attention", "full_attention"])),
+    # Gemma 3's text model: per-head q/k norms, a RoPE of its own (another base) for the windowed layers.
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=32, sliding_window=6, query_pre_attn_scalar=48,
+                                        layer_types=["sliding_attention", "full_attention"])),
 }
+# Windowed and full layers mixed: vLLM keeps the two kinds in separate KV cache groups (its hybrid KV cache manager)
+MIXED_WINDOWS = {"gemma2", "gemma3"}
 # Projection weights (and biases) drawn with this std instead of the configs' 0.02, and embeddings with EMBED_STD:
 # far-from-uniform attention, and logits whose top two differ by far more than float32 rounding between
 # implementations, so greedy decoding is a sharp test.
@@ -53,13 +64,16 @@ def write_checkpoint(family: str, directory: Path, **overrides):
                                                 eos_token_id=tokenizer.eos_token_id,
                                                 **{**COMMON, **specific, **overrides})
     torch.manual_seed(list(FAMILIES).index(family))
+    # Gemma scales its input embeddings by sqrt(hidden): drawn that much smaller, they weigh in the residual stream
+    # what the others' do (at EMBED_STD every random Gemma here repeated one token).
+    embed_std = EMBED_STD / config.hidden_size**0.5 if config.model_type.startswith("gemma") else EMBED_STD
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "proj" in name:
                 parameter.normal_(0, PROJECTION_STD)
             elif "embed_tokens" in name:
-                parameter.normal_(0, EMBED_STD)
+                parameter.normal_(0, embed_std)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return loading.load_model(directory)
@@ -85,13 +99,18 @@ def test_family_in_vllm_generates_what_hf_fdc_and_vllm_generate(family, tmp_path
     shape = artifact.shape
     full = [[shape.head_dim] * shape.num_kv_heads] * shape.num_layers
 
+    compressed = fdc_ops.vllm.hf_overrides(model_dir, artifact_dir, compression=COMPRESSION)
+    engines = [("vllm", None, {}),
+               ("full", fdc_ops.vllm.hf_overrides(model_dir, artifact_dir, qk_dims=full, v_dims=full), {}),
+               ("fdc", compressed, {}),
+               ("palu", fdc_ops.vllm.hf_overrides(model_dir, artifact_dir, compression=COMPRESSION, method="palu"),
+                {})]
+    if family in MIXED_WINDOWS:  # every layer in one KV cache group, each with pages of its own widths
+        one_group = dict(disable_hybrid_kv_cache_manager=True)
+        engines += [("vllm one group", None, one_group), ("fdc one group", compressed, one_group)]
     results = {}
-    for name, overrides in (("vllm", None),
-                            ("full", fdc_ops.vllm.hf_overrides(model_dir, artifact_dir, qk_dims=full, v_dims=full)),
-                            ("fdc", fdc_ops.vllm.hf_overrides(model_dir, artifact_dir, compression=COMPRESSION)),
-                            ("palu", fdc_ops.vllm.hf_overrides(model_dir, artifact_dir, compression=COMPRESSION,
-                                                               method="palu"))):
-        engine = Engine(model_dir, overrides, max_model_len=MAX_MODEL_LEN)
+    for name, overrides, options in engines:
+        engine = Engine(model_dir, overrides, max_model_len=MAX_MODEL_LEN, **options)
         try:
             results[name] = engine.tokens(PROMPTS, NEW_TOKENS), engine.kv_cache_tokens
         finally:
@@ -101,10 +120,18 @@ def test_family_in_vllm_generates_what_hf_fdc_and_vllm_generate(family, tmp_path
     assert results["full"] == (reference, reference_capacity)
     assert results["fdc"][0] == expected
     assert results["fdc"][0] != reference  # the compression is real: it changes the text of this random model
-    assert results["fdc"][1] > reference_capacity
+    if family in MIXED_WINDOWS:
+        # vLLM's windowed and full groups take pages of one size, the widest layer's: no smaller than vLLM's own,
+        # larger than they need for narrower layers; in one group, each layer's pages are its own widths
+        assert results["fdc"][1] >= reference_capacity
+        assert results["fdc one group"][0] == expected
+        assert results["fdc one group"][1] > results["vllm one group"][1]
+    else:
+        assert results["fdc"][1] > reference_capacity
     assert results["palu"][0] == expected_palu
     assert results["palu"][0] != results["fdc"][0]  # another method: other keys, other text
-    assert results["palu"][1] > reference_capacity
+    assert results["palu"][1] >= reference_capacity if family in MIXED_WINDOWS else \
+        results["palu"][1] > reference_capacity
 
 
 def test_unsupported_attention_modules_are_refused_with_the_reason():
@@ -117,11 +144,9 @@ def test_unsupported_attention_modules_are_refused_with_the_reason():
     assert unsupported(module(), "llama") is None
     assert unsupported(module(q_norm=object()), "qwen3") is None
     assert "model_type 'phi3' is not served by the plugin: vLLM's Phi-3 is a Llama" in unsupported(module(), "phi3")
-    assert "model_type 'gemma2' is not served by the plugin: the plugin's attention backend does not pass logit " \
-        "soft-capping" in unsupported(module(), "gemma2")
+    assert unsupported(module(), "gemma2") is None
+    assert unsupported(module(q_norm=object()), "gemma3_text") is None
     assert "model_type 'gemma3' is not supported (the multimodal Gemma 3" in unsupported(module(), "gemma3")
-    assert "model_type 'gemma3_text' is not served by the plugin: vLLM would keep" in unsupported(module(),
-                                                                                        "gemma3_text")
     assert unsupported(module(sliding_window=4096), "mistral") is None
     assert "qwen3 attention module without per-head q/k norms" in unsupported(module(), "qwen3")
     assert "qwen2 attention module with per-head q/k norms" in unsupported(module(q_norm=object()), "qwen2")
