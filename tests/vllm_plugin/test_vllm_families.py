@@ -1,6 +1,6 @@
-"""The FDC model classes of the other families (Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3's text model) in vLLM's
-CPU engine, on tiny random-weight Hugging Face checkpoints written here (with the bundled SmolLM2's tokenizer),
-calibrated with fast settings.
+"""The FDC model classes of the other families (Mistral and Qwen2, with and without windows, Qwen3, Gemma 2, Gemma 3's
+text model) in vLLM's CPU engine, on tiny random-weight Hugging Face checkpoints written here (with the bundled
+SmolLM2's tokenizer), calibrated with fast settings.
 
 Per family, four eager engines: vLLM's own class, FDC at full rank (the same tokens), FDC at a real compression with
 heads of different widths (the tokens of the project's Hugging Face FDC model, fdc_ops.hf.compress, on the same
@@ -32,6 +32,8 @@ FAMILIES = {
     # engines then attend, and the FDC engine keeps and frees, pages by the window (vLLM's SlidingWindowSpec).
     "mistral_window": ("MistralConfig", dict(head_dim=32, sliding_window=6)),
     "qwen2": ("Qwen2Config", dict(head_dim=32)),  # QKV bias; vLLM's Qwen2 takes head_dim = hidden / heads
+    # use_sliding_window on every layer (max_window_layers=0): vLLM's own Qwen2 refuses windows on some layers only
+    "qwen2_window": ("Qwen2Config", dict(head_dim=32, use_sliding_window=True, sliding_window=6, max_window_layers=0)),
     "qwen3": ("Qwen3Config", dict(head_dim=64)),  # per-head q/k norms; head_dim != hidden / heads, as in Qwen3 models
     # Windowed and full layers by turns (vLLM keeps them in two KV cache groups), windows shorter than the prompts
     # plus their new tokens. Gemma 2: soft-capped attention logits, a query scale that is not 1/sqrt(D).
@@ -86,7 +88,7 @@ def test_family_in_vllm_generates_what_hf_fdc_and_vllm_generate(family, tmp_path
 
     model_dir = tmp_path / "model"
     model, tokenizer = write_checkpoint(family, model_dir)
-    if family == "qwen2":
+    if family.startswith("qwen2"):
         assert model.model.layers[0].self_attn.v_proj.bias.abs().min() > 0  # a V bias that must fold exactly
     artifact = calibration.calibrate(model, text="random", num_tokens=512, seq_len=64, sensitivity_tokens=256,
                                      progress=False)
