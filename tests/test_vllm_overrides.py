@@ -39,6 +39,15 @@ def test_overrides_refuse_what_the_plugin_cannot_serve(tmp_path):
                                          r"Gemma2ForCausalLM, Gemma3ForCausalLM \(Phi3ForCausalLM: vLLM's Phi-3 is a "
                                          r"Llama with a fused"):
         fdc_ops.vllm.hf_overrides(model_dir(tmp_path / "phi3", ["Phi3ForCausalLM"]), tmp_path, compression=0.1)
+    llama = model_dir(tmp_path / "llama", ["LlamaForCausalLM"])
+    with pytest.raises(ValueError, match=r"kv_dtype must be None or 'int4' \(int8 and fp8 are vLLM's kv_cache_dtype "
+                                         r"'int8_per_token_head' and 'fp8_per_token_head'\), got 'int8'"):
+        fdc_ops.vllm.hf_overrides(llama, tmp_path, compression=0.1, kv_dtype="int8")
+    with pytest.raises(ValueError, match=r"kv_dtype 'int4' is for FDC; the Palu baseline's backend rebuilds keys"):
+        fdc_ops.vllm.hf_overrides(llama, tmp_path, compression=0.1, kv_dtype="int4", method="palu")
+    entry = fdc_ops.vllm.hf_overrides(llama, tmp_path, compression=0.1, kv_dtype="int4")["fdc"]
+    assert entry["kv_dtype"] == "int4" and "kv_dtype" not in fdc_ops.vllm.hf_overrides(llama, tmp_path,
+                                                                                         compression=0.1)["fdc"]
 
 
 def test_one_family_table_serves_both_sides():

@@ -76,7 +76,7 @@ def cpu_thread_binding(ranks: int) -> str:
 
 def hf_overrides(model: str | os.PathLike, artifact: str | os.PathLike | None = None, *,
                  compression: float | None = None, removal_rate: float | None = None, rule: str | None = None,
-                 qk_dims=None, v_dims=None, method: str = "fdc") -> dict:
+                 qk_dims=None, v_dims=None, method: str = "fdc", kv_dtype: str | None = None) -> dict:
     """vLLM's ``hf_overrides`` that serve the Hugging Face checkpoint ``model`` (a directory) compressed by FDC: its
     architecture replaced by the FDC class, and the ``fdc`` entry that class reads. The widths come from the
     artifact (a directory written by FDCArtifact.save) by exactly one of: ``compression`` (share of the KV cache
@@ -84,7 +84,10 @@ def hf_overrides(model: str | os.PathLike, artifact: str | os.PathLike | None = 
     nested lists), as in fdc_ops.hf.compress; ``method="palu"`` serves the Palu baseline instead (its widths are
     then the cached key latent's and the values'). ``artifact="bundled"`` is the bundled SmolLM2's artifact. For a
     directory written by fdc_ops.hf.save_compressed, ``artifact`` may be left out (the saved one, and the saved
-    method, are used) and so may the widths (the saved ones are used)."""
+    method, are used) and so may the widths (the saved ones are used). ``kv_dtype="int4"`` stores the pages as int4
+    codes with per-(token, head) scales (the format of fdc_ops.hf.compress's kv_dtype="int4"), which vLLM's
+    kv_cache_dtype cannot name (its int8 and fp8 are ``kv_cache_dtype="int8_per_token_head"`` and
+    ``"fp8_per_token_head"``)."""
     from .. import artifact as artifacts
 
     who = "fdc_ops.vllm.hf_overrides"
@@ -102,6 +105,12 @@ def hf_overrides(model: str | os.PathLike, artifact: str | os.PathLike | None = 
                          f"{', '.join(SERVED_ARCHITECTURES)}" + "".join(f" ({reason})" for reason in known))
     if not isinstance(method, str) or method not in METHODS:
         raise ValueError(f"{who}: method must be one of {METHODS}, got {method!r}")
+    if kv_dtype is not None and kv_dtype != "int4":
+        raise ValueError(f"{who}: kv_dtype must be None or 'int4' (int8 and fp8 are vLLM's kv_cache_dtype "
+                         f"'int8_per_token_head' and 'fp8_per_token_head'), got {kv_dtype!r}")
+    if kv_dtype is not None and method == "palu":
+        raise ValueError(f"{who}: kv_dtype {kv_dtype!r} is for FDC; the Palu baseline's backend rebuilds keys from "
+                         "float latents")
     if artifact is None:
         _, method, allocation = artifacts.saved_compression(model)  # ArtifactError unless save_compressed wrote it
         artifact = Path(model) / artifacts.FDC_DIRECTORY / artifacts.ARTIFACT_DIRECTORY
@@ -120,4 +129,6 @@ def hf_overrides(model: str | os.PathLike, artifact: str | os.PathLike | None = 
     for name, value in (("qk_dims", qk_dims), ("v_dims", v_dims)):
         if value is not None:
             entry[name] = artifacts.require_widths(value, name, who).tolist()
+    if kv_dtype is not None:
+        entry["kv_dtype"] = kv_dtype
     return {"architectures": [SERVED_ARCHITECTURES[name] for name in architectures], "fdc": entry}

@@ -26,12 +26,13 @@ class CompressedPagedAttention(Attention):
     rank). sliding_window: the layer's window W (each query sees its own key and the W - 1 before it, vLLM's and
     Hugging Face's meaning), or None; exactly what vLLM's own attention module of the layer has. logits_soft_cap:
     the cap of the scaled scores (Gemma 2's ``attn_logit_softcapping``), or None. backend: the attention backend
-    class that runs the layer."""
+    class that runs the layer. cache_dtype: a quantized cache format vLLM's kv_cache_dtype cannot name (int4's
+    uint8, from the fdc entry), or None for what kv_cache_dtype says."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, k_offsets: torch.Tensor,
                  v_offsets: torch.Tensor, cache_config: CacheConfig | None, prefix: str,
                  page: tuple[int, int] | None, sliding_window: int | None, backend: type,
-                 logits_soft_cap: float | None = None):
+                 logits_soft_cap: float | None = None, cache_dtype: torch.dtype | None = None):
         register_attention_backend()
         super().__init__(num_heads, head_size, scale, num_kv_heads=num_kv_heads, cache_config=cache_config,
                          prefix=prefix, attn_backend=backend, per_layer_sliding_window=sliding_window,
@@ -45,22 +46,32 @@ class CompressedPagedAttention(Attention):
         self.k_offsets, self.v_offsets = k_offsets, v_offsets  # CPU, as the ops take them: not buffers
         self.k_width, self.v_width = int(k_offsets[-1]), int(v_offsets[-1])
         # the ops' cache dtype when vLLM's kv_cache_dtype quantizes (backend.KV_CACHE_DTYPES; None: the model's)
+        if cache_dtype is not None:
+            if self.impl.cache_dtype is not None:
+                raise ValueError(f"fdc_ops.vllm: layer {prefix}: the fdc entry's kv_dtype and vLLM's kv_cache_dtype "
+                                 f"{self.impl.kv_cache_dtype!r} both quantize the cache; give one of them")
+            self.impl.cache_dtype = cache_dtype
+            self.kv_cache_torch_dtype = cache_dtype  # the pages' bytes, as vLLM allocates and counts them
         self.cache_dtype = self.impl.cache_dtype
-        # a quantized cache's scale columns after each K and V row in the page (4 bytes per KV head:
-        # fdc_ops.ops.cache_width); 0 for the model dtype's
-        self.scale_columns = 0
-        if self.cache_dtype is not None:
-            self.scale_columns = ops.cache_width(k_offsets, self.cache_dtype) - self.k_width
         self.page_key_width, self.page_width = page or (self.k_width, self.k_width + self.v_width)
         if self.page_width < self.k_width + self.v_width or not 0 < self.page_key_width <= self.page_width:
             raise ValueError(f"fdc_ops.vllm: page must be (key columns, columns) with 0 < key columns <= columns and "
                              f"columns >= {self.k_width + self.v_width} (this layer's widths), but got {page}")
 
+    def stored_width(self, columns: int) -> int:
+        """Elements of the page's dtype that ``columns`` key or value columns of a token take: themselves for the
+        model dtype; for a quantized cache a byte each (half a byte for int4) plus a float32 scale per KV head
+        (fdc_ops.ops.cache_width)."""
+        if self.cache_dtype is None:
+            return columns
+        offsets = torch.tensor([0] + [columns] * self.num_kv_heads, dtype=torch.int32)  # H_kv heads, these columns
+        return ops.cache_width(offsets, self.cache_dtype)
+
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
         """One "head" of ``page_key_width`` key and ``page_width - page_key_width`` value columns: on one rank
         exactly the layer's ``k_width`` and ``v_width``, so a page is exactly ``block_size * (k_width + v_width)``
-        elements; with a quantized kv_cache_dtype, one byte each plus the K and V rows' float32 scales per KV head
-        (``scale_columns`` bytes each), so vLLM's capacity counts the real bytes. Layers of different widths get
+        elements; quantized, one byte each (int4: half) plus the K and V rows' float32 scales per KV head
+        (:meth:`stored_width`), so vLLM's capacity counts the real bytes. Layers of different widths get
         pages of different sizes in one KV cache group (vLLM's UniformTypeKVCacheSpecs: one block table, each
         layer's pages its own size), so no layer is padded.
 
@@ -73,8 +84,8 @@ class CompressedPagedAttention(Attention):
         wholly behind the window of every request and admits requests by what their windows hold; the ops never
         read those pages or their block-table entries."""
         shape = dict(block_size=vllm_config.cache_config.block_size, num_kv_heads=1,
-                     head_size=self.page_key_width + self.scale_columns,
-                     head_size_v=self.page_width - self.page_key_width + self.scale_columns,
+                     head_size=self.stored_width(self.page_key_width),
+                     head_size_v=self.stored_width(self.page_width - self.page_key_width),
                      dtype=self.kv_cache_torch_dtype)
         if self.sliding_window is not None:
             return SlidingWindowSpec(**shape, sliding_window=self.sliding_window)
@@ -106,12 +117,12 @@ class FDCPagedAttention(CompressedPagedAttention):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, rotation: torch.Tensor,
                  qk_offsets: torch.Tensor, v_offsets: torch.Tensor, cache_config: CacheConfig | None, prefix: str,
                  page: tuple[int, int] | None = None, sliding_window: int | None = None,
-                 logits_soft_cap: float | None = None):
+                 logits_soft_cap: float | None = None, cache_dtype: torch.dtype | None = None):
         if rotation.shape[:2] != (num_kv_heads, head_size) or rotation.shape[2] < int((qk_offsets.diff()).max()):
             raise ValueError(f"fdc_ops.vllm: rotation must have shape ({num_kv_heads}, {head_size}, >= max qk dim) "
                              f"but got {tuple(rotation.shape)}")
         super().__init__(num_heads, head_size, scale, num_kv_heads, qk_offsets, v_offsets, cache_config, prefix,
-                         page, sliding_window, FDCAttentionBackend, logits_soft_cap)
+                         page, sliding_window, FDCAttentionBackend, logits_soft_cap, cache_dtype)
         self.register_buffer("rotation", rotation.contiguous(), persistent=False)
         self.qk_offsets = qk_offsets  # the attention's key widths: the cached ones
 

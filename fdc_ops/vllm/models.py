@@ -58,7 +58,9 @@ from . import METHODS
 from .layer import FDCPagedAttention, PaluPagedAttention
 
 CONFIG_KEY = "fdc"
-SETTINGS_KEYS = ("artifact", "method", "compression", "removal_rate", "rule", "qk_dims", "v_dims")
+SETTINGS_KEYS = ("artifact", "method", "compression", "removal_rate", "rule", "qk_dims", "v_dims", "kv_dtype")
+# The cache formats the fdc entry selects, for those vLLM's kv_cache_dtype cannot name: int4 codes, two per byte.
+ENTRY_KV_DTYPES = {"int4": torch.uint8}
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,8 @@ class FDCSettings:
     method: str = "fdc"  # "fdc" or "palu" (the Palu baseline), as fdc_ops.hf.compress takes it
     # which KV heads each tensor-parallel rank holds (fdc_ops.parallel); None with one rank
     partition: parallel.HeadPartition | None = None
+    # the ops' cache dtype the entry's kv_dtype names (ENTRY_KV_DTYPES); None: as vLLM's kv_cache_dtype says
+    cache_dtype: torch.dtype | None = None
 
 
 def settings(hf_config, ranks: int = 1) -> FDCSettings:
@@ -87,6 +91,13 @@ def settings(hf_config, ranks: int = 1) -> FDCSettings:
     if entry.get("method", "fdc") not in METHODS:
         raise ValueError(f"fdc_ops.vllm: the config's '{CONFIG_KEY}' entry has method {entry['method']!r}; known: "
                          f"{', '.join(METHODS)}")
+    if entry.get("kv_dtype") not in (None, *ENTRY_KV_DTYPES):
+        raise ValueError(f"fdc_ops.vllm: the config's '{CONFIG_KEY}' entry has kv_dtype {entry['kv_dtype']!r}; "
+                         f"known: {', '.join(ENTRY_KV_DTYPES)} (int8 and fp8 are vLLM's kv_cache_dtype "
+                         "'int8_per_token_head' and 'fp8_per_token_head')")
+    if entry.get("kv_dtype") is not None and entry.get("method") == "palu":
+        raise ValueError(f"fdc_ops.vllm: the config's '{CONFIG_KEY}' entry asks for kv_dtype {entry['kv_dtype']!r} "
+                         "with the Palu baseline, whose backend rebuilds keys from float latents")
     return _settings(json.dumps(entry, sort_keys=True), ranks)
 
 
@@ -100,7 +111,7 @@ def _settings(entry_json: str, ranks: int) -> FDCSettings:
     partition = None
     if ranks > 1:
         partition = parallel.balance(allocation.qk_dims, allocation.v_dims, ranks, artifact.shape.num_heads)
-    return FDCSettings(artifact, allocation, method, partition)
+    return FDCSettings(artifact, allocation, method, partition, ENTRY_KV_DTYPES.get(entry.get("kv_dtype")))
 
 
 def _check_shape(hf_config, artifact: FDCArtifact) -> None:
@@ -259,7 +270,7 @@ class VllmFDCAttention(VllmCompressedAttention):
         self.attn = FDCPagedAttention(self.num_heads, self.head_dim, self.scaling, self.num_kv_heads,
                                       rotation.to(torch.get_default_dtype()), self.k_offsets, self.v_offsets,
                                       cache_config, self.attn_prefix, self.page, sliding_window=self.sliding_window,
-                                      logits_soft_cap=self.logits_soft_cap)
+                                      logits_soft_cap=self.logits_soft_cap, cache_dtype=fdc.cache_dtype)
         if self.attn.cache_dtype is not None:  # a quantized cache's rows mixed as fdc_ops.hf.compress mixes them
             self.attn.rotation.copy_(mix_kept_columns(rotation, self.k_dims.tolist(), "qk", self.layer_index,
                                                       self.kv_heads))
