@@ -127,12 +127,27 @@ def test_decode_attention_reads_quantized_caches(case, paged, isa, monkeypatch):
     """Caches filled by append_kv (unused slots poisoned: NaN scales, e4m3 NaN codes), read by every CPU path and
     read-ahead, sometimes with a window (contiguous), soft-capping or sinks: the float64 reference's attention over
     the dequantized cache."""
+    check_quantized_decode(f"quantized decode_attention paged={paged}", case, paged, isa, monkeypatch)
+
+
+@pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("case", range(CASES // 4))
+def test_decode_attention_reads_int8_pages_with_half_precision_queries(case, isa, monkeypatch):
+    """The int8 pages' own kernels (int16 queries and weights by vpdpwssd where the CPU has AVX-512-BF16 and VNNI:
+    a page's columns as rows for the scores, its token runs paired for the value sums), every case: as above."""
+    check_quantized_decode("int8 pages, half-precision queries", case, True, isa, monkeypatch, fmt=torch.int8,
+                           dtypes=(torch.bfloat16, torch.float16))
+
+
+def check_quantized_decode(name: str, case: int, paged: bool, isa: str, monkeypatch, fmt=None, dtypes=DTYPES):
+    """One random decode_attention case over a quantized cache (of ``fmt``, or a random format) against the float64
+    reference."""
     monkeypatch.setenv("FDC_CPU_ISA", isa)
-    gen, rng, replay = case_generator(f"quantized decode_attention paged={paged}", case)
+    gen, rng, replay = case_generator(name, case)
     read_ahead = rng.choice(READ_AHEADS)
     monkeypatch.setenv("FDC_CPU_READ_AHEAD", read_ahead)
     layout = random_layout(rng, max_kv_heads=6, max_group=10)
-    fmt, dtype = rng.choice(FORMATS), rng.choice(DTYPES)
+    fmt, dtype = fmt or rng.choice(FORMATS), rng.choice(dtypes)
     batch = rng.randint(1, 5)
     lengths = random_lengths(rng, batch, choices=(0, 1, 5, 64, 65, 300, 700))
     if rng.random() < 0.2:

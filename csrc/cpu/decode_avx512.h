@@ -30,15 +30,16 @@ namespace {
 struct RowScratch {
   std::vector<float> q, acc, scores, key_scales, value_scales;
   std::vector<uint16_t> weights_bf16;  // scores' probabilities rounded to bf16, for axpy_rows_bf16
-  std::vector<int16_t> q_int16;        // int8 keys by dot_rows_s8: the queries as int16, q = q_int16 * q_scale
+  std::vector<int16_t> q_int16;        // int8 keys (dot_rows_s8, pages axpy_rows_s8): q as int16, q = q_int16 * q_scale
   std::vector<float> q_scale;          // (H_kv * G)
-  std::vector<int16_t> weights_int16;  // int8 values by axpy_rows_s8: the weights as int16, w = w_int16 * w_scale
+  std::vector<int16_t> weights_int16;  // int8 values (axpy_rows_s8, pages dot_columns_s8): w = w_int16 * w_scale
   std::vector<float> w_scale;          // (G)
   std::vector<OnlineSoftmax> softmax;
   std::unique_ptr<int8_t[]> key_codes, value_codes;  // int4 caches: (kMaxBlockKeys * kMaxHeadDim), written first
   RowScratch(int64_t group, int64_t qk_width, int64_t v_width, int64_t heads, bool int4)
       : q(group * qk_width), acc(group * v_width), scores(group * kMaxBlockKeys), key_scales(kMaxBlockKeys),
-        value_scales(kMaxBlockKeys), weights_bf16(group * kMaxBlockKeys), q_int16(group * qk_width), q_scale(heads),
+        // q_int16: two codes spare, since a head of odd width's last pair load reads one code past it (multiplied by 0)
+        value_scales(kMaxBlockKeys), weights_bf16(group * kMaxBlockKeys), q_int16(group * qk_width + 2), q_scale(heads),
         weights_int16(group * (kMaxBlockKeys + 1)), w_scale(group), softmax(heads),
         key_codes(int4 ? new int8_t[kMaxBlockKeys * kMaxHeadDim] : nullptr),
         value_codes(int4 ? new int8_t[kMaxBlockKeys * kMaxHeadDim] : nullptr) {}
@@ -182,10 +183,14 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
   // int4 rows take the same vpdpwssd kernels, each byte's two nibbles widened into one int32 lane's int16 pair as
   // the rows are loaded (load_codes_epi16); where the int8 kernels widen codes to float (float32 queries, dim-major
   // pages), int4 codes are unpacked to int8 per KV head and block first (unpack_int4_block, unpack_int4_runs).
+  // int8 pages (dim-major) take the same int16 queries and weights: a page's columns are its rows for the key scores
+  // (axpy_rows_s8, two columns interleaved per vpdpwssd, as the bf16 pages' axpy_rows_bf16), and its token runs are
+  // paired along the tokens for the value sums (dot_columns_s8).
   constexpr bool kInt4 = std::is_same_v<C, Int4Pair>;
   constexpr bool kIntCodes = std::is_same_v<C, int8_t> || kInt4;
   const bool int8_rows = kIntCodes && !std::is_same_v<T, float> && bf16_dot && !kc.paged();
-  if (int8_rows) quantize_queries_int16(ws.q.data(), layout, ws.q_int16.data(), ws.q_scale.data());
+  const bool int8_pages = std::is_same_v<C, int8_t> && !std::is_same_v<T, float> && bf16_dot && kc.paged();
+  if (int8_rows || int8_pages) quantize_queries_int16(ws.q.data(), layout, ws.q_int16.data(), ws.q_scale.data());
   std::fill(ws.acc.begin(), ws.acc.end(), 0.f);
   std::fill(ws.softmax.begin(), ws.softmax.end(), OnlineSoftmax{});
   float* scores = ws.scores.data();
@@ -267,6 +272,13 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
             run_values[s] = here.v[s] + v_col * col_stride;
             const C* keys = here.k[s] + k_col * col_stride;
             float* run_scores = scores + here.first[s];
+            if constexpr (std::is_same_v<C, int8_t>) {
+              if (int8_pages) {  // scores of the run's tokens, the query scales applied
+                avx512::axpy_rows_s8(ws.q_int16.data() + group * k_col, dq, ws.q_scale.data() + j * group, group, keys,
+                                     col_stride, dq, here.len[s], run_scores, kMaxBlockKeys, stream);
+                continue;
+              }
+            }
             if constexpr (kBf16Cache) {
               if (bf16_key_pages && kc.page_size == 16) {
                 avx512::dot_page16_bf16(q_bf16, dq, group, keys, dq, here.len[s], run_scores, kMaxBlockKeys, stream);
@@ -340,6 +352,13 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
           const int8_t* codes[1] = {ws.value_codes.get()};
           const int64_t first[1] = {0}, len[1] = {n};
           avx512::dot_columns(scores, kMaxBlockKeys, group, codes, first, len, 1, n, dv, acc, dv, stream);
+        } else if (int8_pages) {
+          if constexpr (std::is_same_v<C, int8_t>) {
+            quantize_weights_int16(scores, kMaxBlockKeys, group, n, ws.weights_int16.data(), kMaxBlockKeys + 1,
+                                   ws.w_scale.data());
+            avx512::dot_columns_s8(ws.weights_int16.data(), kMaxBlockKeys + 1, ws.w_scale.data(), group, run_values,
+                                   here.first, here.len, here.count, col_stride, dv, acc, dv, stream);
+          }
         } else if (bf16_pages) {
           if constexpr (kBf16Cache) {
             if (vc.page_size == 16) {

@@ -1,5 +1,5 @@
 // AVX-512 weighted sums along the token runs of dim-major pages (vec_avx512.h says how these kernels are built):
-// the value sums of a paged cache, in float and, with AVX-512-BF16, bf16 without widening.
+// the value sums of a paged cache, in float and, with AVX-512-BF16, bf16 without widening; int8 pages by VNNI.
 #pragma once
 
 #include "cpu/vec_avx512.h"
@@ -144,6 +144,84 @@ FDC_AVX512 void dot_columns(const W* p, int64_t p_ld, int64_t group, const T* co
         case 2: column_tile<2, 8>(ph, p_ld, runs, first, len, count, col_stride, c0, dim, ah, acc_ld, ahead); break;
         case 3: column_tile<3, 4>(ph, p_ld, runs, first, len, count, col_stride, c0, dim, ah, acc_ld, ahead); break;
         default: column_tile<4, 4>(ph, p_ld, runs, first, len, count, col_stride, c0, dim, ah, acc_ld, ahead); break;
+      }
+    }
+  }
+}
+
+// dot_columns_tile for int8 pages (a quantized cache's value codes) against int16 weights, with AVX-512 VNNI: 32
+// tokens of a column widened to int16 per load, and one vpdpwssd per head multiplies them by the head's 32 weights and
+// adds the products in pairs into 16 int32 lanes, exactly (|lane| <= 512 * 32767 * 127 < 2^31 for the <= 512 keys of
+// a block), where dot_columns_tile widens 16 codes per load to float and takes an FMA per 16. The sums become float
+// once, times each head's weight scale p_scale[h], and are reduced as dot_columns_tile's.
+template <int kHeads, int kCols>
+FDC_AVX512_VNNI void dot_columns_tile_s8(const int16_t* p, int64_t p_ld, const float* p_scale,
+                                         const int8_t* const* runs, const int64_t* first, const int64_t* len,
+                                         int64_t count, int64_t col_stride, int64_t c0, int64_t dim, float* acc,
+                                         int64_t acc_ld, PrefetchStream& stream) {
+  PrefetchStream ahead = stream;
+  static_assert(kHeads * kCols <= kLanes);
+  constexpr int64_t kPairs = 2 * kLanes;  // int16 elements per register
+  __m512i sums[kLanes];
+#pragma GCC unroll 16
+  for (int k = 0; k < kLanes; ++k) sums[k] = _mm512_setzero_si512();
+  for (int64_t s = 0; s < count; ++s) {
+    const int8_t* col[kCols];  // a short last tile repeats the final column and stores only the real ones
+#pragma GCC unroll 16
+    for (int c = 0; c < kCols; ++c) col[c] = runs[s] + std::min<int64_t>(c0 + c, dim - 1) * col_stride;
+    const int16_t* ps = p + first[s];
+    for (int64_t t = 0; t < len[s]; t += kPairs) {
+      const __mmask32 mask = pairs_mask(len[s] - t);
+      __m512i x[kCols];
+#pragma GCC unroll 16
+      for (int c = 0; c < kCols; ++c) {
+        x[c] = load_codes_epi16(col[c], t, mask);
+        ahead.step();
+      }
+#pragma GCC unroll 4
+      for (int h = 0; h < kHeads; ++h) {
+        const __m512i w = _mm512_maskz_loadu_epi16(mask, ps + h * p_ld + t);
+#pragma GCC unroll 16
+        for (int c = 0; c < kCols; ++c) sums[h * kCols + c] = _mm512_dpwssd_epi32(sums[h * kCols + c], x[c], w);
+      }
+    }
+  }
+  __m512 reduced[kLanes];
+#pragma GCC unroll 16
+  for (int k = 0; k < kLanes; ++k) {
+    const float scale = k < kHeads * kCols ? p_scale[k / kCols] : 0.f;
+    reduced[k] = _mm512_mul_ps(_mm512_cvtepi32_ps(sums[k]), _mm512_set1_ps(scale));
+  }
+  add_column_sums<kHeads, kCols>(reduced, c0, dim, acc, acc_ld);
+  stream = ahead;
+}
+
+// dot_columns (its contract) for int8 pages and int16 weights (quantize_weights_int16: p_ld elements per head, head
+// h's weights p_scale[h] times its codes), by dot_columns_tile_s8, tiled as dot_columns.
+FDC_AVX512_VNNI inline void dot_columns_s8(const int16_t* p, int64_t p_ld, const float* p_scale, int64_t group,
+                                           const int8_t* const* runs, const int64_t* first, const int64_t* len,
+                                           int64_t count, int64_t col_stride, int64_t dim, float* acc, int64_t acc_ld,
+                                           PrefetchStream& ahead) {
+  for (int64_t h0 = 0; h0 < group; h0 += 4) {
+    const int64_t heads = std::min<int64_t>(4, group - h0);
+    const int16_t* ph = p + h0 * p_ld;
+    const float* sh = p_scale + h0;
+    float* ah = acc + h0 * acc_ld;
+    const int64_t cols = heads == 1 ? 16 : heads == 2 ? 8 : 4;
+    for (int64_t c0 = 0; c0 < dim; c0 += cols) {
+      switch (heads) {
+        case 1:
+          dot_columns_tile_s8<1, 16>(ph, p_ld, sh, runs, first, len, count, col_stride, c0, dim, ah, acc_ld, ahead);
+          break;
+        case 2:
+          dot_columns_tile_s8<2, 8>(ph, p_ld, sh, runs, first, len, count, col_stride, c0, dim, ah, acc_ld, ahead);
+          break;
+        case 3:
+          dot_columns_tile_s8<3, 4>(ph, p_ld, sh, runs, first, len, count, col_stride, c0, dim, ah, acc_ld, ahead);
+          break;
+        default:
+          dot_columns_tile_s8<4, 4>(ph, p_ld, sh, runs, first, len, count, col_stride, c0, dim, ah, acc_ld, ahead);
+          break;
       }
     }
   }
