@@ -3,6 +3,8 @@ vLLM's config, and the CPU binding of tensor-parallel workers."""
 
 import json
 import os
+import subprocess
+import sys
 import types
 
 import pytest
@@ -29,6 +31,10 @@ def test_overrides_name_the_fdc_class_and_carry_the_settings(tmp_path):
     explicit = fdc_ops.vllm.hf_overrides(model, "artifact", qk_dims=dims, v_dims=dims.tolist())
     assert explicit["fdc"]["qk_dims"] == [[8, 16], [24, 32]] and explicit["fdc"]["v_dims"] == [[8, 16], [24, 32]]
     json.dumps(explicit)  # what --hf-overrides takes
+    printed = subprocess.run([sys.executable, "-m", "fdc_ops.vllm", "overrides", str(model), str(tmp_path / "artifact"),
+                              "--compression", "0.1", "--kv-dtype", "int4"], capture_output=True, text=True, check=True)
+    assert json.loads(printed.stdout) == fdc_ops.vllm.hf_overrides(model, tmp_path / "artifact", compression=0.1,
+                                                                    kv_dtype="int4")
 
 
 def test_overrides_refuse_what_the_plugin_cannot_serve(tmp_path):
