@@ -32,8 +32,6 @@ FAMILIES = {
     # engines then attend, and the FDC engine keeps and frees, pages by the window (vLLM's SlidingWindowSpec).
     "mistral_window": ("MistralConfig", dict(head_dim=32, sliding_window=6)),
     "qwen2": ("Qwen2Config", dict(head_dim=32)),  # QKV bias; vLLM's Qwen2 takes head_dim = hidden / heads
-    # use_sliding_window on every layer (max_window_layers=0): vLLM's own Qwen2 refuses windows on some layers only
-    "qwen2_window": ("Qwen2Config", dict(head_dim=32, use_sliding_window=True, sliding_window=6, max_window_layers=0)),
     "qwen3": ("Qwen3Config", dict(head_dim=64)),  # per-head q/k norms; head_dim != hidden / heads, as in Qwen3 models
     # Windowed and full layers by turns (vLLM keeps them in two KV cache groups), windows shorter than the prompts
     # plus their new tokens. Gemma 2: soft-capped attention logits, a query scale that is not 1/sqrt(D).
@@ -43,6 +41,8 @@ FAMILIES = {
     # Gemma 3's text model: per-head q/k norms, a RoPE of its own (another base) for the windowed layers.
     "gemma3": ("Gemma3TextConfig", dict(head_dim=32, sliding_window=6, query_pre_attn_scalar=48,
                                         layer_types=["sliding_attention", "full_attention"])),
+    # use_sliding_window on every layer (max_window_layers=0): vLLM's own Qwen2 refuses windows on some layers only
+    "qwen2_window": ("Qwen2Config", dict(head_dim=32, use_sliding_window=True, sliding_window=6, max_window_layers=0)),
 }
 # Windowed and full layers mixed: vLLM keeps the two kinds in separate KV cache groups (its hybrid KV cache manager)
 MIXED_WINDOWS = {"gemma2", "gemma3"}
