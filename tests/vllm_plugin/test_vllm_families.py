@@ -5,8 +5,9 @@ SmolLM2's tokenizer), calibrated with fast settings.
 Per family, four eager engines: vLLM's own class, FDC at full rank (the same tokens), FDC at a real compression with
 heads of different widths (the tokens of the project's Hugging Face FDC model, fdc_ops.hf.compress, on the same
 checkpoint), and the Palu baseline at that compression (the Hugging Face Palu module's tokens); for Mistral, FDC with
-int4 pages (the Hugging Face FDC model's int4 tokens); for the families of windowed and full layers, vLLM's own and
-FDC again with every layer in one KV cache group. Llama is covered on the real SmolLM2 by test_vllm_plugin.py.
+int4 pages (the Hugging Face FDC model's int4 tokens), for Gemma 3 with int8 pages; for the families of windowed and
+full layers, vLLM's own and FDC again with every layer in one KV cache group. Llama is covered on the real SmolLM2 by
+test_vllm_plugin.py.
 """
 from __future__ import annotations
 
@@ -112,6 +113,10 @@ def test_family_in_vllm_generates_what_hf_fdc_and_vllm_generate(family, tmp_path
                                       kv_dtype="int4")
         engines.append(("fdc int4", fdc_ops.vllm.hf_overrides(model_dir, artifact_dir, compression=COMPRESSION,
                                                               kv_dtype="int4"), {}))
+    if family == "gemma3":  # int8 pages in vLLM's separate groups of windowed and full layers
+        expected_int8 = hf_fdc_tokens(model, tokenizer, artifact_dir, PROMPTS, NEW_TOKENS, compression=COMPRESSION,
+                                      kv_dtype=torch.int8)
+        engines.append(("fdc int8", compressed, dict(kv_cache_dtype="int8_per_token_head")))
     if family in MIXED_WINDOWS:  # every layer in one KV cache group, each with pages of its own widths
         one_group = dict(disable_hybrid_kv_cache_manager=True)
         engines += [("vllm one group", None, one_group), ("fdc one group", compressed, one_group)]
@@ -144,6 +149,9 @@ def test_family_in_vllm_generates_what_hf_fdc_and_vllm_generate(family, tmp_path
                      for offsets in allocation.offsets(layer))
         float_bytes = 4 * int(allocation.qk_dims.sum() + allocation.v_dims.sum())  # float32 pages of the same widths
         assert results["fdc int4"][1] >= results["fdc"][1] * float_bytes // stored * 0.99, (results, stored)
+    if family == "gemma3":
+        assert results["fdc int8"][0] == expected_int8
+        assert results["fdc int8"][1] > 3 * results["fdc"][1]  # a byte per element against float32's four, less scales
     assert results["palu"][0] == expected_palu
     assert results["palu"][0] != results["fdc"][0]  # another method: other keys, other text
     assert results["palu"][1] >= reference_capacity if family in MIXED_WINDOWS else \
