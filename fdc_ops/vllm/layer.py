@@ -67,6 +67,11 @@ class CompressedPagedAttention(Attention):
         offsets = torch.tensor([0] + [columns] * self.num_kv_heads, dtype=torch.int32)  # H_kv heads, these columns
         return ops.cache_width(offsets, self.cache_dtype)
 
+    def page_bytes_per_token(self) -> int:
+        """Bytes a token takes in this layer's pages (its K and V columns as declared, scales included)."""
+        columns = self.stored_width(self.page_key_width) + self.stored_width(self.page_width - self.page_key_width)
+        return columns * self.kv_cache_torch_dtype.itemsize
+
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
         """One "head" of ``page_key_width`` key and ``page_width - page_key_width`` value columns: on one rank
         exactly the layer's ``k_width`` and ``v_width``, so a page is exactly ``block_size * (k_width + v_width)``

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -316,6 +317,21 @@ class VllmPaluAttention(VllmCompressedAttention):
         return self.output(self.attn(q, latent, v))
 
 
+def padded_pages_warning(page_bytes: list[int], windowed: list[bool], hybrid: bool) -> str | None:
+    """What vLLM's hybrid KV cache manager costs a model whose layers are windowed and full (Gemma): it keeps the two
+    kinds in separate groups, whose pages must all have one size, and pads every layer's page (``page_bytes``: each
+    layer's own, per token) to the widest, so FDC's narrower layers stop saving memory. None where nothing is
+    padded."""
+    if not hybrid or all(windowed) or not any(windowed) or len(set(page_bytes)) <= 1:
+        return None
+    widest, needed = max(page_bytes), sum(page_bytes)
+    unused = 1 - needed / (widest * len(page_bytes))
+    return (f"fdc_ops.vllm: windowed and full layers are in separate KV cache groups, and vLLM pads every layer's page "
+            f"to the widest ({widest} bytes a token; the layers need {needed / len(page_bytes):.0f} on average), so "
+            f"{unused:.0%} of the KV cache holds padding. disable_hybrid_kv_cache_manager=True gives each layer its "
+            "own page size, but keeps the pages behind the windows")
+
+
 # A layer's attention tensors in a Hugging Face checkpoint, which the artifact's identity records (under the name
 # group(1) + group(2): fdc_ops.hf.families.attention_tensors' names).
 _IDENTITY_NAME = re.compile(r"^model\.(layers\.\d+\.)self_attn\.([qkvo]_proj\.(?:weight|bias)|[qk]_norm\.weight)$")
@@ -354,6 +370,13 @@ class FDCModelMixin:
             if hasattr(layer, "self_attn"):  # pipeline stages hold placeholders for other stages' layers
                 layer.self_attn = attention(layer.self_attn, self.config, vllm_config.cache_config, fdc, rank)
         self.fdc_settings = fdc
+        attention = [layer.self_attn.attn for layer in self.model.layers
+                     if isinstance(getattr(layer, "self_attn", None), VllmCompressedAttention)]
+        warning = padded_pages_warning([layer.page_bytes_per_token() for layer in attention],
+                                       [layer.sliding_window is not None for layer in attention],
+                                       not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager)
+        if warning is not None:
+            warnings.warn(warning, RuntimeWarning, stacklevel=2)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """vLLM's loading of the Hugging Face checkpoint (each layer's KV heads permuted by the balanced order when

@@ -11,6 +11,7 @@ test_vllm_plugin.py.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -193,3 +194,14 @@ def test_the_fdc_entry_kv_dtype_is_checked():
     with pytest.raises(ValueError, match=r"kv_dtype 'int4' with the Palu baseline, whose backend rebuilds keys"):
         settings(config(kv_dtype="int4", method="palu"))
 
+
+
+def test_padded_pages_are_reported_where_windowed_and_full_layers_mix():
+    from fdc_ops.vllm.models import padded_pages_warning
+
+    assert re.search(r"pads every layer's page to the widest \(100 bytes a token; the layers need 75 on average\), "
+                     r"so 25% of the KV cache holds padding. disable_hybrid_kv_cache_manager=True",
+                     padded_pages_warning([100, 50], [True, False], hybrid=True))
+    assert padded_pages_warning([100, 50], [True, False], hybrid=False) is None  # one group: each its own pages
+    assert padded_pages_warning([100, 50], [True, True], hybrid=True) is None  # one kind of layer
+    assert padded_pages_warning([100, 100], [True, False], hybrid=True) is None  # nothing to pad
