@@ -345,6 +345,10 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
         block_scales(vc, here, b, t0, n, j, ws.value_scales.data());
         std::fill(ws.value_scales.data(), ws.value_scales.data() + masked, 0.f);
         scale_columns(scores, kMaxBlockKeys, group, ws.value_scales.data(), n);
+        if (int8_rows || int8_pages) {  // the weights as int16 codes for the vpdpwssd value sums
+          quantize_weights_int16(scores, kMaxBlockKeys, group, n, ws.weights_int16.data(), kMaxBlockKeys + 1,
+                                 ws.w_scale.data());
+        }
       }
       if (vc.paged()) {         // each run's values are dv columns of consecutive tokens: acc[i][c] += p_i . V[c]
         if constexpr (kInt4) {  // the block's codes as dv rows of n: one run
@@ -354,8 +358,6 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
           avx512::dot_columns(scores, kMaxBlockKeys, group, codes, first, len, 1, n, dv, acc, dv, stream);
         } else if (int8_pages) {
           if constexpr (std::is_same_v<C, int8_t>) {
-            quantize_weights_int16(scores, kMaxBlockKeys, group, n, ws.weights_int16.data(), kMaxBlockKeys + 1,
-                                   ws.w_scale.data());
             avx512::dot_columns_s8(ws.weights_int16.data(), kMaxBlockKeys + 1, ws.w_scale.data(), group, run_values,
                                    here.first, here.len, here.count, col_stride, dv, acc, dv, stream);
           }
@@ -375,8 +377,6 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
         }
       } else if constexpr (kIntCodes) {  // values are n rows of dv: acc_i += sum_t p_i[t] V[t]
         if (int8_rows) {                 // int4 rows read packed (load_codes_epi16)
-          quantize_weights_int16(scores, kMaxBlockKeys, group, n, ws.weights_int16.data(), kMaxBlockKeys + 1,
-                                 ws.w_scale.data());
           avx512::axpy_rows_s8(ws.weights_int16.data(), kMaxBlockKeys + 1, ws.w_scale.data(), group,
                                int_codes(vc.at(b, t0, v_col)), vc.stride1, n, dv, acc, dv, stream);
         } else {

@@ -357,6 +357,15 @@ class StaticCompressedKVLayer(CompressedKVLayer):
             for buffer in (self.k_cache, self.v_cache, self.lengths, self.cumulative_length):
                 torch._dynamo.mark_static_address(buffer)
 
+    def _take_batch(self, batch: int, k_rows: torch.Tensor) -> None:
+        """Allocates the buffers for ``batch`` requests at the first call (k_rows: the call's rows, whose dtype and
+        device they take), and refuses a call of another batch size after."""
+        if self.k_cache is None:
+            self.allocate(batch, k_rows.dtype, k_rows.device)
+        elif batch != self.k_cache.shape[0]:
+            raise ValueError(f"fdc_ops.hf.modules: the static cache holds {self.k_cache.shape[0]} requests, the call "
+                             f"has {batch}")
+
     def append_rows(self, k_rows: torch.Tensor, v_rows: torch.Tensor, cu_seqlens: torch.Tensor,
                     counts: torch.Tensor, new_positions: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Writes each request's new rows after its cached ones. k_rows: (T, k_width), v_rows: (T, v_width), with
@@ -365,12 +374,7 @@ class StaticCompressedKVLayer(CompressedKVLayer):
         rows the call's queries attend: K (B, rows, k width) and V (B, rows, v width) caches, request b's first
         ``seen[b]`` rows ((B,) int32), its cached ones and then the call's, in token order (one-token calls: in any
         order)."""
-        batch = counts.shape[0]
-        if self.k_cache is None:
-            self.allocate(batch, k_rows.dtype, k_rows.device)
-        elif batch != self.k_cache.shape[0]:
-            raise ValueError(f"fdc_ops.hf.modules: the static cache holds {self.k_cache.shape[0]} requests, the call "
-                             f"has {batch}")
+        self._take_batch(counts.shape[0], k_rows)
         if k_rows.device.type != "cpu":  # the CPU op checks the capacity itself (and writes nothing past it)
             torch._assert_async((self.lengths + counts <= self.max_cache_len).all(),
                                 f"fdc_ops.hf.modules: a request outgrows the static cache's {self.max_cache_len} rows")
@@ -447,11 +451,7 @@ class StaticWindowCompressedKVLayer(StaticCompressedKVLayer):
     def append_rows(self, k_rows: torch.Tensor, v_rows: torch.Tensor, cu_seqlens: torch.Tensor,
                     counts: torch.Tensor, new_positions: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         batch, window = counts.shape[0], self.max_cache_len
-        if self.k_cache is None:
-            self.allocate(batch, k_rows.dtype, k_rows.device)
-        elif batch != self.k_cache.shape[0]:
-            raise ValueError(f"fdc_ops.hf.modules: the static cache holds {self.k_cache.shape[0]} requests, the call "
-                             f"has {batch}")
+        self._take_batch(batch, k_rows)
         self.host_positions += new_positions
         self.cumulative_length.add_(new_positions)
         self.filled = True

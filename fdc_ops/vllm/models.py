@@ -60,8 +60,9 @@ from .layer import FDCPagedAttention, PaluPagedAttention
 
 CONFIG_KEY = "fdc"
 SETTINGS_KEYS = ("artifact", "method", "compression", "removal_rate", "rule", "qk_dims", "v_dims", "kv_dtype")
-# The cache formats the fdc entry selects, for those vLLM's kv_cache_dtype cannot name: int4 codes, two per byte.
-ENTRY_KV_DTYPES = {"int4": torch.uint8}
+# The cache formats the fdc entry names (ops.kv_cache_dtype's names), for those vLLM's kv_cache_dtype cannot name:
+# int4 codes, two per byte.
+ENTRY_KV_DTYPES = ("int4",)
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class FDCSettings:
     method: str = "fdc"  # "fdc" or "palu" (the Palu baseline), as fdc_ops.hf.compress takes it
     # which KV heads each tensor-parallel rank holds (fdc_ops.parallel); None with one rank
     partition: parallel.HeadPartition | None = None
-    # the ops' cache dtype the entry's kv_dtype names (ENTRY_KV_DTYPES); None: as vLLM's kv_cache_dtype says
+    # the ops' cache dtype the entry's kv_dtype names (ops.kv_cache_dtype); None: as vLLM's kv_cache_dtype says
     cache_dtype: torch.dtype | None = None
 
 
@@ -112,7 +113,8 @@ def _settings(entry_json: str, ranks: int) -> FDCSettings:
     partition = None
     if ranks > 1:
         partition = parallel.balance(allocation.qk_dims, allocation.v_dims, ranks, artifact.shape.num_heads)
-    return FDCSettings(artifact, allocation, method, partition, ENTRY_KV_DTYPES.get(entry.get("kv_dtype")))
+    cache_dtype = None if entry.get("kv_dtype") is None else ops.kv_cache_dtype(entry["kv_dtype"])
+    return FDCSettings(artifact, allocation, method, partition, cache_dtype)
 
 
 def _check_shape(hf_config, artifact: FDCArtifact) -> None:
@@ -370,10 +372,10 @@ class FDCModelMixin:
             if hasattr(layer, "self_attn"):  # pipeline stages hold placeholders for other stages' layers
                 layer.self_attn = attention(layer.self_attn, self.config, vllm_config.cache_config, fdc, rank)
         self.fdc_settings = fdc
-        attention = [layer.self_attn.attn for layer in self.model.layers
-                     if isinstance(getattr(layer, "self_attn", None), VllmCompressedAttention)]
-        warning = padded_pages_warning([layer.page_bytes_per_token() for layer in attention],
-                                       [layer.sliding_window is not None for layer in attention],
+        paged = [layer.self_attn.attn for layer in self.model.layers
+                 if isinstance(getattr(layer, "self_attn", None), VllmCompressedAttention)]
+        warning = padded_pages_warning([layer.page_bytes_per_token() for layer in paged],
+                                       [layer.sliding_window is not None for layer in paged],
                                        not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager)
         if warning is not None:
             warnings.warn(warning, RuntimeWarning, stacklevel=2)
