@@ -141,6 +141,56 @@ def test_decode_attention_reads_integer_pages_with_half_precision_queries(case, 
                            dtypes=(torch.bfloat16, torch.float16))
 
 
+@pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("case", range(CASES // 4))
+def test_decode_attention_reads_e4m3_with_bf16_queries(case, paged, isa, monkeypatch):
+    """e4m3 caches with bf16 queries, every case: where the CPU has AVX-512-BF16 the codes are converted to bf16 as
+    they are loaded and go through the bf16 cache's kernels (rows, 16-token pages, wider pages, and the float value
+    sums of pages of other sizes); as above."""
+    check_quantized_decode(f"e4m3 paged={paged}, bf16 queries", case, paged, isa, monkeypatch,
+                           fmt=torch.float8_e4m3fn, dtypes=(torch.bfloat16,))
+
+
+@pytest.mark.parametrize("isa", CPU_ISAS)
+def test_decode_attention_reads_every_e4m3_code(isa, monkeypatch):
+    """Each of e4m3fn's 254 finite codes, subnormals and both zeros included, as one key's dim and one value's, in a
+    request of its own (two keys: that one and a zero one), contiguous and in pages of 16, 32 and 3 tokens: the query
+    is scaled so that the key's score is 1, so a code read as any other value moves the output well beyond bf16's
+    rounding."""
+    monkeypatch.setenv("FDC_CPU_ISA", isa)
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    values = codes.view(torch.float8_e4m3fn).double()
+    batch, width = len(codes), 8
+    qk_offsets = v_offsets = torch.tensor([0, width], dtype=torch.int32)
+    rows = torch.zeros(batch, 2, width, dtype=torch.float64)
+    rows[:, 1, 0] = values
+    rows[:, 1, 1] = 448.0  # each row's scale is 448 / 448 = 1, so dim 0 stores the code itself
+    rows = rows.reshape(2 * batch, width).to(torch.bfloat16)
+    q = torch.zeros(batch, width, dtype=torch.float64)
+    q[:, 0] = torch.where(values == 0, 1.0, 1.0 / values)
+    q = q.to(torch.bfloat16)
+    seqlens = torch.full((batch,), 2, dtype=torch.int32)
+    cu = offsets([2] * batch)
+    for page_size in (None, 16, 32, 3):
+        paged = page_size is not None
+        block_table = torch.arange(batch, dtype=torch.int32).view(batch, 1) if paged else None
+        k_cache, v_cache = _empty_cache(qk_offsets, v_offsets, torch.float8_e4m3fn, batch, 2, block_table,
+                                        batch if paged else 0, page_size or 0)
+        ops.append_kv(k_cache, v_cache, rows, rows, cu, torch.zeros_like(seqlens), qk_offsets, v_offsets, block_table)
+        k_float = reference.dequantize_cache_ref(k_cache, qk_offsets, paged=paged)
+        v_float = reference.dequantize_cache_ref(v_cache, v_offsets, paged=paged)
+        stored = torch.stack([_rows_of(k_float, b, 1, 2, block_table, paged)[0, 0] for b in range(batch)])
+        assert torch.equal(stored, values.to(stored.dtype)), f"append_kv did not store each code, pages {page_size}"
+        out = ops.decode_attention(q, k_cache, v_cache, seqlens, qk_offsets, v_offsets, 1, 1.0,
+                                   block_table=block_table)
+        expected = reference.decode_attention_ref(q, k_float, v_float, seqlens, qk_offsets, v_offsets, 1, 1.0,
+                                                  block_table=block_table)
+        where = f"e4m3 codes read wrongly ({isa}, pages {page_size})"
+        torch.testing.assert_close(out.double(), expected.double(), rtol=2 ** -7, atol=0.0,
+                                   msg=lambda m, where=where: f"{where}: {m}")
+
+
 def check_quantized_decode(name: str, case: int, paged: bool, isa: str, monkeypatch, fmt=None, dtypes=DTYPES):
     """One random decode_attention case over a quantized cache (of ``fmt``, or a random format) against the float64
     reference."""

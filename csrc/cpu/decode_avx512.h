@@ -186,10 +186,17 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
   // int8 pages (dim-major) take the same int16 queries and weights: a page's columns are its rows for the key scores
   // (axpy_rows_s8, two columns interleaved per vpdpwssd, as the bf16 pages' axpy_rows_bf16), and its token runs are
   // paired along the tokens for the value sums (dot_columns_s8).
+  // e4m3 codes with bf16 queries take the bf16 cache's kernels (vdpbf16ps on bf16 pairs), each register of codes
+  // converted to bf16 exactly as it is loaded (load32_bf16), the weights rounded to bf16 after their value scales;
+  // widening to float took an FMA per 16 products and head (bench/results/ops/README.md, "Quantized caches").
   constexpr bool kInt4 = std::is_same_v<C, Int4Pair>;
   constexpr bool kIntCodes = std::is_same_v<C, int8_t> || kInt4;
   const bool int8_rows = kIntCodes && !std::is_same_v<T, float> && bf16_dot && !kc.paged();
   const bool int8_pages = std::is_same_v<C, int8_t> && !std::is_same_v<T, float> && bf16_dot && kc.paged();
+  constexpr bool kBf16Cache = std::is_same_v<C, c10::BFloat16>;
+  constexpr bool kE4m3 = std::is_same_v<C, c10::Float8_e4m3fn>;
+  constexpr bool kBf16Rows = kBf16Cache || (kE4m3 && std::is_same_v<T, c10::BFloat16>);  // rows for vdpbf16ps
+  const bool bf16_rows = kBf16Rows && bf16_dot;
   if (int8_rows || int8_pages) quantize_queries_int16(ws.q.data(), layout, ws.q_int16.data(), ws.q_scale.data());
   std::fill(ws.acc.begin(), ws.acc.end(), 0.f);
   std::fill(ws.softmax.begin(), ws.softmax.end(), OnlineSoftmax{});
@@ -204,14 +211,13 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
   // Value sums over bf16 pages by vdpbf16ps (dot_columns_tile_bf16) where a page's column fills a 32-token register,
   // and for 16-token pages two columns per register (dot_columns_page16_bf16); pages of 17 to 31 tokens keep
   // widening, whose cost their half-filled registers would exceed (bench/results/ops/README.md, "CPU decode").
-  constexpr bool kBf16Cache = std::is_same_v<C, c10::BFloat16>;
-  const bool bf16_pages = kBf16Cache && bf16_dot && vc.paged() && (vc.page_size >= 32 || vc.page_size == 16);
+  const bool bf16_pages = bf16_rows && vc.paged() && (vc.page_size >= 32 || vc.page_size == 16);
   // Key scores of bf16 pages without widening: pages of 32 tokens or more by axpy_rows_bf16 (two columns interleaved,
   // one vdpbf16ps per pair of columns and head), pages of 16 by dot_page16_bf16 (two columns in one load); both
   // faster than widening (bench/results/ops/README.md, "CPU decode"). The runs of a 16-token page start at its
   // first token: pieces start at page starts (cut_rows) and blocks are whole pages (paged_block_keys).
-  const bool bf16_key_pages = kBf16Cache && bf16_dot && kc.paged();
-  const bool bf16_weights = vc.paged() ? bf16_pages : kBf16Cache && bf16_dot;
+  const bool bf16_key_pages = bf16_rows && kc.paged();
+  const bool bf16_weights = vc.paged() ? bf16_pages : bf16_rows;
   PageRuns<C> runs[2];  // paged: the block's and the next block's runs, by turns
   if (kc.paged()) runs[0].assign(kc, vc, b, piece.t0, std::min(piece.t1, piece.t0 + rows));
   const C* run_values[kMaxPagedBlockKeys];        // one KV head's value columns in each run of the block
@@ -279,7 +285,7 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
                 continue;
               }
             }
-            if constexpr (kBf16Cache) {
+            if constexpr (kBf16Rows) {
               if (bf16_key_pages && kc.page_size == 16) {
                 avx512::dot_page16_bf16(q_bf16, dq, group, keys, dq, here.len[s], run_scores, kMaxBlockKeys, stream);
                 continue;
@@ -308,8 +314,8 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
             }
             avx512::dot_rows(qj, dq, group, codes, codes_stride, n, dq, scores, kMaxBlockKeys);
           }
-        } else if constexpr (kBf16Cache) {
-          if (bf16_dot) {
+        } else if constexpr (kBf16Rows) {
+          if (bf16_rows) {
             avx512::dot_rows_bf16(reinterpret_cast<const uint16_t*>(qb + group * k_col), dq, group, keys, kc.stride1, n,
                                   dq, scores, kMaxBlockKeys, stream);
           } else {
@@ -325,6 +331,12 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
                       int8_rows ? ws.q_scale.data() + j * group : nullptr);
       }
       uint16_t* const weights = ws.weights_bf16.data();
+      const float* weight_factors = nullptr;  // the value scales, where the exps are rounded to bf16 weights with them
+      if constexpr (kQuantized<C>) {          // the masked keys' scales may be stale, their weights are 0
+        block_scales(vc, here, b, t0, n, j, ws.value_scales.data());
+        std::fill(ws.value_scales.data(), ws.value_scales.data() + masked, 0.f);
+        if (bf16_weights) weight_factors = ws.value_scales.data();
+      }
       for (int64_t i = 0; i < group; ++i) {
         float* si = scores + i * kMaxBlockKeys;
         // The scores stay divided by pb.scale, which the exps multiply in.
@@ -335,15 +347,14 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
         // Where the value products take bf16 weights, the exps are rounded as they are made (exp2_for_bf16, one
         // pass, not a pass of their own: measured in bench/results/ops/README.md, "CPU decode").
         if (bf16_weights) {
-          softmax[i].sum += avx512::exp_sum_to_bf16<true>(
-              si, n, pb.scale, softmax[i].max, reinterpret_cast<c10::BFloat16*>(weights + i * kMaxBlockKeys));
+          softmax[i].sum += avx512::exp_sum_to_bf16<true>(si, n, pb.scale, softmax[i].max,
+                                                          reinterpret_cast<c10::BFloat16*>(weights + i * kMaxBlockKeys),
+                                                          weight_factors);
         } else {
           softmax[i].sum += avx512::exp_and_sum<kExpDegree<T>>(si, n, pb.scale, softmax[i].max);
         }
       }
-      if constexpr (kQuantized<C>) {  // weights of the codes; the masked keys' scales may be stale, their weights are 0
-        block_scales(vc, here, b, t0, n, j, ws.value_scales.data());
-        std::fill(ws.value_scales.data(), ws.value_scales.data() + masked, 0.f);
+      if (kQuantized<C> && !bf16_weights) {  // weights of the codes
         scale_columns(scores, kMaxBlockKeys, group, ws.value_scales.data(), n);
         if (int8_rows || int8_pages) {  // the weights as int16 codes for the vpdpwssd value sums
           quantize_weights_int16(scores, kMaxBlockKeys, group, n, ws.weights_int16.data(), kMaxBlockKeys + 1,
@@ -362,7 +373,7 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
                                    here.first, here.len, here.count, col_stride, dv, acc, dv, stream);
           }
         } else if (bf16_pages) {
-          if constexpr (kBf16Cache) {
+          if constexpr (kBf16Rows) {
             if (vc.page_size == 16) {
               avx512::dot_columns_page16_bf16(weights, kMaxBlockKeys, group, run_values, here.first, here.len,
                                               here.count, dv, acc, dv, stream);
@@ -388,8 +399,8 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
           }
           avx512::axpy_rows(scores, kMaxBlockKeys, group, codes, codes_stride, n, dv, acc, dv, stream);
         }
-      } else if constexpr (kBf16Cache) {  // values are n rows of dv: acc_i += sum_t p_i[t] V[t]
-        if (bf16_dot) {
+      } else if constexpr (kBf16Rows) {  // values are n rows of dv: acc_i += sum_t p_i[t] V[t]
+        if (bf16_rows) {
           avx512::axpy_rows_bf16(weights, kMaxBlockKeys, group, vc.at(b, t0, v_col), vc.stride1, n, dv, acc, dv,
                                  stream);
         } else {

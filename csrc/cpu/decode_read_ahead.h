@@ -31,11 +31,11 @@ namespace {
 //   0.55-0.81x the time of kLoads, so no Intel CPU measured is left where either wins; kept for measuring new ones.
 enum class ReadAhead { kStream, kLoads, kPrefetchL2 };
 
-// The way for this CPU, a paged cache or not, and products without widening (bf16 by vdpbf16ps) or not, unless the
+// The way for this CPU, a paged cache or not, and products without widening (vdpbf16ps, vpdpwssd) or not, unless the
 // environment variable FDC_CPU_READ_AHEAD names one (stream, loads or prefetch_l2; read at every call, like
 // FDC_CPU_ISA, so tests run every way on any CPU and a new CPU can be measured without a rebuild). `op` names the
 // caller in the error raised for any other value.
-ReadAhead read_ahead_for(const char* op, bool paged, bool bf16_products) {
+ReadAhead read_ahead_for(const char* op, bool paged, bool unwidened_products) {
   const char* forced = std::getenv("FDC_CPU_READ_AHEAD");
   if (forced != nullptr && *forced != '\0') {
     const std::string_view name(forced);
@@ -46,7 +46,7 @@ ReadAhead read_ahead_for(const char* op, bool paged, bool bf16_products) {
   }
   static const bool intel = __builtin_cpu_is("intel");
   if (intel) return ReadAhead::kStream;
-  return paged || bf16_products ? ReadAhead::kStream : ReadAhead::kLoads;
+  return paged || unwidened_products ? ReadAhead::kStream : ReadAhead::kLoads;
 }
 
 // K and V bytes of a contiguous cache's block under kStream and kLoads (contiguous_block_rows): about 160 KiB, so a

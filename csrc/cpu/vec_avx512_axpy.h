@@ -83,16 +83,16 @@ FDC_AVX512 void axpy_rows(const float* w, int64_t w_ld, int64_t group, const T* 
   }
 }
 
-// axpy_tile for bf16 rows and bf16 weights, with AVX-512-BF16: rows r and r + 1 are interleaved element by element
-// (vpunpcklwd and vpunpckhwd, within each 128-bit lane), so one vdpbf16ps adds w[r] row_r + w[r + 1] row_{r + 1} to
-// 16 columns, against two widenings and two FMAs per row in float. kChunks registers of 32 columns (the last masked
-// by `last`) for kHeads heads; w holds each head's weights as bf16 bits, zero after n up to an even count, so the pair
-// (w[r], w[r + 1]) is one 32-bit lane. The interleave leaves the columns of each 128-bit lane split in two: dword
-// 4L + i of the first sum holds column 8L + i, of the second column 8L + 4 + i (L < 4, i < 4); they are put back in
-// order once per tile.
-template <int kHeads, int kChunks>
-FDC_AVX512_BF16 void axpy_pairs_tile(const uint16_t* w, int64_t w_ld, const c10::BFloat16* rows, int64_t row_stride,
-                                     int64_t n, __mmask32 last, float* acc, int64_t acc_ld, PrefetchStream& stream) {
+// axpy_tile for bf16 rows (or e4m3 rows, as bf16 by load32_bf16) and bf16 weights, with AVX-512-BF16: rows r and r + 1
+// are interleaved element by element (vpunpcklwd and vpunpckhwd, within each 128-bit lane), so one vdpbf16ps adds w[r]
+// row_r + w[r + 1] row_{r + 1} to 16 columns, against two widenings and two FMAs per row in float. kChunks registers of
+// 32 columns (the last masked by `last`) for kHeads heads; w holds each head's weights as bf16 bits, zero after n up to
+// an even count, so the pair (w[r], w[r + 1]) is one 32-bit lane. The interleave leaves the columns of each 128-bit
+// lane split in two: dword 4L + i of the first sum holds column 8L + i, of the second column 8L + 4 + i (L < 4, i < 4);
+// they are put back in order once per tile.
+template <int kHeads, int kChunks, typename Rows>
+FDC_AVX512_BF16 void axpy_pairs_tile(const uint16_t* w, int64_t w_ld, const Rows* rows, int64_t row_stride, int64_t n,
+                                     __mmask32 last, float* acc, int64_t acc_ld, PrefetchStream& stream) {
   PrefetchStream ahead = stream;
   constexpr int64_t kPairs = 2 * kLanes;  // columns per register of bf16
   const auto chunk_mask = [last](int c) { return c + 1 == kChunks ? last : __mmask32(0xFFFFFFFF); };
@@ -102,13 +102,13 @@ FDC_AVX512_BF16 void axpy_pairs_tile(const uint16_t* w, int64_t w_ld, const c10:
 #pragma GCC unroll 2
     for (int c = 0; c < kChunks; ++c) low[h][c] = high[h][c] = _mm512_setzero_ps();
   for (int64_t r = 0; r < n; r += 2) {
-    const c10::BFloat16* row = rows + r * row_stride;
+    const Rows* row = rows + r * row_stride;
     __m512bh x_low[kChunks], x_high[kChunks];
 #pragma GCC unroll 2
     for (int c = 0; c < kChunks; ++c) {
       const __mmask32 mask = chunk_mask(c);
-      const __m512i a = _mm512_maskz_loadu_epi16(mask, row + c * kPairs);
-      const __m512i b = _mm512_maskz_loadu_epi16(r + 1 < n ? mask : __mmask32(0), row + row_stride + c * kPairs);
+      const __m512i a = load32_bf16(row + c * kPairs, mask);
+      const __m512i b = load32_bf16(row + row_stride + c * kPairs, r + 1 < n ? mask : __mmask32(0));
       ahead.step();
       ahead.step();
       x_low[c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
@@ -145,9 +145,11 @@ FDC_AVX512_BF16 void axpy_pairs_tile(const uint16_t* w, int64_t w_ld, const c10:
   stream = ahead;
 }
 
-// axpy_rows for bf16 rows with bf16 weights (exp_sum_to_bf16, w_ld elements per head), by axpy_pairs_tile: tiles of
-// up to 4 heads x 64 columns (16 accumulators, 4 interleaved row registers and a weight pair within the 32 registers).
-FDC_AVX512_BF16 inline void axpy_rows_bf16(const uint16_t* w, int64_t w_ld, int64_t group, const c10::BFloat16* rows,
+// axpy_rows for bf16 (or e4m3) rows with bf16 weights (exp_sum_to_bf16, w_ld elements per head), by axpy_pairs_tile:
+// tiles of up to 4 heads x 64 columns (16 accumulators, 4 interleaved row registers and a weight pair within the 32
+// registers).
+template <typename Rows>
+FDC_AVX512_BF16 inline void axpy_rows_bf16(const uint16_t* w, int64_t w_ld, int64_t group, const Rows* rows,
                                            int64_t row_stride, int64_t n, int64_t len, float* acc, int64_t acc_ld,
                                            PrefetchStream& ahead) {
   constexpr int64_t kPairs = 2 * kLanes, kTileColumns = 2 * kPairs;
@@ -158,7 +160,7 @@ FDC_AVX512_BF16 inline void axpy_rows_bf16(const uint16_t* w, int64_t w_ld, int6
     for (int64_t h0 = 0; h0 < group; h0 += 4) {
       const int heads = static_cast<int>(std::min<int64_t>(4, group - h0));
       const uint16_t* wh = w + h0 * w_ld;
-      const c10::BFloat16* r = rows + x0;
+      const Rows* r = rows + x0;
       float* ah = acc + h0 * acc_ld + x0;
       switch (heads * 2 + chunks - 1) {
         case 2: axpy_pairs_tile<1, 1>(wh, w_ld, r, row_stride, n, last, ah, acc_ld, ahead); break;

@@ -63,12 +63,12 @@ FDC_AVX512 void dot_columns_tile(const float* p, int64_t p_ld, const T* const* r
   stream = ahead;
 }
 
-// dot_columns_tile for bf16 pages and weights rounded to bf16 (exp_sum_to_bf16), with AVX-512-BF16: 32 tokens of a
-// column per load, and one vdpbf16ps per head multiplies them by the head's 32 weights and adds the products in pairs
-// into 16 lanes, where dot_columns_tile widens 16 tokens per load and takes an FMA per 16. Reduced the same way, once
-// per block.
-template <int kHeads, int kCols>
-FDC_AVX512_BF16 void dot_columns_tile_bf16(const uint16_t* p, int64_t p_ld, const c10::BFloat16* const* runs,
+// dot_columns_tile for bf16 (or e4m3, load32_bf16) pages and weights rounded to bf16 (exp_sum_to_bf16), with
+// AVX-512-BF16: 32 tokens of a column per load, and one vdpbf16ps per head multiplies them by the head's 32 weights and
+// adds the products in pairs into 16 lanes, where dot_columns_tile widens 16 tokens per load and takes an FMA per 16.
+// Reduced the same way, once per block.
+template <int kHeads, int kCols, typename Rows>
+FDC_AVX512_BF16 void dot_columns_tile_bf16(const uint16_t* p, int64_t p_ld, const Rows* const* runs,
                                            const int64_t* first, const int64_t* len, int64_t count, int64_t col_stride,
                                            int64_t c0, int64_t dim, float* acc, int64_t acc_ld,
                                            PrefetchStream& stream) {
@@ -79,7 +79,7 @@ FDC_AVX512_BF16 void dot_columns_tile_bf16(const uint16_t* p, int64_t p_ld, cons
 #pragma GCC unroll 16
   for (int k = 0; k < kLanes; ++k) sums[k] = _mm512_setzero_ps();
   for (int64_t s = 0; s < count; ++s) {
-    const c10::BFloat16* col[kCols];  // a short last tile repeats the final column and stores only the real ones
+    const Rows* col[kCols];  // a short last tile repeats the final column and stores only the real ones
 #pragma GCC unroll 16
     for (int c = 0; c < kCols; ++c) col[c] = runs[s] + std::min<int64_t>(c0 + c, dim - 1) * col_stride;
     const uint16_t* ps = p + first[s];
@@ -88,7 +88,7 @@ FDC_AVX512_BF16 void dot_columns_tile_bf16(const uint16_t* p, int64_t p_ld, cons
       __m512bh x[kCols];
 #pragma GCC unroll 16
       for (int c = 0; c < kCols; ++c) {
-        x[c] = (__m512bh)_mm512_maskz_loadu_epi16(mask, col[c] + t);
+        x[c] = (__m512bh)load32_bf16(col[c] + t, mask);
         ahead.step();
       }
 #pragma GCC unroll 4
@@ -113,10 +113,10 @@ FDC_AVX512 inline void column_tile(const float* p, int64_t p_ld, const T* const*
                                    float* acc, int64_t acc_ld, PrefetchStream& ahead) {
   dot_columns_tile<T, kHeads, kCols>(p, p_ld, runs, first, len, count, col_stride, c0, dim, acc, acc_ld, ahead);
 }
-template <int kHeads, int kCols>
-FDC_AVX512 inline void column_tile(const uint16_t* p, int64_t p_ld, const c10::BFloat16* const* runs,
-                                   const int64_t* first, const int64_t* len, int64_t count, int64_t col_stride,
-                                   int64_t c0, int64_t dim, float* acc, int64_t acc_ld, PrefetchStream& ahead) {
+template <int kHeads, int kCols, typename Rows>
+FDC_AVX512 inline void column_tile(const uint16_t* p, int64_t p_ld, const Rows* const* runs, const int64_t* first,
+                                   const int64_t* len, int64_t count, int64_t col_stride, int64_t c0, int64_t dim,
+                                   float* acc, int64_t acc_ld, PrefetchStream& ahead) {
   dot_columns_tile_bf16<kHeads, kCols>(p, p_ld, runs, first, len, count, col_stride, c0, dim, acc, acc_ld, ahead);
 }
 
@@ -234,8 +234,8 @@ FDC_AVX512_VNNI inline void dot_columns_s8(const int16_t* p, int64_t p_ld, const
 // kHeads x kPairs accumulators of column pairs, reduced once per block by sum_column_pairs. The slots of a short
 // run are zeroed as the columns are loaded, so whatever they hold (NaN) meets the weights after the run (the next
 // run's probabilities, or exp_sum_to_bf16's zeros) as zero.
-template <int kHeads, int kPairs>
-FDC_AVX512_BF16 void dot_columns_page16_tile_bf16(const uint16_t* p, int64_t p_ld, const c10::BFloat16* const* runs,
+template <int kHeads, int kPairs, typename Rows>
+FDC_AVX512_BF16 void dot_columns_page16_tile_bf16(const uint16_t* p, int64_t p_ld, const Rows* const* runs,
                                                   const int64_t* first, const int64_t* len, int64_t count, int64_t c0,
                                                   int64_t dim, float* acc, int64_t acc_ld, PrefetchStream& stream) {
   PrefetchStream ahead = stream;
@@ -249,7 +249,7 @@ FDC_AVX512_BF16 void dot_columns_page16_tile_bf16(const uint16_t* p, int64_t p_l
     __m512bh x[kPairs];  // a short last tile repeats the final pair and stores only the real columns
 #pragma GCC unroll 8
     for (int q = 0; q < kPairs; ++q) {
-      x[q] = (__m512bh)_mm512_maskz_loadu_epi16(mask, runs[s] + std::min<int64_t>(c0 + 2 * q, dim - 2) * kTokens);
+      x[q] = (__m512bh)load32_bf16(runs[s] + std::min<int64_t>(c0 + 2 * q, dim - 2) * kTokens, mask);
       ahead.step();
     }
 #pragma GCC unroll 4
@@ -278,13 +278,14 @@ FDC_AVX512_BF16 void dot_columns_page16_tile_bf16(const uint16_t* p, int64_t p_l
   stream = ahead;
 }
 
-// dot_columns (its contract, col_stride 16) for bf16 pages of 16 tokens, by dot_columns_page16_tile_bf16: query
-// heads four at a time, in tiles of 16 columns for one or two heads and 8 for three or four (at most 16
+// dot_columns (its contract, col_stride 16) for bf16 (or e4m3) pages of 16 tokens, by dot_columns_page16_tile_bf16:
+// query heads four at a time, in tiles of 16 columns for one or two heads and 8 for three or four (at most 16
 // accumulators, the pairs and a weight register within the 32 registers).
+template <typename Rows>
 FDC_AVX512_BF16 inline void dot_columns_page16_bf16(const uint16_t* p, int64_t p_ld, int64_t group,
-                                                    const c10::BFloat16* const* runs, const int64_t* first,
-                                                    const int64_t* len, int64_t count, int64_t dim, float* acc,
-                                                    int64_t acc_ld, PrefetchStream& ahead) {
+                                                    const Rows* const* runs, const int64_t* first, const int64_t* len,
+                                                    int64_t count, int64_t dim, float* acc, int64_t acc_ld,
+                                                    PrefetchStream& ahead) {
   for (int64_t h0 = 0; h0 < group; h0 += 4) {
     const int64_t heads = std::min<int64_t>(4, group - h0);
     const uint16_t* ph = p + h0 * p_ld;

@@ -121,8 +121,8 @@ FDC_AVX512 void dot_rows(const float* a, int64_t a_ld, int64_t group, const T* r
 // are transposed in registers (transpose16x16_epi32) so register p holds column pair p of every row, and vdpbf16ps with
 // a query's pair broadcast adds it to 16 rows' scores at once. The transpose serves every head and no horizontal sum is
 // left. len is even.
-template <int kHeads>
-FDC_AVX512_BF16 void dot_rows_bf16_lanes(const uint16_t* a, int64_t a_ld, const c10::BFloat16* const* row, int64_t len,
+template <int kHeads, typename Rows>
+FDC_AVX512_BF16 void dot_rows_bf16_lanes(const uint16_t* a, int64_t a_ld, const Rows* const* row, int64_t len,
                                          __mmask16 store, float* out, int64_t out_ld, PrefetchStream& stream) {
   PrefetchStream ahead = stream;
   constexpr int64_t kPairs = 2 * kLanes;  // bf16 elements per register
@@ -142,7 +142,7 @@ FDC_AVX512_BF16 void dot_rows_bf16_lanes(const uint16_t* a, int64_t a_ld, const 
     __m512i t[kLanes];
 #pragma GCC unroll 16
     for (int k = 0; k < kLanes; ++k) {
-      t[k] = _mm512_maskz_loadu_epi16(mask, row[k] + x);
+      t[k] = load32_bf16(row[k] + x, mask);
       ahead.step();
     }
     transpose16x16_epi32(t);
@@ -168,21 +168,22 @@ FDC_AVX512_BF16 void dot_rows_bf16_lanes(const uint16_t* a, int64_t a_ld, const 
   stream = ahead;
 }
 
-// dot_rows for bf16 `a` (raw bits, a_ld elements apart) and bf16 rows, with AVX-512-BF16: vdpbf16ps multiplies
-// 32 bf16 pairs exactly and adds them into 16 float lanes, so rows are never widened; out is overwritten. By
-// dot_rows_bf16_lanes: 16 rows at a time (a short last group repeats its final row and stores only the real ones),
-// query heads 8 at a time (at most 8 accumulators beside the 16 transposed registers). Per 16 rows and 32 columns the
-// transpose pays 16 loads and 64 shuffles once for all heads. The form with lanes holding columns (16 loads per head,
-// then a 16 x 16 reduction of each head's accumulators: 30 shuffles and 15 adds per 16 rows) was faster for 1 and 2
-// query heads per KV head while the transposed form kept one accumulator chain per head; with its 8 chains
+// dot_rows for bf16 `a` (raw bits, a_ld elements apart) and bf16 rows (or e4m3 rows, load32_bf16), with AVX-512-BF16:
+// vdpbf16ps multiplies 32 bf16 pairs exactly and adds them into 16 float lanes, so rows are never widened; out is
+// overwritten. By dot_rows_bf16_lanes: 16 rows at a time (a short last group repeats its final row and stores only the
+// real ones), query heads 8 at a time (at most 8 accumulators beside the 16 transposed registers). Per 16 rows and 32
+// columns the transpose pays 16 loads and 64 shuffles once for all heads. The form with lanes holding columns (16 loads
+// per head, then a 16 x 16 reduction of each head's accumulators: 30 shuffles and 15 adds per 16 rows) was faster for 1
+// and 2 query heads per KV head while the transposed form kept one accumulator chain per head; with its 8 chains
 // (dot_rows_bf16_lanes) the transposed form won there too, on the 2-core AMD EPYC (bench_ops' layer, builds alternated
 // process by process): 2 heads B=8 x 16K 5.9-6.1 against 6.6-6.7 ms, B=4 x 8K 0.94-1.01 against 1.02-1.05; 1 head
 // B=8 x 16K 5.8-6.0 against 6.3-6.6, B=4 x 8K within noise. So it is the only form.
-FDC_AVX512_BF16 inline void dot_rows_bf16(const uint16_t* a, int64_t a_ld, int64_t group, const c10::BFloat16* rows,
+template <typename Rows>
+FDC_AVX512_BF16 inline void dot_rows_bf16(const uint16_t* a, int64_t a_ld, int64_t group, const Rows* rows,
                                           int64_t row_stride, int64_t n, int64_t len, float* out, int64_t out_ld,
                                           PrefetchStream& ahead) {
   for (int64_t r0 = 0; r0 < n; r0 += kLanes) {
-    const c10::BFloat16* row[kLanes];
+    const Rows* row[kLanes];
     for (int64_t k = 0; k < kLanes; ++k) row[k] = rows + std::min(r0 + k, n - 1) * row_stride;
     const __mmask16 store = lanes_mask(n - r0);
     for_head_tiles_of_8(group, [&](int64_t h0, auto heads) {
@@ -257,16 +258,16 @@ FDC_AVX512_VNNI inline void dot_rows_s8(const int16_t* a, int64_t a_ld, int64_t 
   }
 }
 
-// Scores of one run of a dim-major bf16 page of 16 tokens (each column's 16 tokens take 32 bytes, columns back to
-// back) against kHeads bf16 query rows, with AVX-512-BF16: columns c and c + 1 are one 64-byte load, interleaved
-// token by token (vpermw), so one vdpbf16ps with a head's query pair (q[c], q[c + 1]) broadcast adds both columns'
-// products to the 16 tokens' scores, where axpy_rows widens each column and takes an FMA per column and head.
+// Scores of one run of a dim-major bf16 (or e4m3) page of 16 tokens (each column's 16 tokens take 32 bytes, columns
+// back to back) against kHeads bf16 query rows, with AVX-512-BF16: columns c and c + 1 are one 64-byte load,
+// interleaved token by token (vpermw), so one vdpbf16ps with a head's query pair (q[c], q[c + 1]) broadcast adds both
+// columns' products to the 16 tokens' scores, where axpy_rows widens each column and takes an FMA per column and head.
 // out[h * out_ld + t] = sum_c a[h * a_ld + c] * run[c * 16 + t] for h < kHeads, t < len (overwritten); the run
 // starts at its page's first token, dim is even. Lane t only ever meets token t, so unused slots of a short run,
 // whatever they hold, stay in the lanes that are not stored.
-template <int kHeads>
-FDC_AVX512_BF16 void dot_page16_bf16_tile(const uint16_t* a, int64_t a_ld, const c10::BFloat16* run, int64_t dim,
-                                          int64_t len, float* out, int64_t out_ld, PrefetchStream& stream) {
+template <int kHeads, typename Rows>
+FDC_AVX512_BF16 void dot_page16_bf16_tile(const uint16_t* a, int64_t a_ld, const Rows* run, int64_t dim, int64_t len,
+                                          float* out, int64_t out_ld, PrefetchStream& stream) {
   PrefetchStream ahead = stream;
   constexpr int64_t kTokens = 16;
   // word 2t of the interleaved register: token t of the first column; word 2t + 1: token t of the second
@@ -278,7 +279,7 @@ FDC_AVX512_BF16 void dot_page16_bf16_tile(const uint16_t* a, int64_t a_ld, const
 #pragma GCC unroll 8
   for (int h = 0; h < kHeads; ++h) sums[h] = _mm512_setzero_ps();
   for (int64_t c = 0; c < dim; c += 2) {
-    const __m512bh x = (__m512bh)_mm512_permutexvar_epi16(interleave, _mm512_loadu_si512(run + c * kTokens));
+    const __m512bh x = (__m512bh)_mm512_permutexvar_epi16(interleave, load32_bf16(run + c * kTokens, ~__mmask32(0)));
     ahead.step();
 #pragma GCC unroll 8
     for (int h = 0; h < kHeads; ++h) {
@@ -295,7 +296,8 @@ FDC_AVX512_BF16 void dot_page16_bf16_tile(const uint16_t* a, int64_t a_ld, const
 
 // dot_page16_bf16_tile for `group` query heads, 8 at a time (8 accumulators, the columns and a query pair within
 // the 32 registers).
-FDC_AVX512_BF16 inline void dot_page16_bf16(const uint16_t* a, int64_t a_ld, int64_t group, const c10::BFloat16* run,
+template <typename Rows>
+FDC_AVX512_BF16 inline void dot_page16_bf16(const uint16_t* a, int64_t a_ld, int64_t group, const Rows* run,
                                             int64_t dim, int64_t len, float* out, int64_t out_ld,
                                             PrefetchStream& ahead) {
   for_head_tiles_of_8(group, [&](int64_t h0, auto heads) {

@@ -41,12 +41,14 @@ FDC_AVX512 inline __m512 exp2_for_bf16(__m512 y) {
 }
 
 // out[i] = bfloat16(exp(x[i] * scale - shift)) for i < n (vcvtne2ps2bf16: round to nearest even, 32 values per
-// conversion and store); returns the sum of the float32 exps (the softmax denominator is summed before rounding, as
-// torch's CPU flash attention does). With kZeroToChunkEnd, zeros follow up to the next multiple of 32 (out must have
-// room): the weights of axpy_rows_bf16 and of dot_columns' bf16 tiles, which read them in pairs or whole 16-token
-// runs.
+// conversion and store), times factors[i] before the rounding where factors are given (a quantized cache's value
+// scales); returns the sum of the float32 exps (the softmax denominator is summed before rounding, as torch's CPU
+// flash attention does, and without the factors). With kZeroToChunkEnd, zeros follow up to the next multiple of 32
+// (out must have room): the weights of axpy_rows_bf16 and of dot_columns' bf16 tiles, which read them in pairs or
+// whole 16-token runs.
 template <bool kZeroToChunkEnd = false>
-FDC_AVX512_BF16 inline float exp_sum_to_bf16(const float* x, int64_t n, float scale, float shift, c10::BFloat16* out) {
+FDC_AVX512_BF16 inline float exp_sum_to_bf16(const float* x, int64_t n, float scale, float shift, c10::BFloat16* out,
+                                             const float* factors = nullptr) {
   constexpr float kLog2e = 1.44269504088896341f;
   const __m512 sc = _mm512_set1_ps(scale * kLog2e), s = _mm512_set1_ps(-shift * kLog2e);
   __m512 sum = _mm512_setzero_ps();
@@ -56,8 +58,10 @@ FDC_AVX512_BF16 inline float exp_sum_to_bf16(const float* x, int64_t n, float sc
     const __m512 e1 =
         _mm512_maskz_mov_ps(hi, exp2_for_bf16(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(hi, x + i + kLanes), sc, s)));
     sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+    const __m512 w0 = factors == nullptr ? e0 : _mm512_mul_ps(e0, _mm512_maskz_loadu_ps(lo, factors + i));
+    const __m512 w1 = factors == nullptr ? e1 : _mm512_mul_ps(e1, _mm512_maskz_loadu_ps(hi, factors + i + kLanes));
     const __mmask32 store = kZeroToChunkEnd ? __mmask32(0xFFFFFFFF) : (__mmask32(hi) << 16) | lo;
-    _mm512_mask_storeu_epi16(out + i, store, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(e1, e0)));
+    _mm512_mask_storeu_epi16(out + i, store, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w1, w0)));
   };
   const int64_t full = n / (2 * kLanes) * (2 * kLanes);
   for (int64_t i = 0; i < full; i += 2 * kLanes) step(i, 0xFFFF, 0xFFFF);
