@@ -7,6 +7,8 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
+#include <array>
+#include <cstdint>
 #include <optional>
 #include <type_traits>
 
@@ -74,5 +76,19 @@ constexpr int64_t kColumnsPer = std::is_same_v<T, Int4Pair> ? 2 : 1;
 inline float to_float(float x) { return x; }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+// A quantized cache's codes (fdc/kv_format.h), unscaled. e4m3 by a 256-entry table: c10's conversion rebuilds the
+// float's fields bit by bit, which made the paged prefill's packing of e4m3 pages 1.13-1.32x the bf16 pages' time
+// where int8's conversion (one instruction) kept it at 0.98-1.01x (bench/results/ops/README.md, "Quantized caches").
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+inline float to_float(c10::Float8_e4m3fn x) {
+  static const std::array<float, 256> values = [] {
+    std::array<float, 256> table{};
+    for (int code = 0; code < 256; ++code) {
+      table[code] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(code), c10::Float8_e4m3fn::from_bits()));
+    }
+    return table;
+  }();
+  return values[x.x];
+}
 
 }  // namespace fdc::cpu

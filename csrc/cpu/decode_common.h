@@ -133,7 +133,7 @@ struct CacheView {
       const int64_t step = scale_stride();
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t c = 0; c < cols; ++c) {
-          scratch[r * cols + c] = static_cast<float>(src[r * src_stride + c]) * s[(paged() ? c : r) * step];
+          scratch[r * cols + c] = to_float(src[r * src_stride + c]) * s[(paged() ? c : r) * step];
         }
       }
       return {scratch, cols};

@@ -283,7 +283,7 @@ PackedKV<T> pack_kv_paged(const at::Tensor& k, const at::Tensor& v, const checks
           if constexpr (std::is_same_v<S, Int4Pair>) {
             return static_cast<T>(static_cast<float>(src[(c / 2) * page_size + i].code(c)) * scales[i]);
           } else if constexpr (kQuantized<S>) {
-            return static_cast<T>(static_cast<float>(src[c * page_size + i]) * scales[i]);
+            return static_cast<T>(to_float(src[c * page_size + i]) * scales[i]);
           } else {
             return static_cast<T>(src[c * page_size + i]);
           }
