@@ -11,10 +11,13 @@ per head against the prompt's ``length x length``.
   at temperature ``temperature`` (Keyformer's regularisation of the scores of the tokens that remain), the
   probabilities summed over the window's queries and the group's query heads.
 
-Either way the last ``recent`` tokens are always kept, and the rest of the budget goes to the highest scores. One
-selection serves all KV heads of a layer: a packed row holds every KV head of one token, so a token is kept or
-evicted whole (scores of the heads are summed; each head's probabilities sum to one per query, so every head weighs
-the same). ``window_scores`` returns the per-head scores, for studies of per-head selection.
+Either way the last ``recent`` tokens are always kept, and the rest of the budget goes to the highest scores. By
+default one selection serves all KV heads of a layer (the heads' scores summed; each head's probabilities sum to one
+per query, so every head weighs the same), and a token is kept or evicted whole. With ``per_head`` each KV head keeps
+its own highest-scoring tokens, the same count for every head: a packed row then holds, in each head's columns, that
+head's i-th kept token. Decode and later prompts read the rows as before (attention does not ask which token a row
+holds: the keys carry their positions' rotation), so the layout and the ops are unchanged; only what needs a row's
+token, sliding windows and Palu's key rebuild, must know the positions per head.
 
 Functions here are device-neutral tensor code; they validate their inputs before writing anything, so a refused
 call leaves the cache as it was.
@@ -36,7 +39,8 @@ class EvictionPolicy:
     """What to keep of each request's prompt. ``keep``: share of its tokens kept, in (0, 1] (at least one token);
     ``window``: queries that score (the observation window); ``recent``: last tokens always kept (default: the
     window); ``kernel``: SnapKV's pooling width (odd); ``temperature``: Keyformer's softmax temperature at the
-    prompt; ``seed``: Keyformer's noise (fixed, so a run is reproducible)."""
+    prompt; ``seed``: Keyformer's noise (fixed, so a run is reproducible); ``per_head``: each KV head keeps its own
+    tokens (the same count per head) instead of one choice per layer."""
 
     method: str
     keep: float
@@ -45,6 +49,7 @@ class EvictionPolicy:
     kernel: int = 7  # SnapKV's pooling kernel
     temperature: float = 1.0  # Keyformer's tau at the prompt (its schedule starts at 1)
     seed: int = 0
+    per_head: bool = False
 
     def __post_init__(self):
         where = "fdc_ops.eviction.EvictionPolicy"
@@ -61,6 +66,8 @@ class EvictionPolicy:
         if self.recent is not None and (not isinstance(self.recent, int) or isinstance(self.recent, bool)
                                         or self.recent < 0):
             raise ValueError(f"{where}: recent must be an int >= 0 or None (the window), got {self.recent!r}")
+        if not isinstance(self.per_head, bool):
+            raise ValueError(f"{where}: per_head must be a bool, got {self.per_head!r}")
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
                 or self.temperature <= 0:
             raise ValueError(f"{where}: temperature must be positive, got {self.temperature!r}")
@@ -224,14 +231,19 @@ def select_tokens(scores: torch.Tensor, cache_seqlens: torch.Tensor, policy: Evi
 
 
 def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor, index: torch.Tensor,
-               kept: list[int], block_table: torch.Tensor | None = None, num_kv_heads: int | None = None) -> None:
+               kept: list[int], block_table: torch.Tensor | None = None, num_kv_heads: int | None = None,
+               qk_offsets: torch.Tensor | None = None, v_offsets: torch.Tensor | None = None) -> None:
     """Keeps request b's tokens index[b, :kept[b]] (increasing) as its first kept[b] tokens, in place, and sets
     cache_seqlens to kept. Contiguous caches (B, S, width), or paged ones (num_pages, width, page_size) with
-    block_table (B, max_pages) int32, laid out as the ops read them; later appends and attention read the compacted
+    block_table (B, max pages) int32, laid out as the ops read them; later appends and attention read the compacted
     cache as any other. Quantized caches (fdc_ops.ops) move each token's codes with its scales: a contiguous row holds
     both; a page keeps its scales apart, in its last 4 * num_kv_heads byte rows, so paged quantized caches need
     ``num_kv_heads``. Everything is checked before anything is written, and the kept rows are read out before any is
-    written: a refused call changes nothing, and no kept row is overwritten before it is read."""
+    written: a refused call changes nothing, and no kept row is overwritten before it is read.
+
+    Per KV head: index (B, H_kv, max kept), each head's tokens index[b, j, :kept[b]] (the same count for every head)
+    moved within that head's columns (and scales), which qk_offsets and v_offsets ((H_kv + 1,) int32 CPU prefix sums,
+    as the ops take them) locate."""
     from . import ops
 
     where = "fdc_ops.eviction.compact_kv"
@@ -239,10 +251,13 @@ def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torc
     if cache_seqlens.dim() != 1 or cache_seqlens.dtype != torch.int32:
         raise ValueError(f"{where}: cache_seqlens must be (B,) int32, got {cache_seqlens.dtype} "
                          f"{tuple(cache_seqlens.shape)}")
-    if index.dim() != 2 or index.shape[0] != B or index.dtype != torch.int64:
-        raise ValueError(f"{where}: index must be (B={B}, max kept) int64, got {index.dtype} {tuple(index.shape)}")
-    if len(kept) != B or any(count < 0 or count > index.shape[1] for count in kept):
-        raise ValueError(f"{where}: kept must be {B} counts within index's {index.shape[1]} columns, got {kept}")
+    if index.dim() not in (2, 3) or index.shape[0] != B or index.dtype != torch.int64:
+        raise ValueError(f"{where}: index must be (B={B}, max kept) or, per KV head, (B, H_kv, max kept) int64, got "
+                         f"{index.dtype} {tuple(index.shape)}")
+    per_head = index.dim() == 3
+    width = index.shape[-1]
+    if len(kept) != B or any(count < 0 or count > width for count in kept):
+        raise ValueError(f"{where}: kept must be {B} counts within index's {width} columns, got {kept}")
     lengths = cache_seqlens.tolist()
     if any(count > length for count, length in zip(kept, lengths)):
         raise ValueError(f"{where}: kept {kept} exceeds the cached tokens {lengths}")
@@ -253,6 +268,14 @@ def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torc
     quantized = k_cache.dtype in ops.QUANTIZED_CACHE_DTYPES
     if v_cache.dtype != k_cache.dtype:
         raise ValueError(f"{where}: v_cache must have k_cache's dtype {k_cache.dtype}, got {v_cache.dtype}")
+    spans = None  # per KV head: for each cache, the head's (first, last) columns of the tensor as moved
+    if per_head:
+        heads = index.shape[1]
+        if num_kv_heads is not None and num_kv_heads != heads:
+            raise ValueError(f"{where}: num_kv_heads {num_kv_heads} differs from index's {heads} KV heads")
+        num_kv_heads = heads
+        spans = [_head_spans(where, name, offsets, heads, cache, block_table is not None)
+                 for name, offsets, cache in (("qk_offsets", qk_offsets, k_cache), ("v_offsets", v_offsets, v_cache))]
     scale_rows = 0  # a quantized page's byte rows of scales (none in a contiguous row's layout: they follow the codes)
     if quantized and block_table is not None:
         if num_kv_heads is None or num_kv_heads < 1:
@@ -264,29 +287,37 @@ def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torc
                              f"rows, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if quantized:  # moved as bytes (torch indexes no float8 on the CPU); views, so written through
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    taken = torch.arange(index.shape[1], device=index.device)[None, :] < torch.tensor(kept, device=index.device)[:,
-                                                                                                                 None]
+    counts = torch.tensor(kept, device=index.device)
+    taken = torch.arange(width, device=index.device)[None, :] < counts[:, None]  # (B, max kept)
     if bool(taken.any()):
-        bound = torch.tensor(lengths, device=index.device)[:, None]
-        rising = torch.ones_like(taken)
-        rising[:, 1:] = index[:, 1:] > index[:, :-1]
-        bad = taken & ((index < 0) | (index >= bound) | ~rising)
+        rows_of = index if per_head else index[:, None]  # (B, heads, max kept)
+        bound = torch.tensor(lengths, device=index.device)[:, None, None]
+        rising = torch.ones_like(rows_of, dtype=torch.bool)
+        rising[..., 1:] = rows_of[..., 1:] > rows_of[..., :-1]
+        bad = taken[:, None] & ((rows_of < 0) | (rows_of >= bound) | ~rising)
         if bool(bad.any()):
-            b = int(bad.any(dim=1).nonzero()[0])
-            raise ValueError(f"{where}: index[{b}, :{kept[b]}] must be increasing token positions below its length "
-                             f"{lengths[b]}, got {index[b, : kept[b]].tolist()}")
+            b, j = (int(x) for x in bad.any(dim=2).nonzero()[0])
+            head = f", {j}" if per_head else ""
+            raise ValueError(f"{where}: index[{b}{head}, :{kept[b]}] must be increasing token positions below its "
+                             f"length {lengths[b]}, got {rows_of[b, j, : kept[b]].tolist()}")
     if block_table is None:
         if k_cache.shape[0] != B or v_cache.shape[0] != B or k_cache.shape[1] != v_cache.shape[1]:
             raise ValueError(f"{where}: contiguous caches must be (B={B}, S, width) with one S, got "
                              f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-        width = index.shape[1]
         if width > k_cache.shape[1]:
             raise ValueError(f"{where}: index has {width} columns, the cache {k_cache.shape[1]} rows")
         source = index.clamp(0, max(k_cache.shape[1] - 1, 0))
-        moved = [torch.gather(cache, 1, source[:, :, None].expand(-1, -1, cache.shape[2])) for cache in
-                 (k_cache, v_cache)]  # (B, max kept, width) each, read whole before any write
-        for cache, rows in zip((k_cache, v_cache), moved):
-            cache[:, :width] = torch.where(taken[:, :, None], rows, cache[:, :width])
+        # (part of a cache, its kept rows (B, max kept, columns)), every part read whole before any write
+        if per_head:
+            parts = [cache[:, :, first:last] for cache, head_spans in zip((k_cache, v_cache), spans)
+                     for j, columns in enumerate(head_spans) for first, last in columns]
+            sources = [source[:, j] for head_spans in spans for j, columns in enumerate(head_spans) for _ in columns]
+        else:
+            parts, sources = [k_cache, v_cache], [source, source]
+        moved = [torch.gather(part, 1, rows[:, :, None].expand(-1, -1, part.shape[2]))
+                 for part, rows in zip(parts, sources)]
+        for part, rows in zip(parts, moved):
+            part[:, :width] = torch.where(taken[:, :, None], rows, part[:, :width])
     else:
         page_size = k_cache.shape[2]
         if block_table.dim() != 2 or block_table.shape[0] != B or block_table.dtype != torch.int32:
@@ -306,20 +337,56 @@ def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torc
             raise ValueError(f"{where}: block_table's entries for the cached tokens must be pages in "
                              f"[0, {k_cache.shape[0]})")
         b_rows, i_cols = taken.nonzero(as_tuple=True)
-        source = index[b_rows, i_cols]
-        source_page, source_slot = table[b_rows, source // page_size], source % page_size
         target_page, target_slot = table[b_rows, i_cols // page_size], i_cols % page_size
-        for cache in (k_cache, v_cache):
+        # Per KV head j (one for all heads when shared): the source page and slot of each kept token.
+        heads = index.shape[1] if per_head else 1
+        sources = [index[b_rows, j, i_cols] if per_head else index[b_rows, i_cols] for j in range(heads)]
+        source_at = [(table[b_rows, source // page_size], source % page_size) for source in sources]
+        writes = []  # (view, its target rows, the rows read), every one read before any is written
+        for c, cache in enumerate((k_cache, v_cache)):
             data_rows = cache.shape[1] - scale_rows
             by_slot = cache[:, :data_rows].transpose(1, 2)  # (num_pages, page_size, width): a view, written through
-            rows = by_slot[source_page, source_slot]  # (kept tokens, width), read whole before any write
-            by_slot[target_page, target_slot] = rows
+            columns = spans[c] if per_head else [[(0, data_rows)]]
+            for j, head_columns in enumerate(columns):
+                page, slot = source_at[j]
+                for first, last in head_columns:
+                    part = by_slot[:, :, first:last]
+                    writes.append((part, part[page, slot]))  # (kept tokens, columns)
             if scale_rows:  # (num_pages, H_kv, page_size) float32: a view of the pages' scale rows
                 scales = cache[:, data_rows:].reshape(cache.shape[0], scale_rows * page_size).view(torch.float32)
                 scales = scales.view(cache.shape[0], num_kv_heads, page_size)
-                moved = scales[source_page, :, source_slot]  # (kept tokens, H_kv), read whole before any write
-                scales[target_page, :, target_slot] = moved
+                for j in range(num_kv_heads):
+                    page, slot = source_at[j if per_head else 0]
+                    part = scales[:, j]
+                    writes.append((part, part[page, slot]))  # (kept tokens,)
+        for part, rows in writes:
+            part[target_page, target_slot] = rows
     cache_seqlens.copy_(torch.tensor(kept, dtype=torch.int32, device=cache_seqlens.device))
+
+
+def _head_spans(where: str, name: str, offsets, heads: int, cache: torch.Tensor, paged: bool) -> list:
+    """For each of ``heads`` KV heads, the (first, last) ranges of a cache's columns (contiguous: the last dim;
+    paged: the element rows; bytes for a quantized cache) that hold it: its codes or elements (int4: half the dims),
+    and in a contiguous quantized row its float32 scale's 4 bytes after the codes."""
+    from . import ops
+
+    if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.numel() != heads + 1:
+        raise ValueError(f"{where}: per-KV-head compaction needs {name} of {heads + 1} prefix sums, got "
+                         f"{None if offsets is None else tuple(offsets.shape)}")
+    stored = ops.cache_width(offsets, cache.dtype)
+    if cache.shape[1 if paged else 2] != stored:
+        raise ValueError(f"{where}: {name} {offsets.tolist()} make {stored} columns per token, the cache has "
+                         f"{tuple(cache.shape)}")
+    bounds = offsets.tolist()
+    per_element = 2 if cache.dtype == torch.uint8 else 1  # int4: two dims per byte
+    codes = bounds[-1] // per_element
+    spans = []
+    for j in range(heads):
+        columns = [(bounds[j] // per_element, bounds[j + 1] // per_element)]
+        if cache.dtype in ops.QUANTIZED_CACHE_DTYPES and not paged:
+            columns.append((codes + 4 * j, codes + 4 * j + 4))
+        spans.append(columns)
+    return spans
 
 
 def _check_rows(where: str, q, cu_seqlens_q, k_cache, cache_seqlens, qk_offsets, group) -> None:

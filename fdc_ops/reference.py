@@ -315,20 +315,27 @@ def select_tokens_ref(scores, cache_seqlens, policy):
     return selections
 
 
-def compact_kv_ref(k_cache, v_cache, selections, block_table=None):
-    """fdc_ops.eviction.compact_kv on copies: request b's kept tokens ``selections[b]`` become its first tokens;
-    every other slot keeps what it held. Returns (k_cache, v_cache)."""
+def compact_kv_ref(k_cache, v_cache, selections, block_table=None, offsets=None):
+    """fdc_ops.eviction.compact_kv on copies of float caches: request b's kept tokens ``selections[b]`` become its
+    first tokens; every other slot keeps what it held. Per KV head: ``selections[b][j]`` are head j's tokens, moved
+    within its columns, ``offsets`` = (qk_offsets, v_offsets). Returns (k_cache, v_cache)."""
     out = []
-    for cache in (k_cache, v_cache):
+    for c, cache in enumerate((k_cache, v_cache)):
         result = cache.clone()
         for b, kept in enumerate(selections):
-            for i, token in enumerate(kept):
-                if block_table is None:
-                    result[b, i] = cache[b, token]
-                else:
-                    page_size = cache.shape[2]
-                    source = int(block_table[b, token // page_size])
-                    target = int(block_table[b, i // page_size])
-                    result[target, :, i % page_size] = cache[source, :, token % page_size]
+            if offsets is None:
+                heads = [(kept, slice(None))]
+            else:
+                bounds = offsets[c].tolist()
+                heads = [(tokens, slice(bounds[j], bounds[j + 1])) for j, tokens in enumerate(kept)]
+            for tokens, columns in heads:
+                for i, token in enumerate(tokens):
+                    if block_table is None:
+                        result[b, i, columns] = cache[b, token, columns]
+                    else:
+                        page_size = cache.shape[2]
+                        source = int(block_table[b, token // page_size])
+                        target = int(block_table[b, i // page_size])
+                        result[target, columns, i % page_size] = cache[source, columns, token % page_size]
         out.append(result)
     return out[0], out[1]

@@ -136,6 +136,79 @@ def test_compaction_matches_the_reference(paged):
         torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0, equal_nan=True, msg=replay)
 
 
+def _per_head_selection(gen, rng, lengths, heads, capacity, policy):
+    """select_tokens run per KV head on random scores: (index (B, H_kv, max kept), kept counts, per request the
+    tokens of each head)."""
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    index, kept = eviction.select_tokens(torch.rand((len(lengths) * heads, capacity), generator=gen),
+                                         seqlens.repeat_interleave(heads), policy)
+    index, kept = index.view(len(lengths), heads, -1), kept[::heads]
+    return index, kept, [[index[b, j, : kept[b]].tolist() for j in range(heads)] for b in range(len(lengths))]
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_per_head_compaction_matches_the_reference(paged):
+    """Each KV head's tokens move within its own columns (index (B, H_kv, max kept)); other slots keep what they
+    held (NaN-poisoned); float caches, contiguous and paged."""
+    for case in range(CASES):
+        gen, rng, replay = case_generator(f"compact_kv_per_head_{paged}", case)
+        dtype = rng.choice([torch.float32, torch.float16, torch.bfloat16])
+        layout = random_layout(rng, max_kv_heads=4, max_group=1, max_dim=40)
+        batch = rng.randint(1, 4)
+        lengths = [rng.choice([0, 1, 6, 16, 45, 70]) for _ in range(batch)]
+        capacity = max(lengths) + rng.randint(0, 7)
+        k_cache = torch.full((batch, capacity, layout.qk_width), float("nan"), dtype=dtype)
+        v_cache = torch.full((batch, capacity, layout.v_width), float("nan"), dtype=dtype)
+        for b, length in enumerate(lengths):
+            k_cache[b, :length] = randn((length, layout.qk_width), dtype, gen)
+            v_cache[b, :length] = randn((length, layout.v_width), dtype, gen)
+        policy = _policy(rng, "snapkv")
+        index, kept, selections = _per_head_selection(gen, rng, lengths, layout.num_kv_heads, capacity, policy)
+        table = None
+        if paged:
+            page_size = rng.choice([1, 4, 16])
+            table, num_pages = random_block_table(lengths, capacity, page_size, rng)
+            k_cache = to_pages(k_cache, lengths, table, num_pages, page_size)
+            v_cache = to_pages(v_cache, lengths, table, num_pages, page_size)
+        offsets = (layout.qk_offsets, layout.v_offsets)
+        expected_k, expected_v = reference.compact_kv_ref(k_cache, v_cache, selections, table, offsets)
+        seqlens = torch.tensor(lengths, dtype=torch.int32)
+        eviction.compact_kv(k_cache, v_cache, seqlens, index, kept, table, qk_offsets=layout.qk_offsets,
+                            v_offsets=layout.v_offsets)
+        assert seqlens.tolist() == kept, replay
+        torch.testing.assert_close(k_cache, expected_k, rtol=0, atol=0, equal_nan=True, msg=replay)
+        torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0, equal_nan=True, msg=replay)
+
+
+def test_decode_after_per_head_compaction_attends_each_heads_tokens():
+    """Decode over a cache compacted per KV head equals attention in which each KV head sees its own kept tokens."""
+    gen, rng, _ = case_generator("decode_after_per_head_compaction", 0)
+    layout = random_layout(rng, max_kv_heads=3, max_group=3, max_dim=48)
+    heads, lengths = layout.num_kv_heads, [37, 80, 5]
+    k_cache = randn((3, 96, layout.qk_width), torch.float32, gen)
+    v_cache = randn((3, 96, layout.v_width), torch.float32, gen)
+    q = randn((3, layout.group * layout.qk_width), torch.float32, gen)
+    policy = eviction.EvictionPolicy("snapkv", keep=0.4, window=4, per_head=True)
+    index, kept, selections = _per_head_selection(gen, rng, lengths, heads, 96, policy)
+    expected = torch.zeros(3, layout.group * layout.v_width, dtype=torch.float64)
+    for j in range(heads):  # each KV head alone, over its own kept rows
+        k0, k1 = layout.qk_offsets[j : j + 2].tolist()
+        v0, v1 = layout.v_offsets[j : j + 2].tolist()
+        rows = [torch.tensor(selections[b][j]) for b in range(3)]
+        alone_k = torch.nn.utils.rnn.pad_sequence([k_cache[b, rows[b], k0:k1] for b in range(3)], batch_first=True)
+        alone_v = torch.nn.utils.rnn.pad_sequence([v_cache[b, rows[b], v0:v1] for b in range(3)], batch_first=True)
+        one = torch.tensor([0, k1 - k0], dtype=torch.int32), torch.tensor([0, v1 - v0], dtype=torch.int32)
+        head_q = q[:, layout.group * k0: layout.group * k1]
+        expected[:, layout.group * v0: layout.group * v1] = reference.decode_attention_ref(
+            head_q.double(), alone_k.double(), alone_v.double(), torch.tensor(kept, dtype=torch.int32), *one,
+            layout.group, 0.2)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    eviction.compact_kv(k_cache, v_cache, seqlens, index, kept, qk_offsets=layout.qk_offsets,
+                        v_offsets=layout.v_offsets)
+    out = ops.decode_attention(q, k_cache, v_cache, seqlens, layout.qk_offsets, layout.v_offsets, layout.group, 0.2)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-5)
+
+
 def test_decode_after_compaction_attends_the_kept_tokens():
     """The compacted cache is a cache like any other: decode over it equals decode over the kept rows alone."""
     gen, rng, _ = case_generator("decode_after_compaction", 0)
@@ -186,6 +259,15 @@ def test_a_refused_compaction_changes_nothing():
         eviction.compact_kv(k_cache, v_cache, seqlens, torch.arange(7).repeat(2, 1), [7, 7])
     with pytest.raises(ValueError, match="index must be"):
         eviction.compact_kv(k_cache, v_cache, seqlens, torch.zeros(2, 3, dtype=torch.int32), [1, 1])
+    per_head = torch.tensor([[[0, 1, 2], [0, 2, 1]], [[0, 1, 2], [0, 1, 2]]])
+    halves = torch.tensor([0, 4, 8], dtype=torch.int32), torch.tensor([0, 8, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"index\[0, 1, :3\] must be increasing"):
+        eviction.compact_kv(k_cache, v_cache, seqlens, per_head, [3, 3], qk_offsets=halves[0], v_offsets=halves[1])
+    with pytest.raises(ValueError, match="per-KV-head compaction needs qk_offsets of 3 prefix sums"):
+        eviction.compact_kv(k_cache, v_cache, seqlens, per_head.sort(dim=2).values, [3, 3])
+    with pytest.raises(ValueError, match=r"v_offsets \[0, 8, 12\] make 12 columns per token"):
+        eviction.compact_kv(k_cache, v_cache, seqlens, per_head.sort(dim=2).values, [3, 3], qk_offsets=halves[0],
+                            v_offsets=torch.tensor([0, 8, 12], dtype=torch.int32))
     table = torch.tensor([[0, 1], [2, -1]], dtype=torch.int32)
     with pytest.raises(ValueError, match="block_table's entries"):
         eviction.compact_kv(torch.zeros(3, 8, 8), torch.zeros(3, 16, 8), seqlens, torch.zeros(2, 1,

@@ -301,3 +301,44 @@ def test_simulated_per_head_eviction_keeps_each_heads_own_choice():
         if differs:
             break
     assert differs, f"every head chose alike in 4 cases, so per-head choice went untested: {replay}"
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("policy_name", eviction.METHODS)
+def test_per_head_eviction_keeps_each_heads_own_tokens(method, policy_name):
+    """EvictionPolicy(per_head=True) in the compressed cache: each KV head's columns of the rows hold the tokens that
+    head chose (the simulation's per-head choice, the same count per head), Palu's keys are rebuilt at each head's
+    own positions, and the continuation equals the original model attending per head to exactly those tokens. Cases
+    are drawn until one whose heads chose differently (on these 2-head models most do)."""
+    for case in range(4):
+        generator, rng, replay = case_generator(f"hf_eviction_per_head_{method}_{policy_name}", case)
+        family, model, artifact, lengths, ids, mask, continuation = _case(generator, rng)
+        policy = eviction.EvictionPolicy(policy_name, keep=rng.choice([0.3, 0.5]), window=rng.choice([2, 4, 8]),
+                                         recent=rng.choice([None, 1]), kernel=3, seed=rng.randrange(100),
+                                         per_head=True)
+        _, simulated = _simulated(model, ids, mask, continuation, policy, per_head=True)
+        hf.compress(model, artifact, removal_rate=0.0, method=method, eviction=policy)
+        logits, cache = _run(model, ids, mask, continuation)
+        hf.restore(model)
+        differs = False
+        kept = []
+        for layer, (layer_cache, layer_simulated) in enumerate(zip(cache.layers, simulated)):
+            rows = layer_cache.positions_of_rows(max(layer_cache.host_lengths))  # (B, H_kv, rows)
+            assert rows.dim() == 3, replay
+            kept.append([])
+            for b, (length, heads) in enumerate(zip(lengths, layer_simulated)):
+                budget = policy.kept_tokens(length)
+                assert layer_cache.host_lengths[b] == budget + continuation.shape[1], replay
+                ours = [rows[b, j, :budget].tolist() for j in range(rows.shape[1])]
+                assert ours == heads, f"layer {layer} request {b}: {replay}"
+                for j in range(rows.shape[1]):  # the continuation's rows follow in every head
+                    later = rows[b, j, budget: layer_cache.host_lengths[b]].tolist()
+                    assert later == list(range(length, length + continuation.shape[1])), replay
+                differs |= any(head != ours[0] for head in ours)
+                kept[-1].append(ours)
+        expected = _original_attending(model, ids, mask, continuation, kept)
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item(),
+                                   msg=f"{family} {method}: {replay}")
+        if differs:
+            return
+    pytest.fail("no case had KV heads choosing differently")

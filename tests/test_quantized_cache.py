@@ -356,9 +356,10 @@ def test_quantized_cache_errors():
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("case", range(CASES // 4))
 def test_eviction_moves_quantized_rows_with_their_scales(case, paged):
-    """compact_kv on a quantized cache (poisoned, filled by append_kv) is compact_kv of its dequantized cache: each
-    kept token's codes travel with its scales (a contiguous row's, or a page's scale rows), every other slot keeps
-    what it held; window_scores of a quantized cache are those of its dequantized keys."""
+    """compact_kv on a quantized cache (poisoned, filled by append_kv) is compact_kv of its dequantized cache: each kept
+    token's codes travel with its scales (a contiguous row's, or a page's scale rows), for all KV heads at once or per
+    KV head, every other slot keeps what it held; window_scores of a quantized cache are those of its dequantized
+    keys."""
     from fdc_ops import eviction
 
     gen, rng, replay = case_generator(f"quantized eviction paged={paged}", case)
@@ -383,12 +384,23 @@ def test_eviction_moves_quantized_rows_with_their_scales(case, paged):
         k_float = reference.dequantize_cache_ref(k_cache, layout.qk_offsets).float()
         torch.testing.assert_close(eviction.window_scores(*args),
                                    eviction.window_scores(q, cu, k_float, *args[3:]), msg=replay)
-    index, kept = eviction.select_tokens(torch.rand((batch, capacity), generator=gen), seqlens, policy)
-    selections = [index[b, : kept[b]].tolist() for b in range(batch)]
+    heads = layout.num_kv_heads if rng.random() < 0.5 else 1  # per KV head, or one choice for all
+    index, kept = eviction.select_tokens(torch.rand((batch * heads, capacity), generator=gen),
+                                         seqlens.repeat_interleave(heads), policy)
+    kept = kept[::heads]
     floats = [reference.dequantize_cache_ref(cache, offs, paged=paged)
               for cache, offs in ((k_cache, layout.qk_offsets), (v_cache, layout.v_offsets))]
-    expected = reference.compact_kv_ref(*floats, selections, block_table)
-    eviction.compact_kv(k_cache, v_cache, seqlens, index, kept, block_table, num_kv_heads=layout.num_kv_heads)
+    columns = {}
+    if heads > 1:
+        index = index.view(batch, heads, -1)
+        selections = [[index[b, j, : kept[b]].tolist() for j in range(heads)] for b in range(batch)]
+        columns = dict(qk_offsets=layout.qk_offsets, v_offsets=layout.v_offsets)
+        expected = reference.compact_kv_ref(*floats, selections, block_table, (layout.qk_offsets, layout.v_offsets))
+    else:
+        selections = [index[b, : kept[b]].tolist() for b in range(batch)]
+        expected = reference.compact_kv_ref(*floats, selections, block_table)
+    eviction.compact_kv(k_cache, v_cache, seqlens, index, kept, block_table, num_kv_heads=layout.num_kv_heads,
+                        **columns)
     assert seqlens.tolist() == kept, replay
     for cache, offs, want in ((k_cache, layout.qk_offsets, expected[0]), (v_cache, layout.v_offsets, expected[1])):
         got = reference.dequantize_cache_ref(cache, offs, paged=paged)

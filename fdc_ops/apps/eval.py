@@ -23,14 +23,14 @@ same article, the prompt's cache compressed and evicted before the continuation 
 PG-19): ``Keyformer`` alone (every layer keeps a share of each prompt's tokens, chosen by Keyformer's scores; the
 modules at full width, which compute what the original model computes), and the paper's combinations ``KF-F`` and
 ``KF-P``, eviction and FDC (or Palu) each contributing half of the total compression (both keep sqrt(1 - c) of what
-they act on); ``SnapKV`` and ``SnapKV-F`` the same with SnapKV's scores; ``... per KV head (simulated)``: each KV
-head choosing its own tokens (the packed cache chooses once per layer), measured by simulation on the uncompressed
-model's attention. A point's compression is the share of the prompt's KV bytes removed. ``--metric retrieval`` asks
-for a number stated once early in a held-out text of 1400 tokens (what eviction loses that perplexity hides); the
-same methods run on it. Quantized caches (``KVQ int8`` / ``KVQ e4m3`` / ``KVQ int4`` alone at full widths, ``KVQ-F
-...`` under FDC's widths, ``KVQ-P ...`` under Palu's, ``KF-KVQ-F int8`` / ``KF-KVQ-P int8`` all three stacked with
-Keyformer eviction) run on both long-context metrics too; their compression counts the cache's bytes (a byte, or
-half of one for int4, per element, and its scales) against a 16-bit cache. Other
+they act on); ``SnapKV`` and ``SnapKV-F`` the same with SnapKV's scores; ``... per head``: each KV head keeping its own
+tokens (EvictionPolicy.per_head; by default one choice serves a layer's heads), and ``... per KV head (simulated)`` the
+same simulated on the uncompressed model's attention. A point's compression is the share of the prompt's KV bytes
+removed. ``--metric retrieval`` asks for a number stated once early in a held-out text of 1400 tokens (what eviction
+loses that perplexity hides); the same methods run on it. Quantized caches (``KVQ int8`` / ``KVQ e4m3`` / ``KVQ
+int4`` alone at full widths, ``KVQ-F ...`` under FDC's widths, ``KVQ-P ...`` under Palu's, ``KF-KVQ-F int8`` /
+``KF-KVQ-P int8`` all three stacked with Keyformer eviction) run on both long-context metrics too; their compression
+counts the cache's bytes (a byte, or half of one for int4, per element, and its scales) against a 16-bit cache. Other
 formats below 8 bits are simulated (``... (simulated)``, apps/quantization_simulation.py), to choose by measurement.
 
 Every evaluation is appended to ``<out>/<model>-eval-<metric>-points.json`` as it finishes (keyed by the widths, so
@@ -86,6 +86,13 @@ EVICTION = {
                                           "simulate": "per_head"},
     "SnapKV per KV head (simulated)": {"artifact": "default", "eviction": "snapkv", "split": "eviction",
                                        "simulate": "per_head"},
+    # the same in the compressed cache (EvictionPolicy.per_head: each head's columns of a row hold its own tokens)
+    "SnapKV per head": {"artifact": "default", "eviction": "snapkv", "split": "eviction", "per_head": True},
+    "SnapKV-F per head": {"artifact": "default", "eviction": "snapkv", "split": "equal", "per_head": True},
+    "Keyformer per head": {"artifact": "default", "eviction": "keyformer", "split": "eviction", "per_head": True},
+    "KF-F per head": {"artifact": "default", "eviction": "keyformer", "split": "equal", "per_head": True},
+    "KF-P per head": {"artifact": "default", "method": "palu", "eviction": "keyformer", "split": "equal",
+                      "per_head": True},
 }
 # Quantized caches (fdc_ops.ops: a byte, or half a byte for int4, per element and a float32 scale per token and KV
 # head), alone (full widths) and under FDC's widths (the paper's KVQ-F) or Palu's (KVQ-P: its key latent quantized),
@@ -324,7 +331,8 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
             if "eviction" in settings:
                 needed, share = stacked_budgets(compression, shape.head_dim, bits)
                 allocation = allocation_for(settings, needed)
-                policy = evictions.EvictionPolicy(settings["eviction"], keep=share)
+                policy = evictions.EvictionPolicy(settings["eviction"], keep=share,
+                                                  per_head=settings.get("per_head", False))
                 prompt = LONG_PROMPT if metric == "long_perplexity" else RETRIEVAL_TOKENS
                 kept = policy.kept_tokens(prompt) / prompt
                 return allocation, policy, 1.0 - kept * (1.0 - quantized_compression(allocation.compression_rate,
@@ -344,7 +352,7 @@ def run(out: str = "bench/results/eval", metric: str = "perplexity", text: str =
             return allocation, None, allocation.compression_rate
         share = 1.0 - compression if split == "eviction" else math.sqrt(1.0 - compression)  # kept by eviction
         allocation = allocation_for(settings, 0.0 if split == "eviction" else 1.0 - share)
-        policy = evictions.EvictionPolicy(settings["eviction"], keep=share)
+        policy = evictions.EvictionPolicy(settings["eviction"], keep=share, per_head=settings.get("per_head", False))
         prompt = LONG_PROMPT if metric == "long_perplexity" else RETRIEVAL_TOKENS
         kept = policy.kept_tokens(prompt) / prompt
         return allocation, policy, 1.0 - (1.0 - allocation.compression_rate) * kept

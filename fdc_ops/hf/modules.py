@@ -134,9 +134,10 @@ class CompressedKVLayer(DynamicLayer):
     full, instead of growing them: its memory stops growing with the context (at most about twice the window plus
     the longest call's rows), and a request's row i then holds its token ``first_positions[b] + i``.
 
-    Eviction (``evict``) keeps a chosen subset of each request's rows, compacted to the front; from then on the
-    layer records the positions of the rows it kept (``kept_positions``; rows appended later follow each request's
-    last token), which Palu's key rebuild rotates by, and how many tokens each request has lost (``evicted``)."""
+    Eviction (``evict``) keeps a chosen subset of each request's rows, compacted to the front (one choice for all KV
+    heads, or each head its own, the same count); from then on the layer records the positions of the rows it kept
+    (``kept_positions``, per KV head after a per-head eviction; rows appended later follow each request's last
+    token), which Palu's key rebuild rotates by, and how many tokens each request has lost (``evicted``)."""
 
     is_sliding = False
     is_compileable = False
@@ -153,7 +154,8 @@ class CompressedKVLayer(DynamicLayer):
         self.host_lengths: list[int] = []  # the same on the host, so appends read nothing back from the device
         self.first_positions: torch.Tensor | None = None  # (B,) int64: the token in row 0 (rows dropped before it)
         self.host_first_positions: list[int] = []
-        self.kept_positions: torch.Tensor | None = None  # (B, most kept) int64 once rows were evicted: their tokens
+        # (B, most kept) int64 once rows were evicted: their tokens ((B, H_kv, most kept) after a per-head eviction)
+        self.kept_positions: torch.Tensor | None = None
         self.kept_rows: torch.Tensor | None = None  # (B,) int64: rows kept by the last eviction (the first ones)
         self.evicted: torch.Tensor | None = None  # (B,) int64: tokens evicted per request
         self.positions = 0  # positions seen, padding included (what transformers calls the sequence length)
@@ -227,27 +229,38 @@ class CompressedKVLayer(DynamicLayer):
         return self.first_positions + self.evicted + self.lengths
 
     def positions_of_rows(self, rows: int) -> torch.Tensor:
-        """(B, rows) int64: the token position each of the first ``rows`` rows holds: consecutive from the request's
-        first kept one, except the rows an eviction kept (recorded; the rows after them are consecutive again, since
-        they were appended after it)."""
+        """(B, rows) int64, or (B, H_kv, rows) after a per-head eviction: the token position each of the first
+        ``rows`` rows holds (in each KV head's columns): consecutive from the request's first kept one, except the
+        rows an eviction kept (recorded; the rows after them are consecutive again, since they were appended after
+        it)."""
         consecutive = torch.arange(rows, device=self.first_positions.device)[None, :] + self.first_positions[:, None]
         if self.kept_positions is None:
             return consecutive
-        recorded = self.kept_positions[:, :rows]
-        if recorded.shape[1] < rows:
-            recorded = torch.nn.functional.pad(recorded, (0, rows - recorded.shape[1]))
+        recorded = self.kept_positions[..., :rows]
+        if recorded.shape[-1] < rows:
+            recorded = torch.nn.functional.pad(recorded, (0, rows - recorded.shape[-1]))
         kept = torch.arange(rows, device=recorded.device)[None, :] < self.kept_rows[:, None]  # (B, rows)
-        return torch.where(kept, recorded, consecutive + self.evicted[:, None])
+        later = consecutive + self.evicted[:, None]
+        if recorded.dim() == 3:
+            kept, later = kept[:, None], later[:, None]
+        return torch.where(kept, recorded, later)
 
     def evict(self, index: torch.Tensor, kept: list[int]) -> None:
         """Keeps request b's rows index[b, :kept[b]] (increasing) as its first rows and drops the others
-        (fdc_ops.eviction.compact_kv: checked whole before anything is written). index: (B, max kept) int64."""
+        (fdc_ops.eviction.compact_kv: checked whole before anything is written). index: (B, max kept) int64, or
+        (B, H_kv, max kept) for each KV head's own rows (the same count per head)."""
         if self.window_left >= 0:
             raise NotImplementedError("fdc_ops.hf.modules: eviction on a sliding-window layer is not supported (its "
                                       "rows past the window are dropped by position)")
-        positions = self.positions_of_rows(max(self.host_lengths)).gather(1, index)  # (B, max kept), read first
+        positions = self.positions_of_rows(max(self.host_lengths))
+        if index.dim() == 3 and positions.dim() == 2:
+            positions = positions[:, None].expand(-1, index.shape[1], -1)
+        elif index.dim() == 2 and positions.dim() == 3:
+            index = index[:, None].expand(-1, positions.shape[1], -1)  # kept per head already: stays per head
+        positions = positions.gather(-1, index)  # (B, [H_kv,] max kept), read first
         before = self.lengths.clone()
-        evictions.compact_kv(self.k_cache, self.v_cache, self.lengths, index, kept)
+        columns = dict(qk_offsets=self.k_offsets, v_offsets=self.v_offsets) if index.dim() == 3 else {}
+        evictions.compact_kv(self.k_cache, self.v_cache, self.lengths, index, kept, **columns)
         self.kept_positions, self.kept_rows = positions, self.lengths.to(torch.int64)
         self.evicted += (before - self.lengths).to(torch.int64)
         self.host_lengths = list(kept)
@@ -737,14 +750,20 @@ def _rows_at(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def _evict(module, layer: CompressedKVLayer, q_rows, rows: CallRows, k_cache, k_offsets) -> None:
     """Scores every cached key of the layer by the attention of the prompt's last queries (fdc_ops.eviction), one
-    selection per request for all KV heads, and compacts the layer's rows. k_cache: (B, >= longest, k width) keys
-    as attended (Palu: rebuilt at full width)."""
+    selection per request for all KV heads (or per KV head: policy.per_head), and compacts the layer's rows. k_cache:
+    (B, >= longest, k width) keys as attended (Palu: rebuilt at full width)."""
     policy = module.eviction
     longest = max(layer.host_lengths)
     scores = evictions.window_scores(q_rows, rows.cu, k_cache[:, :longest], layer.lengths, k_offsets, module.group,
                                      module.scaling, policy, module.softcap,
                                      policy.layer_seed(module.layer_idx))  # (B, H_kv, longest)
-    index, kept = evictions.select_tokens(scores.sum(1), layer.lengths, policy, layer.host_lengths)
+    if policy.per_head:  # each KV head its own tokens, the same count: one selection per (request, head)
+        heads = scores.shape[1]
+        index, kept = evictions.select_tokens(scores.flatten(0, 1), layer.lengths.repeat_interleave(heads), policy,
+                                              [length for length in layer.host_lengths for _ in range(heads)])
+        index, kept = index.view(len(layer.host_lengths), heads, -1), kept[::heads]
+    else:
+        index, kept = evictions.select_tokens(scores.sum(1), layer.lengths, policy, layer.host_lengths)
     layer.evict(index, kept)
 
 
@@ -780,14 +799,22 @@ class PaluAttention(_CompressedAttentionBase):
         return self.latent_offsets, self.v_offsets
 
     def _keys(self, latent: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """latent (B, S, sum k dims) at positions (B, S) -> post-RoPE keys (B, S, H_kv * D)."""
+        """latent (B, S, sum k dims) at positions (B, S), or (B, H_kv, S) where each KV head's rows hold their own
+        tokens (a per-head eviction) -> post-RoPE keys (B, S, H_kv * D)."""
         B, S, _ = latent.shape
-        keys = (latent @ self.key_up.to(latent.dtype)).view(B, S, self.num_kv_heads, self.head_dim)
+        H_kv, D = self.num_kv_heads, self.head_dim
+        keys = (latent @ self.key_up.to(latent.dtype)).view(B, S, H_kv, D)
         if self.k_norm is not None:
             keys = self.k_norm(keys)
         keys = keys.transpose(1, 2)  # (B, H_kv, S, D)
-        cos, sin = self._rotary[0](latent, positions, **self._rotary_kwargs)
-        _, keys = self._apply_rope(keys, keys, cos, sin)
+        if positions.dim() == 3:  # one rotation per (request, head): each head as a request of one head
+            cos, sin = self._rotary[0](latent, positions.reshape(B * H_kv, S), **self._rotary_kwargs)
+            flat = keys.reshape(B * H_kv, 1, S, D)
+            _, flat = self._apply_rope(flat, flat, cos, sin)
+            keys = flat.view(B, H_kv, S, D)
+        else:
+            cos, sin = self._rotary[0](latent, positions, **self._rotary_kwargs)
+            _, keys = self._apply_rope(keys, keys, cos, sin)
         return keys.transpose(1, 2).reshape(B, S, -1)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None, **kwargs):
