@@ -104,39 +104,7 @@ def test_selection_matches_the_reference():
             assert kept[b] == (0 if lengths[b] == 0 else max(1, math.ceil(policy.keep * lengths[b] - 1e-9))), replay
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_compaction_matches_the_reference(paged):
-    for case in range(CASES):
-        gen, rng, replay = case_generator(f"compact_kv_{paged}", case)
-        dtype = rng.choice([torch.float32, torch.float16, torch.bfloat16])
-        batch = rng.randint(1, 4)
-        lengths = [rng.choice([0, 1, 6, 16, 45, 70]) for _ in range(batch)]
-        capacity = max(lengths) + rng.randint(0, 7)
-        k_width, v_width = 8 * rng.randint(1, 6), 8 * rng.randint(1, 6)
-        k_cache = torch.full((batch, capacity, k_width), float("nan"), dtype=dtype)
-        v_cache = torch.full((batch, capacity, v_width), float("nan"), dtype=dtype)
-        for b, length in enumerate(lengths):
-            k_cache[b, :length] = randn((length, k_width), dtype, gen)
-            v_cache[b, :length] = randn((length, v_width), dtype, gen)
-        policy = _policy(rng, "snapkv")
-        seqlens = torch.tensor(lengths, dtype=torch.int32)
-        scores = torch.rand((batch, capacity), generator=gen)
-        index, kept = eviction.select_tokens(scores, seqlens, policy)
-        selections = [index[b, : kept[b]].tolist() for b in range(batch)]
-        table = None
-        if paged:
-            page_size = rng.choice([1, 4, 16])
-            table, num_pages = random_block_table(lengths, capacity, page_size, rng)
-            k_cache = to_pages(k_cache, lengths, table, num_pages, page_size)
-            v_cache = to_pages(v_cache, lengths, table, num_pages, page_size)
-        expected_k, expected_v = reference.compact_kv_ref(k_cache, v_cache, selections, table)
-        eviction.compact_kv(k_cache, v_cache, seqlens, index, kept, table)
-        assert seqlens.tolist() == kept, replay
-        torch.testing.assert_close(k_cache, expected_k, rtol=0, atol=0, equal_nan=True, msg=replay)
-        torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0, equal_nan=True, msg=replay)
-
-
-def _per_head_selection(gen, rng, lengths, heads, capacity, policy):
+def _per_head_selection(gen, lengths, heads, capacity, policy):
     """select_tokens run per KV head on random scores: (index (B, H_kv, max kept), kept counts, per request the
     tokens of each head)."""
     seqlens = torch.tensor(lengths, dtype=torch.int32)
@@ -146,12 +114,13 @@ def _per_head_selection(gen, rng, lengths, heads, capacity, policy):
     return index, kept, [[index[b, j, : kept[b]].tolist() for j in range(heads)] for b in range(len(lengths))]
 
 
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per_head"])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_per_head_compaction_matches_the_reference(paged):
-    """Each KV head's tokens move within its own columns (index (B, H_kv, max kept)); other slots keep what they
-    held (NaN-poisoned); float caches, contiguous and paged."""
+def test_compaction_matches_the_reference(paged, per_head):
+    """Kept tokens move to the front, every other slot keeps what it held (NaN-poisoned); per KV head (index (B,
+    H_kv, max kept)) each head's tokens move within its own columns. Float caches, contiguous and paged."""
     for case in range(CASES):
-        gen, rng, replay = case_generator(f"compact_kv_per_head_{paged}", case)
+        gen, rng, replay = case_generator(f"compact_kv_{paged}_{per_head}", case)
         dtype = rng.choice([torch.float32, torch.float16, torch.bfloat16])
         layout = random_layout(rng, max_kv_heads=4, max_group=1, max_dim=40)
         batch = rng.randint(1, 4)
@@ -163,18 +132,24 @@ def test_per_head_compaction_matches_the_reference(paged):
             k_cache[b, :length] = randn((length, layout.qk_width), dtype, gen)
             v_cache[b, :length] = randn((length, layout.v_width), dtype, gen)
         policy = _policy(rng, "snapkv")
-        index, kept, selections = _per_head_selection(gen, rng, lengths, layout.num_kv_heads, capacity, policy)
+        offsets, columns = None, {}
+        if per_head:
+            index, kept, selections = _per_head_selection(gen, lengths, layout.num_kv_heads, capacity, policy)
+            offsets = (layout.qk_offsets, layout.v_offsets)
+            columns = dict(qk_offsets=layout.qk_offsets, v_offsets=layout.v_offsets)
+        else:
+            index, kept = eviction.select_tokens(torch.rand((batch, capacity), generator=gen),
+                                                 torch.tensor(lengths, dtype=torch.int32), policy)
+            selections = [index[b, : kept[b]].tolist() for b in range(batch)]
         table = None
         if paged:
             page_size = rng.choice([1, 4, 16])
             table, num_pages = random_block_table(lengths, capacity, page_size, rng)
             k_cache = to_pages(k_cache, lengths, table, num_pages, page_size)
             v_cache = to_pages(v_cache, lengths, table, num_pages, page_size)
-        offsets = (layout.qk_offsets, layout.v_offsets)
         expected_k, expected_v = reference.compact_kv_ref(k_cache, v_cache, selections, table, offsets)
         seqlens = torch.tensor(lengths, dtype=torch.int32)
-        eviction.compact_kv(k_cache, v_cache, seqlens, index, kept, table, qk_offsets=layout.qk_offsets,
-                            v_offsets=layout.v_offsets)
+        eviction.compact_kv(k_cache, v_cache, seqlens, index, kept, table, **columns)
         assert seqlens.tolist() == kept, replay
         torch.testing.assert_close(k_cache, expected_k, rtol=0, atol=0, equal_nan=True, msg=replay)
         torch.testing.assert_close(v_cache, expected_v, rtol=0, atol=0, equal_nan=True, msg=replay)
@@ -189,7 +164,7 @@ def test_decode_after_per_head_compaction_attends_each_heads_tokens():
     v_cache = randn((3, 96, layout.v_width), torch.float32, gen)
     q = randn((3, layout.group * layout.qk_width), torch.float32, gen)
     policy = eviction.EvictionPolicy("snapkv", keep=0.4, window=4, per_head=True)
-    index, kept, selections = _per_head_selection(gen, rng, lengths, heads, 96, policy)
+    index, kept, selections = _per_head_selection(gen, lengths, heads, 96, policy)
     expected = torch.zeros(3, layout.group * layout.v_width, dtype=torch.float64)
     for j in range(heads):  # each KV head alone, over its own kept rows
         k0, k1 = layout.qk_offsets[j : j + 2].tolist()
