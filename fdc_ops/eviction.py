@@ -342,7 +342,7 @@ def compact_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torc
         heads = index.shape[1] if per_head else 1
         sources = [index[b_rows, j, i_cols] if per_head else index[b_rows, i_cols] for j in range(heads)]
         source_at = [(table[b_rows, source // page_size], source % page_size) for source in sources]
-        writes = []  # (view, its target rows, the rows read), every one read before any is written
+        writes = []  # (a view of a cache's columns or scales, its kept tokens' values), all read before any write
         for c, cache in enumerate((k_cache, v_cache)):
             data_rows = cache.shape[1] - scale_rows
             by_slot = cache[:, :data_rows].transpose(1, 2)  # (num_pages, page_size, width): a view, written through

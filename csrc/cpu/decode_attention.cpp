@@ -228,11 +228,10 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
   const int64_t max_v_dim = layout.max_v_dim(), hkv = layout.num_kv_heads();
   // Products without widening the cache's elements to float, as run_piece_avx512 chooses them: vdpbf16ps on bf16
   // rows and on e4m3 codes converted to bf16 (bf16 queries), vpdpwssd on int8 and int4 codes (half-precision queries).
-  const bool half_q = q.scalar_type() != at::kFloat;
   const bool unwidened =
       isa == CpuIsa::kAvx512Bf16 && (cache_format == KvFormat::kFloat     ? k_cache.scalar_type() == at::kBFloat16
                                      : cache_format == KvFormat::kFp8E4M3 ? q.scalar_type() == at::kBFloat16
-                                                                          : half_q);
+                                                                          : q.scalar_type() != at::kFloat);
   const ReadAhead way = read_ahead_for(op, block_table.has_value(), unwidened);
   // A windowed request's first piece of a paged cache starts on the kernel's block (within its page) that holds the
   // window's first key, whose earlier keys it masks; a contiguous one starts exactly there (cut_rows).
