@@ -136,7 +136,7 @@ def test_decode_attention_reads_quantized_caches(case, paged, isa, monkeypatch):
 def test_decode_attention_reads_integer_pages_with_half_precision_queries(case, fmt, isa, monkeypatch):
     """The integer pages' own paths with half-precision queries, every case: int8 pages by int16 queries and weights
     and vpdpwssd where the CPU has AVX-512-BF16 and VNNI (a page's columns as rows for the scores, its token runs
-    paired for the value sums), int4 pages unpacked to int8 codes per block; as above."""
+    paired for the value sums), int4 pages read packed, a byte row's byte as a pair of columns; as above."""
     check_quantized_decode(f"integer pages {fmt}, half-precision queries", case, True, isa, monkeypatch, fmt=fmt,
                            dtypes=(torch.bfloat16, torch.float16))
 

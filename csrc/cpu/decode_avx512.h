@@ -181,18 +181,20 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
   // products, as the tests hold them to float32's accuracy. Measured with bench_ops --phase quantized (B=4 x 8K and
   // B=8 x 16K, bf16, 2-core Intel Xeon): 1.32-1.33x the bf16 cache's speed, against 1.08-1.13x widening to float.
   // int4 rows take the same vpdpwssd kernels, each byte's two nibbles widened into one int32 lane's int16 pair as
-  // the rows are loaded (load_codes_epi16); where the int8 kernels widen codes to float (float32 queries, dim-major
-  // pages), int4 codes are unpacked to int8 per KV head and block first (unpack_int4_block, unpack_int4_runs).
-  // int8 pages (dim-major) take the same int16 queries and weights: a page's columns are its rows for the key scores
-  // (axpy_rows_s8, two columns interleaved per vpdpwssd, as the bf16 pages' axpy_rows_bf16), and its token runs are
-  // paired along the tokens for the value sums (dot_columns_s8).
-  // e4m3 codes with bf16 queries take the bf16 cache's kernels (vdpbf16ps on bf16 pairs), each register of codes
-  // converted to bf16 exactly as it is loaded (load32_bf16), the weights rounded to bf16 after their value scales;
-  // widening to float took an FMA per 16 products and head (bench/results/ops/README.md, "Quantized caches").
+  // the rows are loaded (load_codes_epi16); where the int8 kernels widen codes to float (float32 queries), int4 codes
+  // are unpacked to int8 per KV head and block first (unpack_int4_block, unpack_int4_runs). int8 pages (dim-major) take
+  // the same int16 queries and weights: a page's columns are its rows for the key scores (axpy_rows_s8, two columns
+  // interleaved per vpdpwssd, as the bf16 pages' axpy_rows_bf16), and its token runs are paired along the tokens for
+  // the value sums (dot_columns_s8). int4 pages too, read packed: a byte row's byte is one token's pair of columns, the
+  // int16 pair vpdpwssd takes against a query pair (axpy_nibble_rows), and 32 bytes of it are two columns' 32 tokens
+  // for the value sums (dot_columns_s8 on uint8_t codes). e4m3 codes with bf16 queries take the bf16 cache's kernels
+  // (vdpbf16ps on bf16 pairs), each register of codes converted to bf16 exactly as it is loaded (load32_bf16), the
+  // weights rounded to bf16 after their value scales; widening to float took an FMA per 16 products and head
+  // (bench/results/ops/README.md, "Quantized caches").
   constexpr bool kInt4 = std::is_same_v<C, Int4Pair>;
   constexpr bool kIntCodes = std::is_same_v<C, int8_t> || kInt4;
   const bool int8_rows = kIntCodes && !std::is_same_v<T, float> && bf16_dot && !kc.paged();
-  const bool int8_pages = std::is_same_v<C, int8_t> && !std::is_same_v<T, float> && bf16_dot && kc.paged();
+  const bool int8_pages = kIntCodes && !std::is_same_v<T, float> && bf16_dot && kc.paged();
   constexpr bool kBf16Cache = std::is_same_v<C, c10::BFloat16>;
   constexpr bool kE4m3 = std::is_same_v<C, c10::Float8_e4m3fn>;
   constexpr bool kBf16Rows = kBf16Cache || (kE4m3 && std::is_same_v<T, c10::BFloat16>);  // rows for vdpbf16ps
@@ -220,8 +222,9 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
   const bool bf16_weights = vc.paged() ? bf16_pages : bf16_rows;
   PageRuns<C> runs[2];  // paged: the block's and the next block's runs, by turns
   if (kc.paged()) runs[0].assign(kc, vc, b, piece.t0, std::min(piece.t1, piece.t0 + rows));
-  const C* run_values[kMaxPagedBlockKeys];        // one KV head's value columns in each run of the block
-  BlockBytes<2 * kMaxPagedBlockKeys> next_bytes;  // kStream: the next block's ranges
+  const C* run_values[kMaxPagedBlockKeys];         // one KV head's value columns in each run of the block
+  const uint8_t* value_bytes[kMaxPagedBlockKeys];  // int4 pages: one KV head's first value byte row in each run
+  BlockBytes<2 * kMaxPagedBlockKeys> next_bytes;   // kStream: the next block's ranges
   for (int64_t t0 = piece.t0, turn = 0; t0 < piece.t1; turn ^= 1) {
     const int64_t t1 = std::min(piece.t1, t0 + rows), n = t1 - t0;
     // The block read ahead: the piece's next, or after its last the first block of the piece this thread runs next
@@ -270,9 +273,18 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
       if (kc.paged()) {  // each run's keys are dq columns of consecutive tokens: scores = sum_c q[c] K[c]
         for (int64_t i = 0; i < group; ++i) std::fill(scores + i * kMaxBlockKeys, scores + i * kMaxBlockKeys + n, 0.f);
         const uint16_t* q_bf16 = reinterpret_cast<const uint16_t*>(qb + group * k_col);  // read as bf16 only
-        if constexpr (kInt4) {  // the block's codes as dq rows of n: one product over all runs
-          unpack_int4_runs(here, here.k, k_col, kc.page_size, n, dq, ws.key_codes.get());
-          avx512::axpy_rows(qj, dq, group, ws.key_codes.get(), n, dq, n, scores, kMaxBlockKeys, stream);
+        if constexpr (kInt4) {
+          if (int8_pages) {  // each run's byte rows read packed (axpy_nibble_rows)
+            for (int64_t s = 0; s < here.count; ++s) {
+              value_bytes[s] = int_codes(here.v[s] + (v_col / 2) * col_stride);
+              avx512::axpy_nibble_rows(ws.q_int16.data() + group * k_col, dq, ws.q_scale.data() + j * group, group,
+                                       int_codes(here.k[s] + (k_col / 2) * col_stride), col_stride, dq, here.len[s],
+                                       scores + here.first[s], kMaxBlockKeys, stream);
+            }
+          } else {  // float32 queries: the block's codes as dq rows of n, one product over all runs
+            unpack_int4_runs(here, here.k, k_col, kc.page_size, n, dq, ws.key_codes.get());
+            avx512::axpy_rows(qj, dq, group, ws.key_codes.get(), n, dq, n, scores, kMaxBlockKeys, stream);
+          }
         } else {
           for (int64_t s = 0; s < here.count; ++s) {
             run_values[s] = here.v[s] + v_col * col_stride;
@@ -361,12 +373,17 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
                                  ws.w_scale.data());
         }
       }
-      if (vc.paged()) {         // each run's values are dv columns of consecutive tokens: acc[i][c] += p_i . V[c]
-        if constexpr (kInt4) {  // the block's codes as dv rows of n: one run
-          unpack_int4_runs(here, here.v, v_col, vc.page_size, n, dv, ws.value_codes.get());
-          const int8_t* codes[1] = {ws.value_codes.get()};
-          const int64_t first[1] = {0}, len[1] = {n};
-          avx512::dot_columns(scores, kMaxBlockKeys, group, codes, first, len, 1, n, dv, acc, dv, stream);
+      if (vc.paged()) {  // each run's values are dv columns of consecutive tokens: acc[i][c] += p_i . V[c]
+        if constexpr (kInt4) {
+          if (int8_pages) {  // each run's byte rows read packed (load_nibble_columns)
+            avx512::dot_columns_s8(ws.weights_int16.data(), kMaxBlockKeys + 1, ws.w_scale.data(), group, value_bytes,
+                                   here.first, here.len, here.count, col_stride, dv, acc, dv, stream);
+          } else {  // float32 queries: the block's codes as dv rows of n, one run
+            unpack_int4_runs(here, here.v, v_col, vc.page_size, n, dv, ws.value_codes.get());
+            const int8_t* codes[1] = {ws.value_codes.get()};
+            const int64_t first[1] = {0}, len[1] = {n};
+            avx512::dot_columns(scores, kMaxBlockKeys, group, codes, first, len, 1, n, dv, acc, dv, stream);
+          }
         } else if (int8_pages) {
           if constexpr (std::is_same_v<C, int8_t>) {
             avx512::dot_columns_s8(ws.weights_int16.data(), kMaxBlockKeys + 1, ws.w_scale.data(), group, run_values,

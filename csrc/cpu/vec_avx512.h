@@ -123,12 +123,26 @@ FDC_AVX512 inline void unpack_int4_columns(const uint8_t* src, int64_t n, int8_t
 FDC_AVX512 inline __m512i load_codes_epi16(const int8_t* row, int64_t x, __mmask32 columns) {
   return _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(columns, row + x));
 }
-FDC_AVX512 inline __m512i load_codes_epi16(const uint8_t* row, int64_t x, __mmask32 columns) {
-  const __mmask16 bytes = static_cast<__mmask16>((uint32_t(1) << (__builtin_popcount(columns) / 2)) - 1);
-  const __m512i w = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(bytes, row + x / 2));
+// 16 bytes of int4 code pairs (those of `bytes`, the rest 0), byte i widened to int32 lane i with its low nibble's
+// code sign-extended into the lane's low int16 and its high nibble's into the high one: lane i is the pair of byte i,
+// as vpdpwssd takes it.
+FDC_AVX512 inline __m512i load_nibble_pairs(const uint8_t* p, __mmask16 bytes) {
+  const __m512i w = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(bytes, p));
   const __m512i low = _mm512_srai_epi32(_mm512_slli_epi32(w, 28), 28);
   const __m512i high = _mm512_slli_epi32(_mm512_srai_epi32(_mm512_slli_epi32(w, 24), 28), 16);
   return _mm512_mask_blend_epi16(0xAAAAAAAA, low, high);
+}
+FDC_AVX512 inline __m512i load_codes_epi16(const uint8_t* row, int64_t x, __mmask32 columns) {
+  return load_nibble_pairs(row + x / 2, static_cast<__mmask16>((uint32_t(1) << (__builtin_popcount(columns) / 2)) - 1));
+}
+
+// 32 bytes of int4 code pairs (those of `bytes`, the rest 0) as two registers of 32 int16 codes in byte order: the
+// low nibbles' codes to `low`, the high ones' to `high` (each sign-extended by a shift up and an arithmetic shift
+// down). For a dim-major int4 page's byte row these are 32 tokens of its two columns.
+FDC_AVX512 inline void load_nibble_columns(const uint8_t* p, __mmask32 bytes, __m512i& low, __m512i& high) {
+  const __m512i w = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(bytes, p));
+  low = _mm512_srai_epi16(_mm512_slli_epi16(w, 12), 12);
+  high = _mm512_srai_epi16(_mm512_slli_epi16(w, 8), 12);
 }
 
 // 16 elements (those of `mask`, the rest 0) as float.
@@ -248,6 +262,18 @@ FDC_AVX512 inline __attribute__((always_inline)) void transpose16x16_epi32(__m51
     t[4 + j] = _mm512_shuffle_i32x4(low01, low23, 0xDD);
     t[8 + j] = _mm512_shuffle_i32x4(high01, high23, 0x88);
     t[12 + j] = _mm512_shuffle_i32x4(high01, high23, 0xDD);
+  }
+}
+
+// f(std::integral_constant<int, count>{}) for a count of 1 to 4 (registers or heads of a tile as a template argument).
+template <typename F>
+inline void with_count_1_to_4(int64_t count, F&& f) {
+  switch (count) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    default: TORCH_CHECK(false, "fdc: a tile of ", count, " registers or heads, not 1 to 4");
   }
 }
 

@@ -273,6 +273,75 @@ FDC_AVX512_VNNI inline void axpy_rows_s8(const int16_t* w, int64_t w_ld, const f
   }
 }
 
+// Scores of one run of a dim-major int4 page (byte row m holds columns 2m and 2m + 1 of each token, low nibble
+// first; rows row_stride bytes apart) against kHeads int16 query rows, with AVX-512 VNNI: byte t of a row becomes
+// int32 lane t with its two codes as the lane's int16 pair (load_nibble_pairs), so one vpdpwssd with the head's
+// query pair (q[2m], q[2m + 1]) broadcast adds both columns' products to 16 tokens' exact int32 sums
+// (|sum| <= 256 * 32767 * 8 < 2^31 for a head of at most 256 dims), with no unpacked copy of the codes. The sums
+// become float once, times each head's query scale w_scale[h]: acc[h * acc_ld + t] += w_scale[h] * sum_c
+// w[h * w_ld + c] * code(c, t) for t < len, len <= 16 kChunks. dim is even; lanes past len load zeros.
+template <int kHeads, int kChunks>
+FDC_AVX512_VNNI void axpy_nibble_rows_tile(const int16_t* w, int64_t w_ld, const float* w_scale, const uint8_t* rows,
+                                           int64_t row_stride, int64_t dim, int64_t len, float* acc, int64_t acc_ld,
+                                           PrefetchStream& stream) {
+  PrefetchStream ahead = stream;
+  __mmask16 masks[kChunks];
+#pragma GCC unroll 4
+  for (int c = 0; c < kChunks; ++c) masks[c] = lanes_mask(len - c * kLanes);
+  __m512i sums[kHeads][kChunks];
+#pragma GCC unroll 4
+  for (int h = 0; h < kHeads; ++h)
+#pragma GCC unroll 4
+    for (int c = 0; c < kChunks; ++c) sums[h][c] = _mm512_setzero_si512();
+  for (int64_t m = 0; m < dim / 2; ++m) {
+    const uint8_t* row = rows + m * row_stride;
+    __m512i x[kChunks];
+#pragma GCC unroll 4
+    for (int c = 0; c < kChunks; ++c) {
+      x[c] = load_nibble_pairs(row + c * kLanes, masks[c]);
+      ahead.step();
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < kHeads; ++h) {
+      int32_t pair;
+      std::memcpy(&pair, w + h * w_ld + 2 * m, sizeof(pair));
+      const __m512i q = _mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+      for (int c = 0; c < kChunks; ++c) sums[h][c] = _mm512_dpwssd_epi32(sums[h][c], x[c], q);
+    }
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < kHeads; ++h) {
+    const __m512 scale = _mm512_set1_ps(w_scale[h]);
+#pragma GCC unroll 4
+    for (int c = 0; c < kChunks; ++c) {
+      float* a = acc + h * acc_ld + c * kLanes;
+      _mm512_mask_storeu_ps(a, masks[c],
+                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[h][c]), scale, _mm512_maskz_loadu_ps(masks[c], a)));
+    }
+  }
+  stream = ahead;
+}
+
+// axpy_nibble_rows_tile over a run of any length and `group` query heads: tiles of up to 4 heads x 64 tokens.
+FDC_AVX512_VNNI inline void axpy_nibble_rows(const int16_t* w, int64_t w_ld, const float* w_scale, int64_t group,
+                                             const uint8_t* rows, int64_t row_stride, int64_t dim, int64_t len,
+                                             float* acc, int64_t acc_ld, PrefetchStream& ahead) {
+  constexpr int64_t kTileTokens = 4 * kLanes;
+  for (int64_t t0 = 0; t0 < len; t0 += kTileTokens) {
+    const int64_t tokens = std::min(kTileTokens, len - t0);
+    for (int64_t h0 = 0; h0 < group; h0 += 4) {
+      with_count_1_to_4(std::min<int64_t>(4, group - h0), [&](auto heads) {
+        with_count_1_to_4((tokens + kLanes - 1) / kLanes, [&](auto chunks) {
+          axpy_nibble_rows_tile<decltype(heads)::value, decltype(chunks)::value>(w + h0 * w_ld, w_ld, w_scale + h0,
+                                                                                 rows + t0, row_stride, dim, tokens,
+                                                                                 acc + h0 * acc_ld + t0, acc_ld, ahead);
+        });
+      });
+    }
+  }
+}
+
 // Interleaves two rows of bf16 values into VNNI pairs: out[2 x] = a[x], out[2 x + 1] = b[x] for x < width, where
 // a[x] and b[x] count as 0 for x >= n (b may be null: all 0); width is a multiple of 32.
 FDC_AVX512 inline void interleave_pairs(const c10::BFloat16* a, const c10::BFloat16* b, int64_t n, int64_t width,

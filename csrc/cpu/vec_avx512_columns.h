@@ -153,29 +153,40 @@ FDC_AVX512 void dot_columns(const W* p, int64_t p_ld, int64_t group, const T* co
 // tokens of a column widened to int16 per load, and one vpdpwssd per head multiplies them by the head's 32 weights and
 // adds the products in pairs into 16 int32 lanes, exactly (|lane| <= 512 * 32767 * 127 < 2^31 for the <= 512 keys of
 // a block), where dot_columns_tile widens 16 codes per load to float and takes an FMA per 16. The sums become float
-// once, times each head's weight scale p_scale[h], and are reduced as dot_columns_tile's.
-template <int kHeads, int kCols>
-FDC_AVX512_VNNI void dot_columns_tile_s8(const int16_t* p, int64_t p_ld, const float* p_scale,
-                                         const int8_t* const* runs, const int64_t* first, const int64_t* len,
-                                         int64_t count, int64_t col_stride, int64_t c0, int64_t dim, float* acc,
-                                         int64_t acc_ld, PrefetchStream& stream) {
+// once, times each head's weight scale p_scale[h], and are reduced as dot_columns_tile's. Codes: int8_t pages, or
+// uint8_t pages of int4 codes (byte row m holding columns 2m and 2m + 1, low nibble first), whose byte rows give
+// two columns' 32 tokens per load (load_nibble_columns): c0 is then even, and runs point at byte row 0.
+template <int kHeads, int kCols, typename Codes>
+FDC_AVX512_VNNI void dot_columns_tile_s8(const int16_t* p, int64_t p_ld, const float* p_scale, const Codes* const* runs,
+                                         const int64_t* first, const int64_t* len, int64_t count, int64_t col_stride,
+                                         int64_t c0, int64_t dim, float* acc, int64_t acc_ld, PrefetchStream& stream) {
   PrefetchStream ahead = stream;
   static_assert(kHeads * kCols <= kLanes);
-  constexpr int64_t kPairs = 2 * kLanes;  // int16 elements per register
+  constexpr bool kInt4 = std::is_same_v<Codes, uint8_t>;
+  static_assert(!kInt4 || kCols % 2 == 0, "int4 columns come in byte rows of two");
+  constexpr int kLoads = kInt4 ? kCols / 2 : kCols;  // column (int8) or byte row (int4) per load
+  constexpr int64_t kPairs = 2 * kLanes;             // int16 elements per register
   __m512i sums[kLanes];
 #pragma GCC unroll 16
   for (int k = 0; k < kLanes; ++k) sums[k] = _mm512_setzero_si512();
   for (int64_t s = 0; s < count; ++s) {
-    const int8_t* col[kCols];  // a short last tile repeats the final column and stores only the real ones
+    const Codes* col[kLoads];  // a short last tile repeats the final column (pair) and stores only the real ones
 #pragma GCC unroll 16
-    for (int c = 0; c < kCols; ++c) col[c] = runs[s] + std::min<int64_t>(c0 + c, dim - 1) * col_stride;
+    for (int c = 0; c < kLoads; ++c) {
+      col[c] = kInt4 ? runs[s] + std::min<int64_t>(c0 / 2 + c, dim / 2 - 1) * col_stride
+                     : runs[s] + std::min<int64_t>(c0 + c, dim - 1) * col_stride;
+    }
     const int16_t* ps = p + first[s];
     for (int64_t t = 0; t < len[s]; t += kPairs) {
       const __mmask32 mask = pairs_mask(len[s] - t);
       __m512i x[kCols];
 #pragma GCC unroll 16
-      for (int c = 0; c < kCols; ++c) {
-        x[c] = load_codes_epi16(col[c], t, mask);
+      for (int c = 0; c < kLoads; ++c) {
+        if constexpr (kInt4) {
+          load_nibble_columns(col[c] + t, mask, x[2 * c], x[2 * c + 1]);
+        } else {
+          x[c] = load_codes_epi16(col[c], t, mask);
+        }
         ahead.step();
       }
 #pragma GCC unroll 4
@@ -196,10 +207,11 @@ FDC_AVX512_VNNI void dot_columns_tile_s8(const int16_t* p, int64_t p_ld, const f
   stream = ahead;
 }
 
-// dot_columns (its contract) for int8 pages and int16 weights (quantize_weights_int16: p_ld elements per head, head
-// h's weights p_scale[h] times its codes), by dot_columns_tile_s8, tiled as dot_columns.
+// dot_columns (its contract) for int8 (or int4: Codes uint8_t) pages and int16 weights (quantize_weights_int16: p_ld
+// elements per head, head h's weights p_scale[h] times its codes), by dot_columns_tile_s8, tiled as dot_columns.
+template <typename Codes>
 FDC_AVX512_VNNI inline void dot_columns_s8(const int16_t* p, int64_t p_ld, const float* p_scale, int64_t group,
-                                           const int8_t* const* runs, const int64_t* first, const int64_t* len,
+                                           const Codes* const* runs, const int64_t* first, const int64_t* len,
                                            int64_t count, int64_t col_stride, int64_t dim, float* acc, int64_t acc_ld,
                                            PrefetchStream& ahead) {
   for (int64_t h0 = 0; h0 < group; h0 += 4) {
