@@ -131,14 +131,17 @@ def test_decode_attention_reads_quantized_caches(case, paged, isa, monkeypatch):
 
 
 @pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("fmt", [torch.int8, torch.uint8])
 @pytest.mark.parametrize("case", range(CASES // 4))
-def test_decode_attention_reads_integer_pages_with_half_precision_queries(case, fmt, isa, monkeypatch):
-    """The integer pages' own paths with half-precision queries, every case: int8 pages by int16 queries and weights
-    and vpdpwssd where the CPU has AVX-512-BF16 and VNNI (a page's columns as rows for the scores, its token runs
-    paired for the value sums), int4 pages read packed, a byte row's byte as a pair of columns; as above."""
-    check_quantized_decode(f"integer pages {fmt}, half-precision queries", case, True, isa, monkeypatch, fmt=fmt,
-                           dtypes=(torch.bfloat16, torch.float16))
+def test_decode_attention_reads_integer_caches_with_half_precision_queries(case, fmt, paged, isa, monkeypatch):
+    """The integer caches' own paths with half-precision queries, every case, where the CPU has AVX-512-BF16 and
+    VNNI: int8 rows and pages by int16 queries and weights and vpdpwssd (a page's columns as rows for the scores, its
+    token runs paired for the value sums); int4 rows' scores by vpdpbusd on the nibbles against 14-bit queries split
+    in two int8 parts, their value sums as int8's; int4 pages read packed, a byte row's byte as a pair of columns; as
+    above."""
+    check_quantized_decode(f"integer caches {fmt} paged={paged}, half-precision queries", case, paged, isa,
+                           monkeypatch, fmt=fmt, dtypes=(torch.bfloat16, torch.float16))
 
 
 @pytest.mark.parametrize("isa", CPU_ISAS)

@@ -32,6 +32,8 @@ struct RowScratch {
   std::vector<uint16_t> weights_bf16;  // scores' probabilities rounded to bf16, for axpy_rows_bf16
   std::vector<int16_t> q_int16;        // int8 keys (dot_rows_s8, pages axpy_rows_s8): q as int16, q = q_int16 * q_scale
   std::vector<float> q_scale;          // (H_kv * G)
+  std::vector<int8_t> q_int8;          // int4 rows (dot_rows_s4): q as two int8 parts, 2 kMaxHeadDim per query head
+  std::vector<int32_t> q_offsets;      // (H_kv * G): 8 x each query head's sum of codes
   std::vector<int16_t> weights_int16;  // int8 values (axpy_rows_s8, pages dot_columns_s8): w = w_int16 * w_scale
   std::vector<float> w_scale;          // (G)
   std::vector<OnlineSoftmax> softmax;
@@ -40,8 +42,8 @@ struct RowScratch {
       : q(group * qk_width), acc(group * v_width), scores(group * kMaxBlockKeys), key_scales(kMaxBlockKeys),
         // q_int16: two codes spare, since a head of odd width's last pair load reads one code past it (multiplied by 0)
         value_scales(kMaxBlockKeys), weights_bf16(group * kMaxBlockKeys), q_int16(group * qk_width + 2), q_scale(heads),
-        weights_int16(group * (kMaxBlockKeys + 1)), w_scale(group), softmax(heads),
-        key_codes(int4 ? new int8_t[kMaxBlockKeys * kMaxHeadDim] : nullptr),
+        q_int8(int4 ? heads * 2 * kMaxHeadDim : 0), q_offsets(heads), weights_int16(group * (kMaxBlockKeys + 1)),
+        w_scale(group), softmax(heads), key_codes(int4 ? new int8_t[kMaxBlockKeys * kMaxHeadDim] : nullptr),
         value_codes(int4 ? new int8_t[kMaxBlockKeys * kMaxHeadDim] : nullptr) {}
 };
 
@@ -54,9 +56,9 @@ FDC_AVX512 inline void unpack_int4_block(const Int4Pair* rows, int64_t stride, i
     avx512::unpack_int4_row(reinterpret_cast<const uint8_t*>(rows + t * stride), dim / 2, out + t * dim);
   }
 }
-// A cache's integer codes as the int8 kernels' row type: int8_t, or uint8_t for int4's packed pairs.
-inline const int8_t* int_codes(const int8_t* codes) { return codes; }
-inline const uint8_t* int_codes(const Int4Pair* codes) { return reinterpret_cast<const uint8_t*>(codes); }
+
+// An int4 cache's codes as the bytes its kernels read (two codes per byte).
+inline const uint8_t* int4_bytes(const Int4Pair* codes) { return reinterpret_cast<const uint8_t*>(codes); }
 
 template <typename Runs>
 FDC_AVX512 inline void unpack_int4_runs(const Runs& runs, const Int4Pair* const* starts, int64_t col, int64_t page_size,
@@ -140,6 +142,48 @@ inline void quantize_queries_int16(const float* q, const checks::HostLayout& lay
   }
 }
 
+// Each query head's dim columns of q (as quantize_queries_int16 reads them) as 14-bit codes for the int4 rows'
+// vpdpbusd (dot_rows_s4), q = code * q_scale, q_scale = the head's largest magnitude / 16256, each code split into
+// int8 parts code = 128 a + b (a = floor((code + 64) / 128) in [-127, 127], b in [-64, 63]): query head h = j * G +
+// i's parts at q_int8 + h * 2 kMaxHeadDim, per 64 columns the 32 even columns' a, the 32 odd ones' a, then the same
+// of b (zero past the head), and offsets[h] = 8 x the sum of its codes. 14 bits, as fine as the int8 keys' int16
+// queries; a head holding a non-finite value gets a NaN scale and zero codes.
+inline void quantize_queries_int14_nibbles(const float* q, const checks::HostLayout& layout, int8_t* q_int8,
+                                           int32_t* offsets, float* q_scale) {
+  constexpr int32_t kLargest = 127 * 128;  // a code's largest magnitude: a stays within int8 after rounding
+  const int64_t group = layout.group;
+  for (int64_t j = 0; j < layout.num_kv_heads(); ++j) {
+    const int64_t dim = layout.qk_offsets[j + 1] - layout.qk_offsets[j];
+    for (int64_t i = 0; i < group; ++i) {
+      const float* qh = q + group * layout.qk_offsets[j] + i * dim;
+      float largest = 0.f;
+      bool finite = true;
+      for (int64_t c = 0; c < dim; ++c) {
+        finite = finite && std::isfinite(qh[c]);
+        largest = std::max(largest, std::abs(qh[c]));
+      }
+      const int64_t h = j * group + i;
+      const float scale = finite ? largest / kLargest : std::numeric_limits<float>::quiet_NaN();
+      q_scale[h] = scale;
+      int8_t* parts = q_int8 + h * 2 * kMaxHeadDim;
+      std::fill(parts, parts + 2 * kMaxHeadDim, int8_t(0));
+      int32_t sum = 0;
+      for (int64_t c = 0; c < dim; ++c) {
+        const int32_t code = finite && scale > 0.f
+                                 ? std::clamp(static_cast<int32_t>(std::nearbyint(qh[c] / scale)), -kLargest, kLargest)
+                                 : 0;
+        const int32_t a = (code + 64) >> 7;  // arithmetic shift: floor
+        // column c = 64 u + 2 k + e: part k of block u's even (e = 0) or odd (e = 1) columns
+        int8_t* block = parts + (c / 64) * 128 + (c % 2) * 32 + (c % 64) / 2;
+        block[0] = static_cast<int8_t>(a);
+        block[64] = static_cast<int8_t>(code - 128 * a);
+        sum += code;
+      }
+      offsets[h] = 8 * sum;
+    }
+  }
+}
+
 // A quantized cache's scales of keys [t0, t0 + n) of request b, KV head j, into out: a contiguous block's, or the
 // page runs' of a paged block.
 template <typename C>
@@ -180,17 +224,22 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
   // half-precision queries (8 or 11 bits) and than the bf16 weights of the bf16 path; float32 queries keep the float
   // products, as the tests hold them to float32's accuracy. Measured with bench_ops --phase quantized (B=4 x 8K and
   // B=8 x 16K, bf16, 2-core Intel Xeon): 1.32-1.33x the bf16 cache's speed, against 1.08-1.13x widening to float.
-  // int4 rows take the same vpdpwssd kernels, each byte's two nibbles widened into one int32 lane's int16 pair as
-  // the rows are loaded (load_codes_epi16); where the int8 kernels widen codes to float (float32 queries), int4 codes
-  // are unpacked to int8 per KV head and block first (unpack_int4_block, unpack_int4_runs). int8 pages (dim-major) take
-  // the same int16 queries and weights: a page's columns are its rows for the key scores (axpy_rows_s8, two columns
-  // interleaved per vpdpwssd, as the bf16 pages' axpy_rows_bf16), and its token runs are paired along the tokens for
-  // the value sums (dot_columns_s8). int4 pages too, read packed: a byte row's byte is one token's pair of columns, the
-  // int16 pair vpdpwssd takes against a query pair (axpy_nibble_rows), and 32 bytes of it are two columns' 32 tokens
-  // for the value sums (dot_columns_s8 on uint8_t codes). e4m3 codes with bf16 queries take the bf16 cache's kernels
-  // (vdpbf16ps on bf16 pairs), each register of codes converted to bf16 exactly as it is loaded (load32_bf16), the
-  // weights rounded to bf16 after their value scales; widening to float took an FMA per 16 products and head
-  // (bench/results/ops/README.md, "Quantized caches").
+  //
+  // int4 rows are read packed: their scores by vpdpbusd, four products per lane, on the nibbles made unsigned against
+  // 14-bit queries split in two int8 parts (dot_rows_s4), their value sums by the int16 weights' vpdpwssd on two rows'
+  // bytes interleaved, each nibble sign-extended in place (axpy_rows_s4).
+  //
+  // int8 pages (dim-major) take the same int16 queries and weights: a page's columns are its rows for the key scores
+  // (axpy_rows_s8, two columns interleaved per vpdpwssd, as the bf16 pages' axpy_rows_bf16), and its token runs are
+  // paired along the tokens for the value sums (dot_columns_s8). int4 pages too, read packed: a byte row's byte is one
+  // token's pair of columns, the int16 pair vpdpwssd takes against a query pair (axpy_nibble_rows), and 32 bytes of it
+  // are two columns' 32 tokens for the value sums (dot_columns_s8 on uint8_t codes). Where the int8 kernels widen codes
+  // to float (float32 queries), int4 codes are unpacked to int8 per KV head and block first (unpack_int4_block,
+  // unpack_int4_runs).
+  //
+  // e4m3 codes with bf16 queries take the bf16 cache's kernels (vdpbf16ps on bf16 pairs), each register of codes
+  // converted to bf16 exactly as it is loaded (load32_bf16), the weights rounded to bf16 after their value scales;
+  // widening to float took an FMA per 16 products and head (bench/results/ops/README.md, "Quantized caches").
   constexpr bool kInt4 = std::is_same_v<C, Int4Pair>;
   constexpr bool kIntCodes = std::is_same_v<C, int8_t> || kInt4;
   const bool int8_rows = kIntCodes && !std::is_same_v<T, float> && bf16_dot && !kc.paged();
@@ -199,7 +248,12 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
   constexpr bool kE4m3 = std::is_same_v<C, c10::Float8_e4m3fn>;
   constexpr bool kBf16Rows = kBf16Cache || (kE4m3 && std::is_same_v<T, c10::BFloat16>);  // rows for vdpbf16ps
   const bool bf16_rows = kBf16Rows && bf16_dot;
-  if (int8_rows || int8_pages) quantize_queries_int16(ws.q.data(), layout, ws.q_int16.data(), ws.q_scale.data());
+  const bool int4_rows = kInt4 && int8_rows;
+  if (int4_rows) {
+    quantize_queries_int14_nibbles(ws.q.data(), layout, ws.q_int8.data(), ws.q_offsets.data(), ws.q_scale.data());
+  } else if (int8_rows || int8_pages) {
+    quantize_queries_int16(ws.q.data(), layout, ws.q_int16.data(), ws.q_scale.data());
+  }
   std::fill(ws.acc.begin(), ws.acc.end(), 0.f);
   std::fill(ws.softmax.begin(), ws.softmax.end(), OnlineSoftmax{});
   float* scores = ws.scores.data();
@@ -276,9 +330,9 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
         if constexpr (kInt4) {
           if (int8_pages) {  // each run's byte rows read packed (axpy_nibble_rows)
             for (int64_t s = 0; s < here.count; ++s) {
-              value_bytes[s] = int_codes(here.v[s] + (v_col / 2) * col_stride);
+              value_bytes[s] = int4_bytes(here.v[s] + (v_col / 2) * col_stride);
               avx512::axpy_nibble_rows(ws.q_int16.data() + group * k_col, dq, ws.q_scale.data() + j * group, group,
-                                       int_codes(here.k[s] + (k_col / 2) * col_stride), col_stride, dq, here.len[s],
+                                       int4_bytes(here.k[s] + (k_col / 2) * col_stride), col_stride, dq, here.len[s],
                                        scores + here.first[s], kMaxBlockKeys, stream);
             }
           } else {  // float32 queries: the block's codes as dq rows of n, one product over all runs
@@ -314,9 +368,15 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
       } else {  // keys are n rows of dq: one dot product per (query head, key)
         const C* keys = kc.at(b, t0, k_col);
         if constexpr (kIntCodes) {
-          if (int8_rows) {  // int4 rows read packed (load_codes_epi16)
-            avx512::dot_rows_s8(ws.q_int16.data() + group * k_col, dq, group, int_codes(keys), kc.stride1, n, dq,
-                                scores, kMaxBlockKeys, stream);
+          if (int8_rows) {
+            if constexpr (kInt4) {
+              avx512::dot_rows_s4(ws.q_int8.data() + j * group * 2 * kMaxHeadDim, 2 * kMaxHeadDim,
+                                  ws.q_offsets.data() + j * group, group, int4_bytes(keys), kc.stride1, n, dq / 2,
+                                  scores, kMaxBlockKeys, stream);
+            } else {
+              avx512::dot_rows_s8(ws.q_int16.data() + group * k_col, dq, group, keys, kc.stride1, n, dq, scores,
+                                  kMaxBlockKeys, stream);
+            }
           } else {
             const int8_t* codes = reinterpret_cast<const int8_t*>(keys);
             int64_t codes_stride = kc.stride1;
@@ -404,9 +464,14 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
                               dv, acc, dv, stream);
         }
       } else if constexpr (kIntCodes) {  // values are n rows of dv: acc_i += sum_t p_i[t] V[t]
-        if (int8_rows) {                 // int4 rows read packed (load_codes_epi16)
-          avx512::axpy_rows_s8(ws.weights_int16.data(), kMaxBlockKeys + 1, ws.w_scale.data(), group,
-                               int_codes(vc.at(b, t0, v_col)), vc.stride1, n, dv, acc, dv, stream);
+        if (int8_rows) {
+          if constexpr (kInt4) {
+            avx512::axpy_rows_s4(ws.weights_int16.data(), kMaxBlockKeys + 1, ws.w_scale.data(), group,
+                                 int4_bytes(vc.at(b, t0, v_col)), vc.stride1, n, dv, acc, dv, stream);
+          } else {
+            avx512::axpy_rows_s8(ws.weights_int16.data(), kMaxBlockKeys + 1, ws.w_scale.data(), group,
+                                 vc.at(b, t0, v_col), vc.stride1, n, dv, acc, dv, stream);
+          }
         } else {
           const int8_t* codes = reinterpret_cast<const int8_t*>(vc.at(b, t0, v_col));
           int64_t codes_stride = vc.stride1;

@@ -115,14 +115,13 @@ FDC_AVX512 inline void unpack_int4_columns(const uint8_t* src, int64_t n, int8_t
   }
 }
 
-// 32 codes of a quantized cache's token-major row, widened to int16 in column order (the operand of vpdpwssd, whose
-// int32 lane i is the pair of columns 2i and 2i + 1), columns x .. x + 31 of those in `columns` (the rest 0). int8
-// rows (int8_t) are sign-extended bytes; int4 rows (uint8_t: two codes per byte, column 2m in byte m's low nibble)
-// widen byte i to lane i and sign-extend its nibbles into the lane's two halves, so a lane is already a column pair
-// and no unpacked copy is written. x is even; `columns` covers a whole number of bytes (widths are multiples of 8).
+// 32 int8 codes of a quantized cache's token-major row, sign-extended to int16 in column order (the operand of
+// vpdpwssd, whose int32 lane i is the pair of columns 2i and 2i + 1), columns x .. x + 31 of those in `columns` (the
+// rest 0).
 FDC_AVX512 inline __m512i load_codes_epi16(const int8_t* row, int64_t x, __mmask32 columns) {
   return _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(columns, row + x));
 }
+
 // 16 bytes of int4 code pairs (those of `bytes`, the rest 0), byte i widened to int32 lane i with its low nibble's
 // code sign-extended into the lane's low int16 and its high nibble's into the high one: lane i is the pair of byte i,
 // as vpdpwssd takes it.
@@ -132,9 +131,6 @@ FDC_AVX512 inline __m512i load_nibble_pairs(const uint8_t* p, __mmask16 bytes) {
   const __m512i high = _mm512_slli_epi32(_mm512_srai_epi32(_mm512_slli_epi32(w, 24), 28), 16);
   return _mm512_mask_blend_epi16(0xAAAAAAAA, low, high);
 }
-FDC_AVX512 inline __m512i load_codes_epi16(const uint8_t* row, int64_t x, __mmask32 columns) {
-  return load_nibble_pairs(row + x / 2, static_cast<__mmask16>((uint32_t(1) << (__builtin_popcount(columns) / 2)) - 1));
-}
 
 // 32 bytes of int4 code pairs (those of `bytes`, the rest 0) as two registers of 32 int16 codes in byte order: the
 // low nibbles' codes to `low`, the high ones' to `high` (each sign-extended by a shift up and an arithmetic shift
@@ -143,6 +139,16 @@ FDC_AVX512 inline void load_nibble_columns(const uint8_t* p, __mmask32 bytes, __
   const __m512i w = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(bytes, p));
   low = _mm512_srai_epi16(_mm512_slli_epi16(w, 12), 12);
   high = _mm512_srai_epi16(_mm512_slli_epi16(w, 8), 12);
+}
+
+// 32 bytes of int4 code pairs (those of `bytes`; the rest read as byte 0) as one register of unsigned codes for
+// vpdpbusd: bytes 0-31 (lanes 0-7) the low nibbles' codes, bytes 32-63 (lanes 8-15) the high ones', each code + 8
+// (0 to 15: a two's-complement nibble with its sign bit flipped is its value plus 8).
+FDC_AVX512 inline __m512i load_nibble_halves_u8(const uint8_t* p, __mmask32 bytes) {
+  const __m256i x = _mm256_xor_si256(_mm256_maskz_loadu_epi8(bytes, p), _mm256_set1_epi8(static_cast<char>(0x88)));
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i low = _mm256_and_si256(x, nibble), high = _mm256_and_si256(_mm256_srli_epi16(x, 4), nibble);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
 }
 
 // 16 elements (those of `mask`, the rest 0) as float.

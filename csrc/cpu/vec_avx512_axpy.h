@@ -181,10 +181,9 @@ FDC_AVX512_BF16 inline void axpy_rows_bf16(const uint16_t* w, int64_t w_ld, int6
 // r + 1 are widened to int16 and interleaved as there, and one vpdpwssd adds w[r] row_r + w[r + 1] row_{r + 1} to 16
 // columns' int32 sums exactly (|sum| <= 512 * 32767 * 127 < 2^31 for the n <= 512 keys of a block); the sums become
 // float once, times each head's weight scale w_scale[h], and are added into acc in column order. w: each head's
-// weights, zero after n up to an even count. Codes: int8_t rows, or uint8_t rows of int4 codes two per byte
-// (load_codes_epi16); rows point at the tile's first column, row_stride counts elements of Codes (bytes).
-template <int kHeads, int kChunks, typename Codes>
-FDC_AVX512_VNNI void axpy_pairs_tile_s8(const int16_t* w, int64_t w_ld, const float* w_scale, const Codes* rows,
+// weights, zero after n up to an even count; rows point at the tile's first column, row_stride bytes apart.
+template <int kHeads, int kChunks>
+FDC_AVX512_VNNI void axpy_pairs_tile_s8(const int16_t* w, int64_t w_ld, const float* w_scale, const int8_t* rows,
                                         int64_t row_stride, int64_t n, __mmask32 last, float* acc, int64_t acc_ld,
                                         PrefetchStream& stream) {
   PrefetchStream ahead = stream;
@@ -196,7 +195,7 @@ FDC_AVX512_VNNI void axpy_pairs_tile_s8(const int16_t* w, int64_t w_ld, const fl
 #pragma GCC unroll 2
     for (int c = 0; c < kChunks; ++c) low[h][c] = high[h][c] = _mm512_setzero_si512();
   for (int64_t r = 0; r < n; r += 2) {
-    const Codes* row = rows + r * row_stride;
+    const int8_t* row = rows + r * row_stride;
     __m512i x_low[kChunks], x_high[kChunks];
 #pragma GCC unroll 2
     for (int c = 0; c < kChunks; ++c) {
@@ -240,13 +239,11 @@ FDC_AVX512_VNNI void axpy_pairs_tile_s8(const int16_t* w, int64_t w_ld, const fl
   stream = ahead;
 }
 
-// axpy_rows for int8 (or int4: Codes uint8_t) rows with int16 weights (w_ld elements per head, scaled by w_scale per
-// head), by axpy_pairs_tile_s8: tiles of up to 4 heads x 64 columns. row_stride: elements of Codes between rows.
-template <typename Codes>
+// axpy_rows for int8 rows with int16 weights (w_ld elements per head, scaled by w_scale per head), by
+// axpy_pairs_tile_s8: tiles of up to 4 heads x 64 columns. row_stride: bytes between rows.
 FDC_AVX512_VNNI inline void axpy_rows_s8(const int16_t* w, int64_t w_ld, const float* w_scale, int64_t group,
-                                         const Codes* rows, int64_t row_stride, int64_t n, int64_t len, float* acc,
+                                         const int8_t* rows, int64_t row_stride, int64_t n, int64_t len, float* acc,
                                          int64_t acc_ld, PrefetchStream& ahead) {
-  constexpr int64_t kColumnsPerCode = std::is_same_v<Codes, uint8_t> ? 2 : 1;
   constexpr int64_t kPairs = 2 * kLanes, kTileColumns = 2 * kPairs;
   for (int64_t x0 = 0; x0 < len; x0 += kTileColumns) {
     const int64_t cols = std::min(kTileColumns, len - x0);
@@ -256,19 +253,101 @@ FDC_AVX512_VNNI inline void axpy_rows_s8(const int16_t* w, int64_t w_ld, const f
       const int heads = static_cast<int>(std::min<int64_t>(4, group - h0));
       const int16_t* wh = w + h0 * w_ld;
       const float* sh = w_scale + h0;
-      const Codes* r = rows + x0 / kColumnsPerCode;
+      const int8_t* r = rows + x0;
       float* ah = acc + h0 * acc_ld + x0;
       switch (heads * 2 + chunks - 1) {
-        case 2: axpy_pairs_tile_s8<1, 1, Codes>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
-        case 3: axpy_pairs_tile_s8<1, 2, Codes>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
-        case 4: axpy_pairs_tile_s8<2, 1, Codes>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
-        case 5: axpy_pairs_tile_s8<2, 2, Codes>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
-        case 6: axpy_pairs_tile_s8<3, 1, Codes>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
-        case 7: axpy_pairs_tile_s8<3, 2, Codes>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
-        case 8: axpy_pairs_tile_s8<4, 1, Codes>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
-        case 9: axpy_pairs_tile_s8<4, 2, Codes>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 2: axpy_pairs_tile_s8<1, 1>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 3: axpy_pairs_tile_s8<1, 2>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 4: axpy_pairs_tile_s8<2, 1>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 5: axpy_pairs_tile_s8<2, 2>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 6: axpy_pairs_tile_s8<3, 1>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 7: axpy_pairs_tile_s8<3, 2>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 8: axpy_pairs_tile_s8<4, 1>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 9: axpy_pairs_tile_s8<4, 2>(wh, w_ld, sh, r, row_stride, n, last, ah, acc_ld, ahead); break;
         default: TORCH_CHECK(false, "fdc: int8 axpy tile of ", heads, " heads and ", chunks, " registers");
       }
+    }
+  }
+}
+
+// axpy_pairs_tile_s8 for int4 rows (two codes per byte, column 2m in byte m's low nibble) and int16 weights, up to 64
+// columns (len, even): rows r and r + 1's bytes are widened to int16 and interleaved (vpunpcklwd / vpunpckhwd: an
+// int32 lane holds byte m of row r in its low half and byte m of row r + 1 in its high one), and two shifts per half
+// sign-extend the low or the high nibble in place, which makes the pair (row r, row r + 1) of column 2m, or of
+// column 2m + 1, that vpdpwssd takes against the weight pair (w[r], w[r + 1]): 12 instructions per 64 columns and
+// two rows, where widening each row's pairs first (load_codes_epi16) and interleaving them took 28. The sums are
+// exact (|sum| <= 256 * 2 * 32767 * 8 < 2^31 for the <= 512 keys of a block), become float once, times w_scale[h],
+// and are put back in column order once per block. w: each head's weights, zero after n up to an even count.
+template <int kHeads>
+FDC_AVX512_VNNI void axpy_nibble_pairs_tile(const int16_t* w, int64_t w_ld, const float* w_scale, const uint8_t* rows,
+                                            int64_t row_stride, int64_t n, int64_t len, float* acc, int64_t acc_ld,
+                                            PrefetchStream& stream) {
+  PrefetchStream ahead = stream;
+  const __mmask32 bytes = pairs_mask(len / 2);
+  // sums[h][k]: int32 lane 4 L + i (L = 0..3, i = 0..3) holds column 16 L + 2 i (k = 0), 16 L + 2 i + 1 (k = 1),
+  // 16 L + 8 + 2 i (k = 2) or 16 L + 9 + 2 i (k = 3)
+  __m512i sums[kHeads][4];
+#pragma GCC unroll 4
+  for (int h = 0; h < kHeads; ++h)
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) sums[h][k] = _mm512_setzero_si512();
+  for (int64_t r = 0; r < n; r += 2) {
+    const uint8_t* row = rows + r * row_stride;
+    const __m512i a = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(bytes, row));
+    ahead.step();
+    const __m512i b = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(r + 1 < n ? bytes : __mmask32(0), row + row_stride));
+    ahead.step();
+    const __m512i first = _mm512_unpacklo_epi16(a, b), second = _mm512_unpackhi_epi16(a, b);
+    const __m512i x[4] = {
+        _mm512_srai_epi16(_mm512_slli_epi16(first, 12), 12), _mm512_srai_epi16(_mm512_slli_epi16(first, 8), 12),
+        _mm512_srai_epi16(_mm512_slli_epi16(second, 12), 12), _mm512_srai_epi16(_mm512_slli_epi16(second, 8), 12)};
+#pragma GCC unroll 4
+    for (int h = 0; h < kHeads; ++h) {
+      int32_t pair;
+      std::memcpy(&pair, w + h * w_ld + r, sizeof(pair));
+      const __m512i weights = _mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) sums[h][k] = _mm512_dpwssd_epi32(sums[h][k], x[k], weights);
+    }
+  }
+  // Column 16 o + d of the output: e = d % 8 is sums[h][2 * (d / 8) + e % 2]'s lane 4 o + e / 2.
+  alignas(64) static constexpr int32_t kOrder[4][kLanes] = {
+      {0, 16, 1, 17, 2, 18, 3, 19, 0, 16, 1, 17, 2, 18, 3, 19},
+      {4, 20, 5, 21, 6, 22, 7, 23, 4, 20, 5, 21, 6, 22, 7, 23},
+      {8, 24, 9, 25, 10, 26, 11, 27, 8, 24, 9, 25, 10, 26, 11, 27},
+      {12, 28, 13, 29, 14, 30, 15, 31, 12, 28, 13, 29, 14, 30, 15, 31}};
+#pragma GCC unroll 4
+  for (int h = 0; h < kHeads; ++h) {
+    const __m512 scale = _mm512_set1_ps(w_scale[h]);
+#pragma GCC unroll 4
+    for (int o = 0; o < 4; ++o) {
+      if (o * kLanes >= len) break;
+      const __m512i order = _mm512_load_si512(kOrder[o]);
+      const __m512i columns =
+          _mm512_mask_blend_epi32(__mmask16(0xFF00), _mm512_permutex2var_epi32(sums[h][0], order, sums[h][1]),
+                                  _mm512_permutex2var_epi32(sums[h][2], order, sums[h][3]));
+      const __mmask16 mask = lanes_mask(len - o * kLanes);
+      float* a = acc + h * acc_ld + o * kLanes;
+      _mm512_mask_storeu_ps(a, mask,
+                            _mm512_fmadd_ps(_mm512_cvtepi32_ps(columns), scale, _mm512_maskz_loadu_ps(mask, a)));
+    }
+  }
+  stream = ahead;
+}
+
+// axpy_rows for int4 rows (row_stride bytes apart) with int16 weights (w_ld elements per head, scaled by w_scale per
+// head), by axpy_nibble_pairs_tile: tiles of up to 4 heads x 64 columns.
+FDC_AVX512_VNNI inline void axpy_rows_s4(const int16_t* w, int64_t w_ld, const float* w_scale, int64_t group,
+                                         const uint8_t* rows, int64_t row_stride, int64_t n, int64_t len, float* acc,
+                                         int64_t acc_ld, PrefetchStream& ahead) {
+  constexpr int64_t kTileColumns = 4 * kLanes;
+  for (int64_t x0 = 0; x0 < len; x0 += kTileColumns) {
+    const int64_t cols = std::min(kTileColumns, len - x0);
+    for (int64_t h0 = 0; h0 < group; h0 += 4) {
+      with_count_1_to_4(std::min<int64_t>(4, group - h0), [&](auto heads) {
+        axpy_nibble_pairs_tile<decltype(heads)::value>(w + h0 * w_ld, w_ld, w_scale + h0, rows + x0 / 2, row_stride, n,
+                                                       cols, acc + h0 * acc_ld + x0, acc_ld, ahead);
+      });
     }
   }
 }
