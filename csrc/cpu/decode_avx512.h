@@ -30,9 +30,9 @@ namespace {
 struct RowScratch {
   std::vector<float> q, acc, scores, key_scales, value_scales;
   std::vector<uint16_t> weights_bf16;  // scores' probabilities rounded to bf16, for axpy_rows_bf16
-  std::vector<int16_t> q_int16;        // int8 keys (dot_rows_s8, pages axpy_rows_s8): q as int16, q = q_int16 * q_scale
+  std::vector<int16_t> q_int16;        // int8 pages' keys (axpy_rows_s8): q as int16, q = q_int16 * q_scale
   std::vector<float> q_scale;          // (H_kv * G)
-  std::vector<int8_t> q_int8;          // int4 rows (dot_rows_s4): q as two int8 parts, 2 kMaxHeadDim per query head
+  std::vector<int8_t> q_parts;         // integer rows (dot_rows_busd): q as two int8 parts, 2 kMaxHeadDim per head
   std::vector<int32_t> q_offsets;      // (H_kv * G): 8 x each query head's sum of codes
   std::vector<int16_t> weights_int16;  // int8 values (axpy_rows_s8, pages dot_columns_s8): w = w_int16 * w_scale
   std::vector<float> w_scale;          // (G)
@@ -42,8 +42,8 @@ struct RowScratch {
       : q(group * qk_width), acc(group * v_width), scores(group * kMaxBlockKeys), key_scales(kMaxBlockKeys),
         // q_int16: two codes spare, since a head of odd width's last pair load reads one code past it (multiplied by 0)
         value_scales(kMaxBlockKeys), weights_bf16(group * kMaxBlockKeys), q_int16(group * qk_width + 2), q_scale(heads),
-        q_int8(int4 ? heads * 2 * kMaxHeadDim : 0), q_offsets(heads), weights_int16(group * (kMaxBlockKeys + 1)),
-        w_scale(group), softmax(heads), key_codes(int4 ? new int8_t[kMaxBlockKeys * kMaxHeadDim] : nullptr),
+        q_parts(heads * 2 * kMaxHeadDim), q_offsets(heads), weights_int16(group * (kMaxBlockKeys + 1)), w_scale(group),
+        softmax(heads), key_codes(int4 ? new int8_t[kMaxBlockKeys * kMaxHeadDim] : nullptr),
         value_codes(int4 ? new int8_t[kMaxBlockKeys * kMaxHeadDim] : nullptr) {}
 };
 
@@ -57,8 +57,9 @@ FDC_AVX512 inline void unpack_int4_block(const Int4Pair* rows, int64_t stride, i
   }
 }
 
-// An int4 cache's codes as the bytes its kernels read (two codes per byte).
-inline const uint8_t* int4_bytes(const Int4Pair* codes) { return reinterpret_cast<const uint8_t*>(codes); }
+// An integer cache's codes as the bytes its kernels read: int8 codes, or int4 codes two per byte.
+inline const int8_t* int_bytes(const int8_t* codes) { return codes; }
+inline const uint8_t* int_bytes(const Int4Pair* codes) { return reinterpret_cast<const uint8_t*>(codes); }
 
 template <typename Runs>
 FDC_AVX512 inline void unpack_int4_runs(const Runs& runs, const Int4Pair* const* starts, int64_t col, int64_t page_size,
@@ -118,8 +119,8 @@ FDC_AVX512 inline void quantize_weights_int16(const float* w, int64_t ld, int64_
 
 // Each query head's dim columns of q (G * W_qk floats, query head h = j * G + i at G * offsets[j] + i * dim[j]) as
 // int16 codes q_int16 = round(q / q_scale), q_scale = the head's largest magnitude / 32767 (0 for an all-zero head):
-// 15 bits, far finer than the int8 keys they meet (dot_rows_s8). A head holding a non-finite value gets a NaN scale
-// (its scores are NaN, as the float products would make them) and zero codes.
+// 15 bits, far finer than the integer pages' keys they meet (axpy_rows_s8, axpy_nibble_rows). A head holding a
+// non-finite value gets a NaN scale (its scores are NaN, as the float products would make them) and zero codes.
 inline void quantize_queries_int16(const float* q, const checks::HostLayout& layout, int16_t* q_int16, float* q_scale) {
   const int64_t group = layout.group;
   for (int64_t j = 0; j < layout.num_kv_heads(); ++j) {
@@ -142,14 +143,16 @@ inline void quantize_queries_int16(const float* q, const checks::HostLayout& lay
   }
 }
 
-// Each query head's dim columns of q (as quantize_queries_int16 reads them) as 14-bit codes for the int4 rows'
-// vpdpbusd (dot_rows_s4), q = code * q_scale, q_scale = the head's largest magnitude / 16256, each code split into
+// Each query head's dim columns of q (as quantize_queries_int16 reads them) as 14-bit codes for the integer rows'
+// vpdpbusd (dot_rows_busd), q = code * q_scale, q_scale = the head's largest magnitude / 16256, each code split into
 // int8 parts code = 128 a + b (a = floor((code + 64) / 128) in [-127, 127], b in [-64, 63]): query head h = j * G +
-// i's parts at q_int8 + h * 2 kMaxHeadDim, per 64 columns the 32 even columns' a, the 32 odd ones' a, then the same
-// of b (zero past the head), and offsets[h] = 8 x the sum of its codes. 14 bits, as fine as the int8 keys' int16
-// queries; a head holding a non-finite value gets a NaN scale and zero codes.
-inline void quantize_queries_int14_nibbles(const float* q, const checks::HostLayout& layout, int8_t* q_int8,
-                                           int32_t* offsets, float* q_scale) {
+// i's parts at q_parts + h * 2 kMaxHeadDim, 128 per 64 columns, the 64 a-parts first, then the 64 b-parts, each 64 in
+// the order of a register of the codes (int8: the columns'; int4: the 32 even columns', then the 32 odd ones'), zero
+// past the head; offsets[h] = the codes' unsigned offset (128 for int8, 8 for int4) x the sum of the head's codes.
+// 14 bits, finer than the half-precision queries themselves near a head's largest; a head holding a non-finite value
+// gets a NaN scale and zero codes.
+inline void split_queries_int14(const float* q, const checks::HostLayout& layout, bool int4, int8_t* q_parts,
+                                int32_t* offsets, float* q_scale) {
   constexpr int32_t kLargest = 127 * 128;  // a code's largest magnitude: a stays within int8 after rounding
   const int64_t group = layout.group;
   for (int64_t j = 0; j < layout.num_kv_heads(); ++j) {
@@ -165,21 +168,21 @@ inline void quantize_queries_int14_nibbles(const float* q, const checks::HostLay
       const int64_t h = j * group + i;
       const float scale = finite ? largest / kLargest : std::numeric_limits<float>::quiet_NaN();
       q_scale[h] = scale;
-      int8_t* parts = q_int8 + h * 2 * kMaxHeadDim;
+      int8_t* parts = q_parts + h * 2 * kMaxHeadDim;
       std::fill(parts, parts + 2 * kMaxHeadDim, int8_t(0));
       int32_t sum = 0;
       for (int64_t c = 0; c < dim; ++c) {
         const int32_t code = finite && scale > 0.f
                                  ? std::clamp(static_cast<int32_t>(std::nearbyint(qh[c] / scale)), -kLargest, kLargest)
                                  : 0;
-        const int32_t a = (code + 64) >> 7;  // arithmetic shift: floor
-        // column c = 64 u + 2 k + e: part k of block u's even (e = 0) or odd (e = 1) columns
-        int8_t* block = parts + (c / 64) * 128 + (c % 2) * 32 + (c % 64) / 2;
-        block[0] = static_cast<int8_t>(a);
-        block[64] = static_cast<int8_t>(code - 128 * a);
+        const int32_t upper = (code + 64) >> 7;  // arithmetic shift: floor
+        const int64_t at = int4 ? (c % 2) * 32 + (c % 64) / 2 : c % 64;
+        int8_t* block = parts + (c / 64) * 128;
+        block[at] = static_cast<int8_t>(upper);
+        block[64 + at] = static_cast<int8_t>(code - 128 * upper);
         sum += code;
       }
-      offsets[h] = 8 * sum;
+      offsets[h] = (int4 ? 8 : 128) * sum;
     }
   }
 }
@@ -218,18 +221,17 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
   const int64_t k_stored = kc.stored, v_stored = vc.stored;
   const T* qb = q + b * q_ld;
   for (int64_t c = 0; c < group * qk_width; ++c) ws.q[c] = to_float(qb[c]);
-  // int8 rows of a contiguous cache by vpdpwssd, two exact products per lane and instruction, where widening each
-  // row to float took an FMA per product and head and a widening per 16 elements: the keys against the queries as
-  // int16 (dot_rows_s8), the values against the weights as int16 (axpy_rows_s8). Their 15 bits are finer than
+  // Integer rows of a contiguous cache with half-precision queries: the scores by vpdpbusd, four exact products per
+  // lane and instruction, on the codes made unsigned as they are loaded (never widened) against the queries as 14-bit
+  // codes split in two int8 parts (dot_rows_busd); the value sums by vpdpwssd against the weights as int16 codes
+  // (int8: axpy_rows_s8, rows widened to int16 and interleaved in pairs; int4: axpy_rows_s4, two rows' bytes
+  // interleaved and each nibble sign-extended in place). The queries' 14 bits and the weights' 15 are finer than
   // half-precision queries (8 or 11 bits) and than the bf16 weights of the bf16 path; float32 queries keep the float
-  // products, as the tests hold them to float32's accuracy. Measured with bench_ops --phase quantized (B=4 x 8K and
-  // B=8 x 16K, bf16, 2-core Intel Xeon): 1.32-1.33x the bf16 cache's speed, against 1.08-1.13x widening to float.
+  // products, as the tests hold them to float32's accuracy. Widening each int8 code to float took an FMA per product
+  // and head: 1.08-1.13x the bf16 cache's speed against 1.32-1.33x by vpdpwssd on both sides (bench_ops --phase
+  // quantized, B=4 x 8K and B=8 x 16K, bf16, 2-core Intel Xeon); bench/results/ops/README.md has the steps since.
   //
-  // int4 rows are read packed: their scores by vpdpbusd, four products per lane, on the nibbles made unsigned against
-  // 14-bit queries split in two int8 parts (dot_rows_s4), their value sums by the int16 weights' vpdpwssd on two rows'
-  // bytes interleaved, each nibble sign-extended in place (axpy_rows_s4).
-  //
-  // int8 pages (dim-major) take the same int16 queries and weights: a page's columns are its rows for the key scores
+  // int8 pages (dim-major) take int16 queries and weights: a page's columns are its rows for the key scores
   // (axpy_rows_s8, two columns interleaved per vpdpwssd, as the bf16 pages' axpy_rows_bf16), and its token runs are
   // paired along the tokens for the value sums (dot_columns_s8). int4 pages too, read packed: a byte row's byte is one
   // token's pair of columns, the int16 pair vpdpwssd takes against a query pair (axpy_nibble_rows), and 32 bytes of it
@@ -242,16 +244,15 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
   // widening to float took an FMA per 16 products and head (bench/results/ops/README.md, "Quantized caches").
   constexpr bool kInt4 = std::is_same_v<C, Int4Pair>;
   constexpr bool kIntCodes = std::is_same_v<C, int8_t> || kInt4;
-  const bool int8_rows = kIntCodes && !std::is_same_v<T, float> && bf16_dot && !kc.paged();
-  const bool int8_pages = kIntCodes && !std::is_same_v<T, float> && bf16_dot && kc.paged();
+  const bool integer_rows = kIntCodes && !std::is_same_v<T, float> && bf16_dot && !kc.paged();
+  const bool integer_pages = kIntCodes && !std::is_same_v<T, float> && bf16_dot && kc.paged();
   constexpr bool kBf16Cache = std::is_same_v<C, c10::BFloat16>;
   constexpr bool kE4m3 = std::is_same_v<C, c10::Float8_e4m3fn>;
   constexpr bool kBf16Rows = kBf16Cache || (kE4m3 && std::is_same_v<T, c10::BFloat16>);  // rows for vdpbf16ps
   const bool bf16_rows = kBf16Rows && bf16_dot;
-  const bool int4_rows = kInt4 && int8_rows;
-  if (int4_rows) {
-    quantize_queries_int14_nibbles(ws.q.data(), layout, ws.q_int8.data(), ws.q_offsets.data(), ws.q_scale.data());
-  } else if (int8_rows || int8_pages) {
+  if (integer_rows) {
+    split_queries_int14(ws.q.data(), layout, kInt4, ws.q_parts.data(), ws.q_offsets.data(), ws.q_scale.data());
+  } else if (integer_pages) {
     quantize_queries_int16(ws.q.data(), layout, ws.q_int16.data(), ws.q_scale.data());
   }
   std::fill(ws.acc.begin(), ws.acc.end(), 0.f);
@@ -328,11 +329,11 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
         for (int64_t i = 0; i < group; ++i) std::fill(scores + i * kMaxBlockKeys, scores + i * kMaxBlockKeys + n, 0.f);
         const uint16_t* q_bf16 = reinterpret_cast<const uint16_t*>(qb + group * k_col);  // read as bf16 only
         if constexpr (kInt4) {
-          if (int8_pages) {  // each run's byte rows read packed (axpy_nibble_rows)
+          if (integer_pages) {  // each run's byte rows read packed (axpy_nibble_rows)
             for (int64_t s = 0; s < here.count; ++s) {
-              value_bytes[s] = int4_bytes(here.v[s] + (v_col / 2) * col_stride);
+              value_bytes[s] = int_bytes(here.v[s] + (v_col / 2) * col_stride);
               avx512::axpy_nibble_rows(ws.q_int16.data() + group * k_col, dq, ws.q_scale.data() + j * group, group,
-                                       int4_bytes(here.k[s] + (k_col / 2) * col_stride), col_stride, dq, here.len[s],
+                                       int_bytes(here.k[s] + (k_col / 2) * col_stride), col_stride, dq, here.len[s],
                                        scores + here.first[s], kMaxBlockKeys, stream);
             }
           } else {  // float32 queries: the block's codes as dq rows of n, one product over all runs
@@ -345,7 +346,7 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
             const C* keys = here.k[s] + k_col * col_stride;
             float* run_scores = scores + here.first[s];
             if constexpr (std::is_same_v<C, int8_t>) {
-              if (int8_pages) {  // scores of the run's tokens, the query scales applied
+              if (integer_pages) {  // scores of the run's tokens, the query scales applied
                 avx512::axpy_rows_s8(ws.q_int16.data() + group * k_col, dq, ws.q_scale.data() + j * group, group, keys,
                                      col_stride, dq, here.len[s], run_scores, kMaxBlockKeys, stream);
                 continue;
@@ -368,15 +369,10 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
       } else {  // keys are n rows of dq: one dot product per (query head, key)
         const C* keys = kc.at(b, t0, k_col);
         if constexpr (kIntCodes) {
-          if (int8_rows) {
-            if constexpr (kInt4) {
-              avx512::dot_rows_s4(ws.q_int8.data() + j * group * 2 * kMaxHeadDim, 2 * kMaxHeadDim,
-                                  ws.q_offsets.data() + j * group, group, int4_bytes(keys), kc.stride1, n, dq / 2,
-                                  scores, kMaxBlockKeys, stream);
-            } else {
-              avx512::dot_rows_s8(ws.q_int16.data() + group * k_col, dq, group, keys, kc.stride1, n, dq, scores,
-                                  kMaxBlockKeys, stream);
-            }
+          if (integer_rows) {
+            avx512::dot_rows_busd(ws.q_parts.data() + j * group * 2 * kMaxHeadDim, 2 * kMaxHeadDim,
+                                  ws.q_offsets.data() + j * group, group, int_bytes(keys), kc.stride1, n,
+                                  kInt4 ? dq / 2 : dq, scores, kMaxBlockKeys, stream);
           } else {
             const int8_t* codes = reinterpret_cast<const int8_t*>(keys);
             int64_t codes_stride = kc.stride1;
@@ -400,7 +396,7 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
       if constexpr (kQuantized<C>) {
         block_scales(kc, here, b, t0, n, j, ws.key_scales.data());
         scale_columns(scores, kMaxBlockKeys, group, ws.key_scales.data(), n,
-                      int8_rows ? ws.q_scale.data() + j * group : nullptr);
+                      integer_rows ? ws.q_scale.data() + j * group : nullptr);
       }
       uint16_t* const weights = ws.weights_bf16.data();
       const float* weight_factors = nullptr;  // the value scales, where the exps are rounded to bf16 weights with them
@@ -428,14 +424,14 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
       }
       if (kQuantized<C> && !bf16_weights) {  // weights of the codes
         scale_columns(scores, kMaxBlockKeys, group, ws.value_scales.data(), n);
-        if (int8_rows || int8_pages) {  // the weights as int16 codes for the vpdpwssd value sums
+        if (integer_rows || integer_pages) {  // the weights as int16 codes for the vpdpwssd value sums
           quantize_weights_int16(scores, kMaxBlockKeys, group, n, ws.weights_int16.data(), kMaxBlockKeys + 1,
                                  ws.w_scale.data());
         }
       }
       if (vc.paged()) {  // each run's values are dv columns of consecutive tokens: acc[i][c] += p_i . V[c]
         if constexpr (kInt4) {
-          if (int8_pages) {  // each run's byte rows read packed (load_nibble_columns)
+          if (integer_pages) {  // each run's byte rows read packed (load_nibble_columns)
             avx512::dot_columns_s8(ws.weights_int16.data(), kMaxBlockKeys + 1, ws.w_scale.data(), group, value_bytes,
                                    here.first, here.len, here.count, col_stride, dv, acc, dv, stream);
           } else {  // float32 queries: the block's codes as dv rows of n, one run
@@ -444,7 +440,7 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
             const int64_t first[1] = {0}, len[1] = {n};
             avx512::dot_columns(scores, kMaxBlockKeys, group, codes, first, len, 1, n, dv, acc, dv, stream);
           }
-        } else if (int8_pages) {
+        } else if (integer_pages) {
           if constexpr (std::is_same_v<C, int8_t>) {
             avx512::dot_columns_s8(ws.weights_int16.data(), kMaxBlockKeys + 1, ws.w_scale.data(), group, run_values,
                                    here.first, here.len, here.count, col_stride, dv, acc, dv, stream);
@@ -464,10 +460,10 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
                               dv, acc, dv, stream);
         }
       } else if constexpr (kIntCodes) {  // values are n rows of dv: acc_i += sum_t p_i[t] V[t]
-        if (int8_rows) {
+        if (integer_rows) {
           if constexpr (kInt4) {
             avx512::axpy_rows_s4(ws.weights_int16.data(), kMaxBlockKeys + 1, ws.w_scale.data(), group,
-                                 int4_bytes(vc.at(b, t0, v_col)), vc.stride1, n, dv, acc, dv, stream);
+                                 int_bytes(vc.at(b, t0, v_col)), vc.stride1, n, dv, acc, dv, stream);
           } else {
             avx512::axpy_rows_s8(ws.weights_int16.data(), kMaxBlockKeys + 1, ws.w_scale.data(), group,
                                  vc.at(b, t0, v_col), vc.stride1, n, dv, acc, dv, stream);

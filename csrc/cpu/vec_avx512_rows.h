@@ -193,87 +193,26 @@ FDC_AVX512_BF16 inline void dot_rows_bf16(const uint16_t* a, int64_t a_ld, int64
   }
 }
 
-// dot_rows_bf16_lanes' transposed form for int8 rows (a quantized cache's key codes) against int16 queries, with
-// AVX-512 VNNI: each row's 32 codes are widened to int16 as they are loaded, and vpdpwssd with a query's int16 pair
-// broadcast adds both products to 16 rows' int32 sums exactly (|sum| <= 256 * 32767 * 127 < 2^31), so nothing is
-// rounded until the sums become float. out[h * out_ld + r] = sum_x a[h * a_ld + x] * row r [x], overwritten; len is
-// even.
-template <int kHeads>
-FDC_AVX512_VNNI void dot_rows_s8_lanes(const int16_t* a, int64_t a_ld, const int8_t* const* row, int64_t len,
-                                       __mmask16 store, float* out, int64_t out_ld, PrefetchStream& stream) {
-  PrefetchStream ahead = stream;
-  constexpr int64_t kPairs = 2 * kLanes;               // int16 elements per register
-  constexpr int kSets = kHeads >= 8 ? 1 : 8 / kHeads;  // dependent-add chains per head, as in dot_rows_bf16_lanes
-  __m512i acc[kSets][kHeads];
-#pragma GCC unroll 8
-  for (int s = 0; s < kSets; ++s)
-#pragma GCC unroll 8
-    for (int h = 0; h < kHeads; ++h) acc[s][h] = _mm512_setzero_si512();
-  for (int64_t x = 0; x < len; x += kPairs) {
-    const int64_t cols = std::min(kPairs, len - x);
-    const __mmask32 mask = pairs_mask(cols);
-    __m512i t[kLanes];
-#pragma GCC unroll 16
-    for (int k = 0; k < kLanes; ++k) {
-      t[k] = load_codes_epi16(row[k], x, mask);
-      ahead.step();
-    }
-    transpose16x16_epi32(t);
-#pragma GCC unroll 16
-    for (int p = 0; p < kLanes; ++p) {
-      if (2 * p >= cols) break;
-#pragma GCC unroll 8
-      for (int h = 0; h < kHeads; ++h) {
-        int32_t pair;
-        std::memcpy(&pair, a + h * a_ld + x + 2 * p, sizeof(pair));
-        acc[p % kSets][h] = _mm512_dpwssd_epi32(acc[p % kSets][h], t[p], _mm512_set1_epi32(pair));
-      }
-    }
-  }
-#pragma GCC unroll 8
-  for (int h = 0; h < kHeads; ++h) {
-    __m512i sum = acc[0][h];
-#pragma GCC unroll 8
-    for (int s = 1; s < kSets; ++s) sum = _mm512_add_epi32(sum, acc[s][h]);
-    _mm512_mask_storeu_ps(out + h * out_ld, store, _mm512_cvtepi32_ps(sum));
-  }
-  stream = ahead;
-}
-
-// dot_rows for int16 `a` and int8 rows by dot_rows_s8_lanes: 16 rows at a time (a short
-// last group repeats its final row and stores only the real ones), query heads 8 at a time; the products are exact
-// integers. row_stride: bytes between rows.
-FDC_AVX512_VNNI inline void dot_rows_s8(const int16_t* a, int64_t a_ld, int64_t group, const int8_t* rows,
-                                        int64_t row_stride, int64_t n, int64_t len, float* out, int64_t out_ld,
-                                        PrefetchStream& ahead) {
-  for (int64_t r0 = 0; r0 < n; r0 += kLanes) {
-    const int8_t* row[kLanes];
-    for (int64_t k = 0; k < kLanes; ++k) row[k] = rows + std::min(r0 + k, n - 1) * row_stride;
-    const __mmask16 store = lanes_mask(n - r0);
-    for_head_tiles_of_8(group, [&](int64_t h0, auto heads) {
-      dot_rows_s8_lanes<decltype(heads)::value>(a + h0 * a_ld, a_ld, row, len, store, out + h0 * out_ld + r0, out_ld,
-                                                ahead);
-    });
-  }
-}
-
-// dot_rows_s8_lanes' transposed form for int4 rows (two codes per byte) against 14-bit queries split into two int8
-// parts, with AVX-512 VNNI's vpdpbusd: each row's 32 bytes become one register of unsigned codes, lanes 0-7 the low
-// nibbles' and lanes 8-15 the high ones' (load_nibble_halves_u8: code + 8), and after the transpose one vpdpbusd
+// dot_rows_bf16_lanes' transposed form for integer rows (a quantized cache's key codes: int8, or int4 two per byte)
+// against 14-bit queries split into two int8 parts, with AVX-512 VNNI's vpdpbusd. The codes are made unsigned as they
+// are loaded (int8: code + 128, 64 bytes a register; int4: load_nibble_halves_u8, code + 8, a row's 32 bytes a
+// register, lanes 0-7 the low nibbles' codes and lanes 8-15 the high ones'), and after the transpose one vpdpbusd
 // with 4 codes of a query part broadcast adds 4 exact products to 16 rows' int32 sums. A query code q = 128 a + b
-// (a in [-127, 127], b in [-64, 63]) takes two vpdpbusd per 4 columns where dot_rows_s8_lanes' vpdpwssd takes two
-// per 4 as well, but a register of codes costs 5 instructions to make instead of 6 per 32 codes (and the 16 x 16
-// transpose serves 64 codes instead of 32). a: each query head's parts (a_ld apart), per 32 bytes of the row 128 of
-// them: the 32 even columns' a, the 32 odd columns' a, then the same two of b (quantize_queries_int14_nibbles),
-// zero past the head's width; offsets[h]: 8 x the sum of head h's q, which the offset codes added. out[h * out_ld +
-// r] = sum_c q_h[c] * code(row r, column c), exactly, overwritten (|128 A| <= 128 * 256 * 15 * 127 < 2^31); bytes:
-// the head's bytes per row (dim / 2, a multiple of 4).
-template <int kHeads>
-FDC_AVX512_VNNI void dot_rows_s4_lanes(const int8_t* a, int64_t a_ld, const int32_t* offsets, const uint8_t* const* row,
-                                       int64_t bytes, __mmask16 store, float* out, int64_t out_ld,
-                                       PrefetchStream& stream) {
+// (a in [-127, 127], b in [-64, 63]) takes two vpdpbusd per 4 columns, as many as vpdpwssd on int16 codes, but the
+// codes are never widened (int8: 1 instruction per 64 codes instead of a widening per 32; int4: 5 per 64 instead of
+// 6 per 32) and a 16 x 16 transpose serves 64 columns instead of 32. a: each query head's parts (a_ld apart), per
+// register of the row 128 of them, lane L's 4 a-parts at 4 L and its 4 b-parts at 64 + 4 L (int8: the columns in
+// order; int4: the 32 even columns, then the 32 odd ones; split_queries_int14), zero past the head's width;
+// offsets[h]: the offset (128 or 8) x the sum of head h's q, which the unsigned codes added. out[h * out_ld + r] =
+// sum_c q_h[c] * code(row r, column c), exactly (|128 A| <= 128 * 256 * 255 * 127 < 2^31), overwritten; bytes: the
+// head's bytes per row (int8: dim; int4: dim / 2; a multiple of 4).
+template <int kHeads, typename Codes>
+FDC_AVX512_VNNI void dot_rows_busd_lanes(const int8_t* a, int64_t a_ld, const int32_t* offsets, const Codes* const* row,
+                                         int64_t bytes, __mmask16 store, float* out, int64_t out_ld,
+                                         PrefetchStream& stream) {
   PrefetchStream ahead = stream;
-  constexpr int64_t kBytes = 32;                       // row bytes per register
+  constexpr bool kInt4 = std::is_same_v<Codes, uint8_t>;
+  constexpr int64_t kBytes = kInt4 ? 32 : 64;          // row bytes per register
   constexpr int kSets = kHeads >= 4 ? 1 : 4 / kHeads;  // chains per head and part: 8 for the tile in all
   __m512i high[kSets][kHeads], low[kSets][kHeads];
 #pragma GCC unroll 4
@@ -282,29 +221,29 @@ FDC_AVX512_VNNI void dot_rows_s4_lanes(const int8_t* a, int64_t a_ld, const int3
     for (int h = 0; h < kHeads; ++h) high[s][h] = low[s][h] = _mm512_setzero_si512();
   for (int64_t x = 0; x < bytes; x += kBytes) {
     const int64_t used = std::min(kBytes, bytes - x);
-    const __mmask32 mask = pairs_mask(used);
     __m512i t[kLanes];
 #pragma GCC unroll 16
     for (int k = 0; k < kLanes; ++k) {
-      t[k] = load_nibble_halves_u8(row[k] + x, mask);
+      if constexpr (kInt4) {
+        t[k] = load_nibble_halves_u8(row[k] + x, pairs_mask(used));
+      } else {
+        t[k] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(bytes_mask(used), row[k] + x),
+                                _mm512_set1_epi8(static_cast<char>(0x80)));
+      }
       ahead.step();
     }
     transpose16x16_epi32(t);
-    const int8_t* ax = a + 4 * x;  // the 128 query parts of these 32 bytes
-#pragma GCC unroll 8
-    for (int p = 0; p < kLanes / 2; ++p) {
-      if (4 * p >= used) break;
+    const int8_t* ax = a + (x / kBytes) * 128;  // the 128 query parts of this register
+#pragma GCC unroll 16
+    for (int p = 0; p < kLanes; ++p) {
+      if (4 * (kInt4 ? p % 8 : p) >= used) continue;  // a lane past the head's bytes
 #pragma GCC unroll 4
       for (int h = 0; h < kHeads; ++h) {
-        int32_t part[4];  // a of the even columns, a of the odd, b of the even, b of the odd
-#pragma GCC unroll 4
-        for (int k = 0; k < 4; ++k) std::memcpy(&part[k], ax + h * a_ld + k * kBytes + 4 * p, sizeof(int32_t));
-        __m512i& hi = high[p % kSets][h];
-        __m512i& lo = low[p % kSets][h];
-        hi = _mm512_dpbusd_epi32(hi, t[p], _mm512_set1_epi32(part[0]));
-        hi = _mm512_dpbusd_epi32(hi, t[kLanes / 2 + p], _mm512_set1_epi32(part[1]));
-        lo = _mm512_dpbusd_epi32(lo, t[p], _mm512_set1_epi32(part[2]));
-        lo = _mm512_dpbusd_epi32(lo, t[kLanes / 2 + p], _mm512_set1_epi32(part[3]));
+        int32_t upper, lower;
+        std::memcpy(&upper, ax + h * a_ld + 4 * p, sizeof(upper));
+        std::memcpy(&lower, ax + h * a_ld + 64 + 4 * p, sizeof(lower));
+        high[p % kSets][h] = _mm512_dpbusd_epi32(high[p % kSets][h], t[p], _mm512_set1_epi32(upper));
+        low[p % kSets][h] = _mm512_dpbusd_epi32(low[p % kSets][h], t[p], _mm512_set1_epi32(lower));
       }
     }
   }
@@ -319,20 +258,21 @@ FDC_AVX512_VNNI void dot_rows_s4_lanes(const int8_t* a, int64_t a_ld, const int3
   stream = ahead;
 }
 
-// dot_rows for split 14-bit queries (in dot_rows_s4_lanes' order) and int4 rows by dot_rows_s4_lanes: 16 rows at a
-// time (a short last group repeats its final row and stores only the real ones), query heads 4 at a time.
-// row_stride: bytes between rows.
-FDC_AVX512_VNNI inline void dot_rows_s4(const int8_t* a, int64_t a_ld, const int32_t* offsets, int64_t group,
-                                        const uint8_t* rows, int64_t row_stride, int64_t n, int64_t bytes, float* out,
-                                        int64_t out_ld, PrefetchStream& ahead) {
+// dot_rows for split 14-bit queries (in dot_rows_busd_lanes' order) and integer rows (int8_t, or uint8_t holding
+// int4 pairs) by dot_rows_busd_lanes: 16 rows at a time (a short last group repeats its final row and stores only
+// the real ones), query heads 4 at a time. row_stride: bytes between rows.
+template <typename Codes>
+FDC_AVX512_VNNI inline void dot_rows_busd(const int8_t* a, int64_t a_ld, const int32_t* offsets, int64_t group,
+                                          const Codes* rows, int64_t row_stride, int64_t n, int64_t bytes, float* out,
+                                          int64_t out_ld, PrefetchStream& ahead) {
   for (int64_t r0 = 0; r0 < n; r0 += kLanes) {
-    const uint8_t* row[kLanes];
+    const Codes* row[kLanes];
     for (int64_t k = 0; k < kLanes; ++k) row[k] = rows + std::min(r0 + k, n - 1) * row_stride;
     const __mmask16 store = lanes_mask(n - r0);
     for (int64_t h0 = 0; h0 < group; h0 += 4) {
       with_count_1_to_4(std::min<int64_t>(4, group - h0), [&](auto heads) {
-        dot_rows_s4_lanes<decltype(heads)::value>(a + h0 * a_ld, a_ld, offsets + h0, row, bytes, store,
-                                                  out + h0 * out_ld + r0, out_ld, ahead);
+        dot_rows_busd_lanes<decltype(heads)::value>(a + h0 * a_ld, a_ld, offsets + h0, row, bytes, store,
+                                                    out + h0 * out_ld + r0, out_ld, ahead);
       });
     }
   }
