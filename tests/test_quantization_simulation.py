@@ -35,11 +35,16 @@ def test_simulated_formats_are_the_real_caches(family, bits):
     with simulate_quantization(model, QuantizationScheme(key_bits=bits, value_bits=bits, rotate="both"), []):
         simulated, _ = _steps(model, ids, mask, steps=3, chunk=3)
     for step, (got, want, unquantized) in enumerate(zip(simulated[1:], real[1:], exact[1:])):
-        # the same mixing, codes and scales: the real model's weights carry the mixing, the simulation mixes and
-        # unmixes the rows, and the kernel scales the sums; only the rounding differs
+        # the same mixing, codes and scales: the real model's weights carry the mixing (x (W M) in float32), the
+        # simulation mixes and unmixes the rows ((x W) M in float64), and the kernel scales the sums; only the
+        # rounding differs. That rounding can put a value on the other side of a code's rounding boundary, and an
+        # int8 code one step off moved these tiny models' logits by up to 1.6e-3 (about 1 seeded run in 12; over 16
+        # runs the quantization's own effect was 5.2x the difference at the least), where int4's 7 levels kept it
+        # below 2e-6.
         difference = float((got - want).abs().max() / want.abs().max())
         quantization = float((unquantized - want).abs().max() / want.abs().max())
-        assert difference < 1e-4 and quantization > 100 * difference, (step, difference, quantization, replay)
+        close = difference < 1e-4 if bits == 4 else difference < 2e-3 and quantization > 3 * difference
+        assert close, (step, difference, quantization, replay)
 
 
 def test_sixteen_bit_halves_are_untouched_and_rotations_undone():
