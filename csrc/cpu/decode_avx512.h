@@ -33,7 +33,7 @@ struct RowScratch {
   std::vector<int16_t> q_int16;        // int8 pages' keys (axpy_rows_s8): q as int16, q = q_int16 * q_scale
   std::vector<float> q_scale;          // (H_kv * G)
   std::vector<int8_t> q_parts;         // integer rows (dot_rows_busd): q as two int8 parts, 2 kMaxHeadDim per head
-  std::vector<int32_t> q_offsets;      // (H_kv * G): 8 x each query head's sum of codes
+  std::vector<int32_t> q_offsets;      // (H_kv * G): the codes' unsigned offset x each query head's sum
   std::vector<int16_t> weights_int16;  // int8 values (axpy_rows_s8, pages dot_columns_s8): w = w_int16 * w_scale
   std::vector<float> w_scale;          // (G)
   std::vector<OnlineSoftmax> softmax;
@@ -117,6 +117,17 @@ FDC_AVX512 inline void quantize_weights_int16(const float* w, int64_t ld, int64_
   }
 }
 
+// The scale of a query head's dim values x for integer codes of at most largest_code in magnitude: the largest
+// magnitude / largest_code (0 for an all-zero head), NaN where a value is not finite.
+inline float query_scale(const float* x, int64_t dim, float largest_code) {
+  float largest = 0.f;
+  for (int64_t c = 0; c < dim; ++c) {
+    if (!std::isfinite(x[c])) return std::numeric_limits<float>::quiet_NaN();
+    largest = std::max(largest, std::abs(x[c]));
+  }
+  return largest / largest_code;
+}
+
 // Each query head's dim columns of q (G * W_qk floats, query head h = j * G + i at G * offsets[j] + i * dim[j]) as
 // int16 codes q_int16 = round(q / q_scale), q_scale = the head's largest magnitude / 32767 (0 for an all-zero head):
 // 15 bits, far finer than the integer pages' keys they meet (axpy_rows_s8, axpy_nibble_rows). A head holding a
@@ -127,17 +138,10 @@ inline void quantize_queries_int16(const float* q, const checks::HostLayout& lay
     const int64_t dim = layout.qk_offsets[j + 1] - layout.qk_offsets[j];
     for (int64_t i = 0; i < group; ++i) {
       const int64_t first = group * layout.qk_offsets[j] + i * dim;
-      float largest = 0.f;
-      bool finite = true;
-      for (int64_t c = 0; c < dim; ++c) {
-        finite = finite && std::isfinite(q[first + c]);
-        largest = std::max(largest, std::abs(q[first + c]));
-      }
-      const float scale = finite ? largest / 32767.f : std::numeric_limits<float>::quiet_NaN();
+      const float scale = query_scale(q + first, dim, 32767.f);
       q_scale[j * group + i] = scale;
       for (int64_t c = 0; c < dim; ++c) {
-        q_int16[first + c] =
-            finite && scale > 0.f ? static_cast<int16_t>(std::nearbyint(q[first + c] / scale)) : int16_t(0);
+        q_int16[first + c] = scale > 0.f ? static_cast<int16_t>(std::nearbyint(q[first + c] / scale)) : int16_t(0);
       }
     }
   }
@@ -159,22 +163,15 @@ inline void split_queries_int14(const float* q, const checks::HostLayout& layout
     const int64_t dim = layout.qk_offsets[j + 1] - layout.qk_offsets[j];
     for (int64_t i = 0; i < group; ++i) {
       const float* qh = q + group * layout.qk_offsets[j] + i * dim;
-      float largest = 0.f;
-      bool finite = true;
-      for (int64_t c = 0; c < dim; ++c) {
-        finite = finite && std::isfinite(qh[c]);
-        largest = std::max(largest, std::abs(qh[c]));
-      }
       const int64_t h = j * group + i;
-      const float scale = finite ? largest / kLargest : std::numeric_limits<float>::quiet_NaN();
+      const float scale = query_scale(qh, dim, kLargest);
       q_scale[h] = scale;
       int8_t* parts = q_parts + h * 2 * kMaxHeadDim;
       std::fill(parts, parts + 2 * kMaxHeadDim, int8_t(0));
       int32_t sum = 0;
       for (int64_t c = 0; c < dim; ++c) {
-        const int32_t code = finite && scale > 0.f
-                                 ? std::clamp(static_cast<int32_t>(std::nearbyint(qh[c] / scale)), -kLargest, kLargest)
-                                 : 0;
+        const int32_t code =
+            scale > 0.f ? std::clamp(static_cast<int32_t>(std::nearbyint(qh[c] / scale)), -kLargest, kLargest) : 0;
         const int32_t upper = (code + 64) >> 7;  // arithmetic shift: floor
         const int64_t at = int4 ? (c % 2) * 32 + (c % 64) / 2 : c % 64;
         int8_t* block = parts + (c / 64) * 128;
