@@ -29,7 +29,8 @@ same simulated on the uncompressed model's attention. A point's compression is t
 removed. ``--metric retrieval`` asks for a number stated once early in a held-out text of 1400 tokens (what eviction
 loses that perplexity hides); the same methods run on it. Quantized caches (``KVQ int8`` / ``KVQ e4m3`` / ``KVQ
 int4`` alone at full widths, ``KVQ-F ...`` under FDC's widths, ``KVQ-P ...`` under Palu's, ``KF-KVQ-F int8`` /
-``KF-KVQ-P int8`` all three stacked with Keyformer eviction) run on both long-context metrics too; their compression
+``KF-KVQ-P int8`` all three stacked with Keyformer eviction, ``SnapKV-KVQ-F int8`` / ``SnapKV-KVQ-P int8`` with
+SnapKV's) run on both long-context metrics too; their compression
 counts the cache's bytes (a byte, or half of one for int4, per element, and its scales) against a 16-bit cache. Other
 formats below 8 bits are simulated (``... (simulated)``, apps/quantization_simulation.py), to choose by measurement.
 
@@ -107,10 +108,12 @@ QUANTIZATION = {
     "KVQ int4": {"artifact": "default", "kv_dtype": "int4", "uniform": True, "fixed": True},
     "KVQ-F int4": {"artifact": "default", "kv_dtype": "int4"},
     "KVQ-P int4": {"artifact": "default", "kv_dtype": "int4", "method": "palu"},
-    # all three stacked: int8 takes its own share, then Keyformer eviction and FDC's (Palu's) widths half each of the
-    # rest (stacked_budgets)
+    # all three stacked: int8 takes its own share, then Keyformer's (SnapKV's) eviction and FDC's (Palu's) widths half
+    # each of the rest (stacked_budgets)
     "KF-KVQ-F int8": {"artifact": "default", "kv_dtype": "int8", "eviction": "keyformer"},
     "KF-KVQ-P int8": {"artifact": "default", "kv_dtype": "int8", "eviction": "keyformer", "method": "palu"},
+    "SnapKV-KVQ-F int8": {"artifact": "default", "kv_dtype": "int8", "eviction": "snapkv"},
+    "SnapKV-KVQ-P int8": {"artifact": "default", "kv_dtype": "int8", "eviction": "snapkv", "method": "palu"},
 }
 # Candidate formats below 8 bits, simulated (apps/quantization_simulation.py: rows quantized and dequantized as they
 # are cached, bytes counted as the format would store them) to choose the 4-bit format by measurement; "rotated":
