@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "fdc/attention_variant.h"
@@ -450,6 +451,64 @@ inline DecodeInputs check_decode_inputs(const char* op, const at::Tensor& q, con
   check_scale(op, scale);
   inputs.batch = q.size(0);
   inputs.cache = check_cache(op, k_cache, v_cache, block_table, inputs.batch, inputs.layout, q.scalar_type(), "q");
+  return inputs;
+}
+
+// window_scores' inputs, all on the CPU: q (T, G * W_qk) and k_cache (B, S, W_qk) float (any of the three dtypes
+// each: a quantized cache is dequantized by its caller), cu_seqlens_q (B + 1) and cache_seqlens (B) read on the host,
+// each request's query count at most its length (its queries are its cache's last tokens); window in [1, 2^20];
+// softcap as for attention; temperature positive; noise_state, when given, int64 (B, 4).
+struct WindowScoresInputs {
+  HostLayout layout;
+  std::vector<int32_t> cu_seqlens_q;
+  std::vector<int32_t> cache_seqlens;
+  std::vector<std::array<uint64_t, 4>> noise_state;  // empty without noise
+};
+
+inline WindowScoresInputs check_window_scores_inputs(const char* op, const at::Tensor& q,
+                                                     const at::Tensor& cu_seqlens_q, const at::Tensor& k_cache,
+                                                     const at::Tensor& cache_seqlens, const at::Tensor& qk_offsets,
+                                                     int64_t group, double scale, int64_t window, double softcap,
+                                                     const std::optional<at::Tensor>& noise_state, double temperature) {
+  WindowScoresInputs inputs;
+  inputs.layout = read_layout(op, qk_offsets, nullptr, group);
+  check_float(op, "q", q, 2);
+  check_float(op, "k_cache", k_cache, 3);
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"q", &q},
+                                {"cu_seqlens_q", &cu_seqlens_q},
+                                {"k_cache", &k_cache},
+                                {"cache_seqlens", &cache_seqlens}}) {
+    FDC_CHECK(t->device().is_cpu(), op, name, " must be on the CPU but is on ", t->device());
+  }
+  check_width(op, "q", q, group * inputs.layout.qk_width(), "group * qk_offsets[-1]");
+  check_width(op, "k_cache", k_cache, inputs.layout.qk_width(), "qk_offsets[-1]");
+  check_scale(op, scale);
+  FDC_CHECK(window >= 1 && window <= (1 << 20), op, "window must be in [1, 2**20] queries but got ", window);
+  FDC_CHECK(std::isfinite(softcap) && softcap >= 0, op,
+            "softcap must be 0 (no capping) or a positive finite number but got ", softcap);
+  FDC_CHECK(std::isfinite(temperature) && temperature > 0, op, "temperature must be a positive finite number but got ",
+            temperature);
+  const int64_t batch = k_cache.size(0);
+  inputs.cu_seqlens_q = read_cu_seqlens(op, "cu_seqlens_q", cu_seqlens_q, batch, q.size(0), "q");
+  inputs.cache_seqlens = read_cache_seqlens(op, cache_seqlens, batch, k_cache.size(1));
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t count = inputs.cu_seqlens_q[b + 1] - inputs.cu_seqlens_q[b];
+    FDC_CHECK(count <= inputs.cache_seqlens[b], op, "the queries of request ", b, " (", count,
+              ") must be its last cached tokens, but cache_seqlens[", b, "] is ", inputs.cache_seqlens[b]);
+  }
+  if (noise_state.has_value()) {
+    const at::Tensor& state = *noise_state;
+    FDC_CHECK(state.scalar_type() == at::kLong && state.device().is_cpu(), op,
+              "noise_state must be an int64 CPU tensor but got ", dtype_name(state.scalar_type()), " on ",
+              state.device());
+    check_shape(op, "noise_state", state, {batch, 4});
+    const at::Tensor words = state.contiguous();
+    const int64_t* w = words.data_ptr<int64_t>();
+    for (int64_t b = 0; b < batch; ++b) {
+      inputs.noise_state.push_back({static_cast<uint64_t>(w[4 * b]), static_cast<uint64_t>(w[4 * b + 1]),
+                                    static_cast<uint64_t>(w[4 * b + 2]), static_cast<uint64_t>(w[4 * b + 3])});
+    }
+  }
   return inputs;
 }
 

@@ -32,4 +32,8 @@ TORCH_LIBRARY(fdc, m) {
   m.def(
       "append_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor cu_seqlens, "
       "Tensor cache_seqlens, Tensor qk_offsets, Tensor v_offsets, Tensor? block_table=None) -> ()");
+  m.def(
+      "window_scores(Tensor q, Tensor cu_seqlens_q, Tensor k_cache, Tensor cache_seqlens, Tensor qk_offsets, "
+      "int group, float scale, int window, float softcap=0.0, Tensor? noise_state=None, float temperature=1.0) "
+      "-> Tensor");
 }

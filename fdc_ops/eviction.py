@@ -96,11 +96,42 @@ def window_scores(q: torch.Tensor, cu_seqlens_q: torch.Tensor, k_cache: torch.Te
     cache_seqlens: (B,) int32 cached tokens; qk_offsets: (H_kv + 1,) int32 CPU; softcap as in prefill_attention;
     seed: Keyformer's noise (default policy.seed). Request b's noise depends on nothing but the seed and its own
     length: uniforms(noise_stream(seed), (G, window, length)) draws its u for each KV head in order, so a request
-    scores the same alone and in any batch (and on any device); -log(-log u) is Gumbel(0, 1) noise."""
+    scores the same alone and in any batch (and on any device); -log(-log u) is Gumbel(0, 1) noise. On the CPU the
+    probabilities are summed by one op (ops.window_scores), elsewhere by torch operations."""
     from . import ops
 
     where = "fdc_ops.eviction.window_scores"
     _check_rows(where, q, cu_seqlens_q, k_cache, cache_seqlens, qk_offsets, group)
+    B, S = k_cache.shape[0], k_cache.shape[1]
+    device = q.device
+    H_kv = qk_offsets.numel() - 1
+    if S == 0:
+        return torch.zeros(B, H_kv, S, dtype=torch.float32, device=device)
+    if k_cache.dtype in ops.QUANTIZED_CACHE_DTYPES:  # float keys, once for all heads (a prompt's cost, not a step's)
+        k_cache = ops.dequantize_rows(k_cache, qk_offsets)
+    keyformer = policy.method == "keyformer"
+    seed = policy.seed if seed is None else seed
+    if device.type == "cpu":
+        summed = ops.window_scores(q, cu_seqlens_q, k_cache, cache_seqlens, qk_offsets, group, scale, policy.window,
+                                   softcap, *((noise_state(seed, B), policy.temperature) if keyformer else (None, 1.0)))
+    else:
+        summed = _summed_probabilities(q, cu_seqlens_q, k_cache, cache_seqlens, qk_offsets, group, scale, policy,
+                                       softcap, seed)
+    lengths = cache_seqlens.to(device=device, dtype=torch.int64)
+    if not keyformer:  # SnapKV: the probabilities averaged over the rows that score, then max-pooled over neighbours
+        counts = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(device=device, dtype=torch.int64)
+        taken = counts.clamp(1, policy.window).to(torch.float32) * group  # (B,)
+        summed = torch.nn.functional.max_pool1d(summed / taken[:, None, None], policy.kernel, stride=1,
+                                                padding=policy.kernel // 2)
+    keys = torch.arange(S, device=device)
+    return torch.where(keys[None, None, :] < lengths[:, None, None], summed, summed.new_zeros(()))
+
+
+def _summed_probabilities(q: torch.Tensor, cu_seqlens_q: torch.Tensor, k_cache: torch.Tensor,
+                          cache_seqlens: torch.Tensor, qk_offsets: torch.Tensor, group: int, scale: float,
+                          policy: EvictionPolicy, softcap: float, seed: int) -> torch.Tensor:
+    """ops.window_scores composed of torch operations, for the devices it has no kernel on (its arguments, a float
+    k_cache, Keyformer's noise when policy.method is "keyformer"): (B, H_kv, S) float32."""
     B, S = k_cache.shape[0], k_cache.shape[1]
     device = q.device
     window = policy.window
@@ -118,16 +149,8 @@ def window_scores(q: torch.Tensor, cu_seqlens_q: torch.Tensor, k_cache: torch.Te
     hidden = (keys[None, None, first:] > positions[:, :, None]) | ~scoring[:, :, None]  # (B, window, S - first)
     queries = q[rows.clamp_min(0).clamp_max(max(q.shape[0] - 1, 0))] if q.shape[0] else q.new_zeros(B, window,
                                                                                                      q.shape[1])
-    generators = []
-    if policy.method == "keyformer":
-        seed = policy.seed if seed is None else seed
-        generators = [noise_stream(seed) for _ in host_lengths]
     bounds = qk_offsets.tolist()
     H_kv = len(bounds) - 1
-    if S == 0:
-        return torch.zeros(B, H_kv, S, dtype=torch.float32, device=device)
-    if k_cache.dtype in ops.QUANTIZED_CACHE_DTYPES:  # float keys, once for all heads (a prompt's cost, not a step's)
-        k_cache = ops.dequantize_rows(k_cache, qk_offsets)
     # Every head's logits in one buffer, so that what follows the products runs once for all heads: (H_kv, B, G *
     # window, S), each head's block contiguous for bmm's out=. The scale goes on the window's queries, a tensor S /
     # dim times smaller than the logits.
@@ -142,22 +165,25 @@ def window_scores(q: torch.Tensor, cu_seqlens_q: torch.Tensor, k_cache: torch.Te
         logits = softcap * torch.tanh(logits / softcap)
     logits[..., first:].masked_fill_(hidden[None, :, None], float("-inf"))
     if policy.method == "keyformer":
-        weights, totals = _gumbel_weights(logits, generators, host_lengths, policy.temperature)
+        weights, totals = _gumbel_weights(logits, [noise_stream(seed) for _ in host_lengths], host_lengths,
+                                          policy.temperature)
     else:
-        weights = logits.sub_(logits.amax(dim=-1, keepdim=True).nan_to_num_(0.0, 0.0, 0.0)).exp_()
+        top = logits.amax(dim=-1, keepdim=True).nan_to_num_(0.0, 0.0, 0.0)
+        weights = logits.sub_(top).exp_()
         totals = weights.sum(dim=-1)
-    # what each query row's weights count for in a key's score: Keyformer sums them, SnapKV averages them over the
-    # queries that score; rows of no query count for nothing
-    taken = counts.clamp(1, window).to(torch.float32)[:, None] * group  # (B, 1)
-    row_weight = scoring.to(torch.float32) if policy.method == "keyformer" else scoring / taken  # (B, window)
-    row_weight = row_weight[:, None, :].expand(B, group, window).reshape(1, B, group * window)
-    # normalising each row and summing the rows is one product: (H_kv B, 1, G window) x (H_kv B, G window, S)
+    # normalising each row and summing the rows of the queries that score is one product: (H_kv B, 1, G window) x
+    # (H_kv B, G window, S)
+    row_weight = scoring.to(torch.float32)[:, None, :].expand(B, group, window).reshape(1, B, group * window)
     factors = (row_weight / totals.view(H_kv, B, group * window).clamp_min(1e-30)).view(H_kv * B, 1, group * window)
     summed = torch.bmm(factors, weights.view(H_kv * B, group * window, S))  # (H_kv B, 1, S)
-    if policy.method == "snapkv":
-        summed = torch.nn.functional.max_pool1d(summed, policy.kernel, stride=1, padding=policy.kernel // 2)
-    scores = summed.view(H_kv, B, S).transpose(0, 1)
-    return torch.where(keys[None, None, :] < lengths[:, None, None], scores, scores.new_zeros(()))
+    return summed.view(H_kv, B, S).transpose(0, 1)
+
+
+def noise_state(seed: int, batch: int) -> torch.Tensor:
+    """The SFC64 state of noise_stream(seed), for each of ``batch`` requests: (batch, 4) int64, the form
+    ops.window_scores takes (every request's noise starts from the seed)."""
+    words = numpy.asarray(noise_stream(seed).state["state"]["state"], dtype=numpy.uint64).view(numpy.int64)
+    return torch.from_numpy(words.copy()).expand(batch, 4).contiguous()
 
 
 def noise_stream(seed: int) -> numpy.random.SFC64:

@@ -60,6 +60,7 @@ __all__ = [
     "decode_plan",
     "decode_attention",
     "append_kv",
+    "window_scores",
     "DEFAULT_ROW_BLOCK",
     "decode_plan_size",
 ]
@@ -549,6 +550,67 @@ def append_kv(
     torch.ops.fdc.append_kv(k_cache, v_cache, k, v, cu_seqlens, cache_seqlens, qk_offsets, v_offsets, block_table)
 
 
+def window_scores(
+    q: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    k_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    qk_offsets: torch.Tensor,
+    group: int,
+    scale: float,
+    window: int,
+    softcap: float = 0.0,
+    noise_state: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """The attention each cached key receives from the last ``window`` queries of a call, summed per KV head: token
+    eviction's scores (:mod:`fdc_ops.eviction` turns them into SnapKV's or Keyformer's), in one pass over the keys.
+
+    Request ``b``'s queries are rows ``cu_seqlens_q[b] .. cu_seqlens_q[b+1]`` of ``q``, its cache's last tokens (the
+    call appended them). Its last ``taken = min(window, count)`` queries score: query ``i`` of them, at position
+    ``p = cache_seqlens[b] - taken + i``, takes each of its KV head's ``G`` query heads' softmax over keys ``0 .. p``
+    of ``softcap``-capped logits ``scale * q . k``, or, with ``noise_state``, Keyformer's ``softmax((logits + g) /
+    temperature)`` with Gumbel noise ``g = -log(-log u)``; ``scores[b, j, s]`` sums those probabilities over the
+    ``G * taken`` rows of KV head ``j``. Request ``b``'s uniforms continue the SFC64 generator from
+    ``noise_state[b]``: for each KV head in order, ``G * window * cache_seqlens[b]`` of them in ``(g, step, key)``
+    order (all ``window`` steps, scoring or not), each from 32 bits of the 64-bit words (the low half first) as
+    ``(bits >> 8) * 2**-24``, clamped to ``[1e-20, 1 - 1e-7]``: the draws of
+    ``fdc_ops.eviction.uniforms(numpy.random.SFC64(seed), (G, window, length))`` per head, when ``noise_state[b]``
+    is that generator's ``state["state"]["state"]`` (``eviction.noise_state`` builds the tensor).
+
+    CPU only (float32 throughout; logs and exps to about 2 ulp): on CUDA it raises, and ``fdc_ops.eviction``
+    scores with torch operations there.
+
+    Args:
+        q: ``(T, G * qk_offsets[-1])`` packed queries, float32, float16 or bfloat16.
+        cu_seqlens_q: ``(B + 1,)`` int32 boundaries of each request's queries in ``q``.
+        k_cache: ``(B, S, qk_offsets[-1])`` packed keys (a float cache; dequantize a quantized one first), request
+            ``b``'s valid in rows ``[0, cache_seqlens[b])``; nothing past them is read.
+        cache_seqlens: ``(B,)`` int32 cached tokens, each at least its request's query count.
+        qk_offsets: ``(H_kv + 1,)`` int32 CPU prefix sums of the head widths.
+        group: query heads per KV head.
+        scale: the softmax scale.
+        window: the scoring queries per request (at most the last ``window``).
+        softcap: logit soft-capping as in :func:`prefill_attention` (0: none).
+        noise_state: ``(B, 4)`` int64 SFC64 states ``(a, b, c, counter)`` for Keyformer's noise, or None for none.
+        temperature: the softmax temperature.
+
+    Returns:
+        ``(B, H_kv, S)`` float32, zero past each request's length (and for a request with no queries).
+
+    Example (the window's one query sees both keys equally, with group 2 its heads' rows sum to 2)::
+
+        >>> import torch, fdc_ops
+        >>> qk_offsets = torch.tensor([0, 8], dtype=torch.int32)
+        >>> keys = torch.ones(1, 4, 8)
+        >>> fdc_ops.ops.window_scores(torch.ones(1, 16), torch.tensor([0, 1], dtype=torch.int32), keys,
+        ...                           torch.tensor([2], dtype=torch.int32), qk_offsets, 2, 0.1, 32)
+        tensor([[[1., 1., 0., 0.]]])
+    """
+    return torch.ops.fdc.window_scores(q, cu_seqlens_q, k_cache, cache_seqlens, qk_offsets, group, scale, window,
+                                       softcap, noise_state, temperature)
+
+
 # The fakes check what the kernels' checks (csrc/checks.h) check without reading values: the shapes that must agree,
 # so a compiled graph is refused where it is traced, with the op's own message, instead of when it first runs.
 
@@ -675,6 +737,26 @@ def _append_kv_fake(k_cache, v_cache, k, v, cu_seqlens, cache_seqlens, qk_offset
     _check(v.shape[0] == k.shape[0], op, f"v must have the {k.shape[0]} rows of k but got shape {tuple(v.shape)}")
     _check_cache(op, cu_seqlens.shape[0] - 1, k_cache, v_cache, cache_seqlens, block_table)
     return None
+
+
+@torch.library.register_fake("fdc::window_scores")
+def _window_scores_fake(q, cu_seqlens_q, k_cache, cache_seqlens, qk_offsets, group, scale, window, softcap=0.0,
+                        noise_state=None, temperature=1.0):
+    op = "window_scores"
+    _check_dims(op, q=(q, 2), k_cache=(k_cache, 3), cu_seqlens_q=(cu_seqlens_q, 1), cache_seqlens=(cache_seqlens, 1))
+    batch = k_cache.shape[0]
+    _check(cu_seqlens_q.shape[0] == batch + 1 and cache_seqlens.shape[0] == batch, op,
+           f"cu_seqlens_q and cache_seqlens must have lengths B + 1 = {batch + 1} and B = {batch} but got "
+           f"{cu_seqlens_q.shape[0]} and {cache_seqlens.shape[0]}")
+    _check(1 <= window <= 2**20, op, f"window must be in [1, 2**20] queries but got {window}")
+    _check(math.isfinite(softcap) and softcap >= 0, op,
+           f"softcap must be 0 (no capping) or a positive finite number but got {softcap}")
+    _check(math.isfinite(temperature) and temperature > 0, op,
+           f"temperature must be a positive finite number but got {temperature}")
+    if noise_state is not None:
+        _check(tuple(noise_state.shape) == (batch, 4), op,
+               f"noise_state must have shape [{batch}, 4] but got {list(noise_state.shape)}")
+    return k_cache.new_empty((batch, qk_offsets.shape[0] - 1, k_cache.shape[1]), dtype=torch.float32)
 
 
 def _check_cache(op: str, batch, k_cache, v_cache, cache_seqlens, block_table) -> None:

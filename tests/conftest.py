@@ -287,6 +287,14 @@ def sample_inputs(device: torch.device | str) -> dict[str, tuple[str, tuple]]:
         "append_kv_paged": ("append_kv", (k_pages, v_pages, k_rows, v_rows, one_row_each, seqlens, qk_offsets,
                                           v_offsets, block_table)),
     }
+    # Eviction's scores of the last 2 queries of each request (3 and 2 rows of q at cu_q) over 4 and 3 cached keys,
+    # with Keyformer's noise (an SFC64 state, the same for both), and bf16 queries over float32 keys, capped.
+    noise = torch.tensor([[7, 11, 13, 1]] * 2, dtype=torch.int64)
+    window_q = sample(5, group * 24)
+    cases["window_scores"] = ("window_scores", (window_q, cu_q, k_cache, ints([4, 3]), qk_offsets, group, 0.25, 2,
+                                                0.0, noise, 1.5))
+    cases["window_scores_bfloat16"] = ("window_scores", (window_q.bfloat16(), cu_q, k_cache, ints([4, 3]), qk_offsets,
+                                                         group, 0.25, 2, 3.0, None))
     plan = torch.ops.fdc.prefill_plan(cu_q, cu_k, qk_offsets, v_offsets, group, False, 5, 16)
     for dtype in (torch.float32, torch.bfloat16):
         q, k, v = sample(6, group * 24, dtype=dtype), sample(9, 24, dtype=dtype), sample(9, 24, dtype=dtype)
@@ -312,5 +320,6 @@ SAMPLE_CASES = ("rotate_compress", "rotate_compress_float16", "rope_rotate_compr
                 "decode_attention_plan", "decode_attention_variants", "append_kv", "append_kv_paged",
                 "prefill_attention_float32", "prefill_attention_plan_float32", "prefill_attention_variants_float32",
                 "prefill_attention_paged_float32", "prefill_attention_bfloat16", "prefill_attention_plan_bfloat16",
-                "prefill_attention_variants_bfloat16", "prefill_attention_paged_bfloat16")  # sample_inputs' keys, named
+                "prefill_attention_variants_bfloat16", "prefill_attention_paged_bfloat16", "window_scores",
+                "window_scores_bfloat16")  # sample_inputs' keys, named
 # before any device exists so that tests can be parametrised over them

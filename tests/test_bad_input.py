@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import offsets
+from conftest import cuda_skip_reason, offsets
 from fdc_ops import ops
 from fdc_ops.plans import PREFILL_HEADER
 
@@ -337,3 +337,57 @@ def test_planners_bad_window(window_left):
             ops.decode_plan(lengths, QK, V, G, window_left=window_left)
         with pytest.raises(RuntimeError, match="fdc::prefill_plan: window_left must be -1"):
             ops.prefill_plan(cu, cu, QK, V, G, True, num_workers=2, window_left=window_left)
+
+
+def window_args(**changes):
+    args = dict(q=torch.randn(5, G * 24), cu_seqlens_q=torch.tensor([0, 3, 5], dtype=torch.int32),
+                k_cache=torch.randn(2, 6, 24), cache_seqlens=torch.tensor([4, 3], dtype=torch.int32), qk_offsets=QK,
+                group=G, scale=0.3, window=4, softcap=0.0, noise_state=torch.zeros(2, 4, dtype=torch.int64),
+                temperature=1.0)
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize("changes, argument", [
+    (dict(k_cache=torch.zeros(2, 6, 24, dtype=torch.int8)), "k_cache must be float32, float16 or bfloat16"),
+    (dict(q=torch.randn(5, 24)), "q must have 48 columns"),
+    (dict(k_cache=torch.randn(2, 6, 16)), "k_cache must have 24 columns"),
+    (dict(cache_seqlens=torch.tensor([2, 3], dtype=torch.int32)), "the queries of request 0 \\(3\\) must be its last"),
+    (dict(cache_seqlens=torch.tensor([4, 7], dtype=torch.int32)), "cache_seqlens must be at most the cache capacity 6"),
+    (dict(cu_seqlens_q=torch.tensor([0, 3, 6], dtype=torch.int32)), "cu_seqlens_q must end at most at the 5 rows"),
+    (dict(window=0), "window must be in \\[1, 2\\*\\*20\\]"),
+    (dict(temperature=0.0), "temperature must be a positive finite number"),
+    (dict(temperature=float("nan")), "temperature must be a positive finite number"),
+    (dict(softcap=-1.0), "softcap must be 0"),
+    (dict(scale=float("inf")), "scale must be a positive finite number"),
+    (dict(noise_state=torch.zeros(2, 3, dtype=torch.int64)), "noise_state must have shape"),
+    (dict(noise_state=torch.zeros(2, 4, dtype=torch.int32)), "noise_state must be an int64 CPU tensor"),
+])
+def test_window_scores_rejects_bad_input(changes, argument):
+    with raises("window_scores", argument):
+        ops.window_scores(**window_args(**changes))
+
+
+def test_window_scores_fake_checks_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def fake_raises(op: str, argument: str):
+        return pytest.raises(RuntimeError, match=rf"fdc::{op}: (.|\n)*{argument}")
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        assert torch.ops.fdc.window_scores(*window_args().values()).shape == (2, 2, 6)
+        with fake_raises("window_scores", "noise_state must have shape \\[2, 4\\]"):
+            torch.ops.fdc.window_scores(*window_args(noise_state=torch.zeros(3, 4, dtype=torch.int64)).values())
+        with fake_raises("window_scores", "cu_seqlens_q and cache_seqlens must have lengths"):
+            torch.ops.fdc.window_scores(*window_args(cu_seqlens_q=torch.tensor([0, 5], dtype=torch.int32)).values())
+        with fake_raises("window_scores", "window must be in"):
+            torch.ops.fdc.window_scores(*window_args(window=0).values())
+
+
+@pytest.mark.skipif(cuda_skip_reason("window_scores") is not None,
+                    reason=str(cuda_skip_reason("window_scores")))
+def test_window_scores_refuses_cuda_naming_the_torch_path():
+    cuda = {name: value.cuda() if isinstance(value, torch.Tensor) and name != "qk_offsets" else value
+            for name, value in window_args(noise_state=None).items()}
+    with raises("window_scores", "has no CUDA kernel yet; fdc_ops.eviction.window_scores"):
+        ops.window_scores(**cuda)

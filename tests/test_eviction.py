@@ -62,6 +62,33 @@ def test_window_scores_match_the_reference(method):
             assert (actual[b, :, length:] == 0).all(), replay
 
 
+@pytest.mark.parametrize("keyformer", [True, False])
+def test_window_scores_op_equals_the_torch_path(keyformer):
+    """ops.window_scores (the CPU kernel) against the torch operations eviction uses on other devices, with queries
+    and keys of different dtypes, NaN-poisoned slots past each length, and odd windows."""
+    for case in range(CASES):
+        gen, rng, replay = case_generator(f"window_scores_op_{keyformer}", case)
+        layout, lengths, k_cache, q, cu = _cache_case(rng, gen, rng.choice([torch.float32, torch.float16]))
+        q = q.to(rng.choice([torch.float32, torch.bfloat16, torch.float16]))
+        policy = eviction.EvictionPolicy("keyformer" if keyformer else "snapkv", 0.5, window=rng.choice([1, 5, 32]),
+                                         temperature=rng.choice([1.0, 0.6]) if keyformer else 1.0)
+        seqlens = torch.tensor(lengths, dtype=torch.int32)
+        softcap, seed = rng.choice([0.0, 4.0]), rng.randrange(1000)
+        scale = layout.qk_dims[0] ** -0.5
+        actual = ops.window_scores(q, cu, k_cache, seqlens, layout.qk_offsets, layout.group, scale, policy.window,
+                                   softcap, eviction.noise_state(seed, len(lengths)) if keyformer else None,
+                                   policy.temperature)
+        assert actual.shape == (len(lengths), layout.num_kv_heads, k_cache.shape[1]), replay
+        if k_cache.shape[1] == 0:  # the torch path's caller (window_scores) returns before it for an empty cache
+            continue
+        expected = eviction._summed_probabilities(q, cu, k_cache, seqlens, layout.qk_offsets, layout.group, scale,
+                                                  policy, softcap, seed)
+        for b, length in enumerate(lengths):
+            torch.testing.assert_close(actual[b, :, :length], expected[b, :, :length], rtol=1e-4,
+                                       atol=1e-5 * policy.window * layout.group, msg=replay)
+            assert (actual[b, :, length:] == 0).all(), replay
+
+
 def test_keyformer_noise_is_seeded_and_a_request_scores_the_same_in_any_batch():
     gen, rng, _ = case_generator("keyformer_seed", 0)
     layout = random_layout(rng, max_kv_heads=3, max_group=3, max_dim=32)

@@ -17,10 +17,14 @@
 
 // Hot float loops are compiled twice, for x86-64-v3 (AVX2+FMA) and for the baseline x86-64, and picked when the library
 // loads (GCC function multi-versioning): the wheel stays runnable on any x86-64 while current CPUs get 8-wide FMA.
+// FDC_CPU_SIMD_WIDE adds an x86-64-v4 (AVX-512) clone, for loops that have no AVX-512 kernel in vec_avx512.h and
+// whose FDC_CPU_ISA=portable path need not be compared with one (the window_scores' noisy exponentials).
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define FDC_CPU_SIMD __attribute__((target_clones("arch=x86-64-v3", "default")))
+#define FDC_CPU_SIMD_WIDE __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define FDC_CPU_SIMD
+#define FDC_CPU_SIMD_WIDE
 #endif
 
 namespace fdc::cpu {

@@ -64,6 +64,42 @@ constexpr int64_t kLanes = 16;
   return y < 0.f ? -t : t;
 }
 
+// log(x) for positive normal x, to about 1 ulp: x = 2^e m with m in [sqrt(1/2), sqrt(2)), so t = m - 1 is exact and
+// small; log(1 + t) = t - t^2 / 2 + t^3 P(t) with P the degree-8 minimax polynomial of Cephes' logf, and e ln2 added
+// in two parts (ln2 = 0.693359375 - 2.12194440e-4, the first exact times any e). Branch-free, so a loop over it
+// vectorises.
+[[gnu::always_inline]] inline float log_approx(float x) {
+  constexpr float kSqrt2 = 1.41421356f;
+  constexpr float kLn2Hi = 0.693359375f;
+  constexpr float kLn2Lo = -2.12194440e-4f;
+  const int32_t bits = __builtin_bit_cast(int32_t, x);
+  const float m = __builtin_bit_cast(float, (bits & 0x007fffff) | 0x3f800000);  // [1, 2)
+  const bool high = m > kSqrt2;
+  const float e = static_cast<float>((bits >> 23) - 127 + (high ? 1 : 0));
+  const float t = (high ? 0.5f * m : m) - 1.f;
+  const float t2 = t * t;
+  float p = 7.0376836292e-2f;
+  p = p * t - 1.1514610310e-1f;
+  p = p * t + 1.1676998740e-1f;
+  p = p * t - 1.2420140846e-1f;
+  p = p * t + 1.4249322787e-1f;
+  p = p * t - 1.6668057665e-1f;
+  p = p * t + 2.0000714765e-1f;
+  p = p * t - 2.4999993993e-1f;
+  p = p * t + 3.3333331174e-1f;
+  const float y = t * t2 * p + e * kLn2Lo - 0.5f * t2;
+  return (t + y) + e * kLn2Hi;
+}
+
+// -log u for Keyformer's uniform u = (bits >> 8) * 2^-24, clamped as the composed scoring clamps it.
+[[gnu::always_inline]] inline float negative_log_uniform(uint32_t bits) {
+  constexpr float kStep = 5.9604644775390625e-8f;  // 2^-24
+  float u = static_cast<float>(static_cast<int32_t>(bits >> 8)) * kStep;
+  u = u < 1e-20f ? 1e-20f : u;
+  u = u > 1.f - 1e-7f ? 1.f - 1e-7f : u;
+  return -log_approx(u);
+}
+
 }  // namespace
 
 CpuIsa cpu_isa(const char* op) {
@@ -96,21 +132,6 @@ CpuIsa cpu_isa(const char* op) {
   return std::min(wanted, detected);
 }
 
-// The larger of m and x, NaN if either is NaN (m, the running maximum, keeps a NaN it took).
-static inline float max_keeping_nan(float m, float x) { return x > m || x != x ? x : m; }
-
-FDC_CPU_SIMD float max_of(const float* x, int64_t n) {
-  float lanes[kLanes];
-  for (int64_t l = 0; l < kLanes; ++l) lanes[l] = -INFINITY;
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int64_t l = 0; l < kLanes; ++l) lanes[l] = max_keeping_nan(lanes[l], x[i + l]);
-  for (; i < n; ++i) lanes[0] = max_keeping_nan(lanes[0], x[i]);
-  float m = -INFINITY;
-  for (int64_t l = 0; l < kLanes; ++l) m = max_keeping_nan(m, lanes[l]);
-  return m;
-}
-
 FDC_CPU_SIMD float exp_and_sum(float* x, int64_t n, float scale, float shift) {
   float lanes[kLanes] = {};
   int64_t i = 0;
@@ -136,6 +157,40 @@ FDC_CPU_SIMD void soft_cap_scores(float* x, int64_t n, float scale, float softca
 
 FDC_CPU_SIMD void scale_in_place(float* x, int64_t n, float factor) {
   for (int64_t i = 0; i < n; ++i) x[i] *= factor;
+}
+
+FDC_CPU_SIMD void add_scaled(float* acc, const float* x, int64_t n, float factor) {
+  for (int64_t i = 0; i < n; ++i) acc[i] += factor * x[i];
+}
+
+FDC_CPU_SIMD_WIDE float gumbel_exp_and_sum(float* x, const uint32_t* bits, int64_t n, float shift,
+                                           float inverse_temperature) {
+  float lanes[kLanes] = {};
+  const bool unit = inverse_temperature == 1.f;
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    if (unit) {
+      for (int64_t l = 0; l < kLanes; ++l) {
+        x[i + l] = exp_approx(x[i + l] - shift) / negative_log_uniform(bits[i + l]);
+        lanes[l] += x[i + l];
+      }
+    } else {
+      for (int64_t l = 0; l < kLanes; ++l) {
+        x[i + l] =
+            exp_approx(((x[i + l] - shift) - log_approx(negative_log_uniform(bits[i + l]))) * inverse_temperature);
+        lanes[l] += x[i + l];
+      }
+    }
+  }
+  for (; i < n; ++i) {
+    const float noise = negative_log_uniform(bits[i]);
+    x[i] = unit ? exp_approx(x[i] - shift) / noise
+                : exp_approx(((x[i] - shift) - log_approx(noise)) * inverse_temperature);
+    lanes[0] += x[i];
+  }
+  float sum = 0.f;
+  for (int64_t l = 0; l < kLanes; ++l) sum += lanes[l];
+  return sum;
 }
 
 namespace {
@@ -246,6 +301,33 @@ template <int kVecs>
 }
 
 }  // namespace
+
+// Two registers' maxima by selects (vmaxps) and NaNs by a separate flag register: written per element, the select
+// that keeps a NaN (x > m || x != x) and a flag array both compiled to scalar compares, an eighth of the speed.
+FDC_CPU_SIMD float max_of(const float* x, int64_t n) {
+  const f32x8 lowest = splat8(-INFINITY), one = splat8(1.f);
+  f32x8 m0 = lowest, m1 = lowest, nan = splat8(0.f);
+  int64_t i = 0;
+  for (; i + 2 * kVec <= n; i += 2 * kVec) {
+    const f32x8 v0 = load8(x + i), v1 = load8(x + i + kVec);
+    m0 = v0 > m0 ? v0 : m0;
+    m1 = v1 > m1 ? v1 : m1;
+    nan = v0 != v0 ? one : nan;
+    nan = v1 != v1 ? one : nan;
+  }
+  m0 = m1 > m0 ? m1 : m0;
+  float m = -INFINITY;
+  bool any_nan = false;
+  for (int l = 0; l < kVec; ++l) {
+    m = m0[l] > m ? m0[l] : m;
+    any_nan |= nan[l] != 0.f;
+  }
+  for (; i < n; ++i) {
+    m = x[i] > m ? x[i] : m;
+    any_nan |= x[i] != x[i];
+  }
+  return any_nan ? NAN : m;
+}
 
 FDC_CPU_SIMD void dot_rows(const float* a, int64_t a_ld, int64_t group, const float* rows, int64_t row_stride,
                            int64_t n, int64_t dim, float* out, int64_t out_ld, bool accumulate) {

@@ -24,6 +24,15 @@ void soft_cap_scores(float* x, int64_t n, float scale, float softcap);
 // x[i] *= factor for i < n.
 void scale_in_place(float* x, int64_t n, float factor);
 
+// acc[i] += factor * x[i] for i < n.
+void add_scaled(float* acc, const float* x, int64_t n, float factor);
+
+// Keyformer's noisy softmax weights, unnormalised: x[i] = exp(((x[i] - shift) - log(-log u_i)) * inverse_temperature)
+// for i < n, u_i = (bits[i] >> 8) * 2^-24 (24 random bits) clamped to [1e-20, 1 - 1e-7], so that -log(-log u_i) is
+// Gumbel(0, 1) noise added to x[i]; returns the sum of the results. At temperature 1 it is exp(x[i] - shift) / -log
+// u_i: one log per weight instead of two. x[i] - shift <= 0 keeps every weight finite (-log u_i >= 1.19e-7).
+float gumbel_exp_and_sum(float* x, const uint32_t* bits, int64_t n, float shift, float inverse_temperature);
+
 // Widens half-precision rows once, so the row kernels below read each element as float for all G query heads:
 // dst[r * cols + c] = float(src[r * src_stride + c]) for r < rows, c < cols.
 void rows_to_float(const c10::BFloat16* src, int64_t src_stride, int64_t rows, int64_t cols, float* dst);
