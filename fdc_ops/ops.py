@@ -579,7 +579,8 @@ def window_scores(
     is that generator's ``state["state"]["state"]`` (``eviction.noise_state`` builds the tensor).
 
     CPU only (float32 throughout; logs and exps to about 2 ulp): on CUDA it raises, and ``fdc_ops.eviction``
-    scores with torch operations there.
+    scores with torch operations there. Scratch while it runs: the keys in float32, and with noise its 32-bit draws,
+    ``4 * G * window * H_kv`` bytes per cached token (the torch path holds twice that in float32 buffers).
 
     Args:
         q: ``(T, G * qk_offsets[-1])`` packed queries, float32, float16 or bfloat16.
