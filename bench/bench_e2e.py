@@ -40,8 +40,9 @@ import torch
 
 # bench_common first: it puts the repository root on sys.path for fdc_ops.
 from bench_common import Timer, bench_parser, git_commit, record, setup, verdict, write_report
-from fdc_ops import calibration, files, hf
+from fdc_ops import calibration, files, hf, ops
 from fdc_ops.apps.provenance import device_name
+from fdc_ops.hf import modules
 from fdc_ops.hf.loading import load_model
 
 
@@ -82,15 +83,15 @@ class AttentionClock:
             handle.remove()
 
 
-class EvictionClock:
-    """Seconds inside the compressed modules' eviction after a prompt (fdc_ops.hf.modules._evict: scoring, selection
-    and compaction), by wrapping it while the benchmark runs."""
+class FunctionClock:
+    """Seconds inside one module-level function, by replacing it with a timed wrapper while the benchmark runs (its
+    callers look it up at every call): the compressed modules' eviction after a prompt (fdc_ops.hf.modules._evict:
+    scoring, selection and compaction) and the op that reads the compressed cache in a decode step
+    (fdc_ops.ops.decode_attention)."""
 
-    def __init__(self):
-        from fdc_ops.hf import modules
-
+    def __init__(self, module, name: str):
         self.seconds = 0.0
-        self._modules, self._original = modules, modules._evict
+        self._module, self._name, self._original = module, name, getattr(module, name)
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
@@ -99,33 +100,10 @@ class EvictionClock:
             finally:
                 self.seconds += time.perf_counter() - start
 
-        modules._evict = timed
+        setattr(module, name, timed)
 
     def remove(self):
-        self._modules._evict = self._original
-
-
-class CacheReadClock:
-    """Seconds inside fdc_ops.ops.decode_attention (the op that reads the compressed cache in a decode step), by
-    wrapping it while the benchmark runs; the compressed modules look it up at every call."""
-
-    def __init__(self):
-        from fdc_ops import ops
-
-        self.seconds = 0.0
-        self._ops, self._original = ops, ops.decode_attention
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return self._original(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - start
-
-        ops.decode_attention = timed
-
-    def remove(self):
-        self._ops.decode_attention = self._original
+        setattr(self._module, self._name, self._original)
 
 
 class Run:
@@ -141,7 +119,7 @@ class Run:
         self.steps: list[float] = []
         self.cache_reads: list[float] = []  # seconds of each step inside decode_attention
 
-    def prefill(self, prompt: torch.Tensor, timer: Timer, eviction: EvictionClock) -> tuple[float, float]:
+    def prefill(self, prompt: torch.Tensor, timer: Timer, eviction: FunctionClock) -> tuple[float, float]:
         """Seconds of the prompt's (B, P) forward pass, logits of the last position included, and of its eviction
         (within the pass)."""
 
@@ -153,7 +131,7 @@ class Run:
         self.clock.seconds = 0.0
         return seconds, eviction.seconds
 
-    def step(self, timer: Timer, reads: CacheReadClock) -> None:
+    def step(self, timer: Timer, reads: FunctionClock) -> None:
         """Times one decode step: the greedy token of each request in, its logits out, and its cache reads."""
 
         def call():
@@ -261,7 +239,7 @@ def main() -> None:
     # The models' decode steps interleave (step i of every model, then step i + 1), so a slow moment of a shared
     # machine lands on all of them rather than on one model's whole run; prompts are prefilled in turn.
     rows, profiles = [], {}
-    eviction_clock, read_clock = EvictionClock(), CacheReadClock()
+    eviction_clock, read_clock = FunctionClock(modules, "_evict"), FunctionClock(ops, "decode_attention")
     with torch.inference_mode():
         for _, _, _, model, clock in models:  # warm-up: a short prompt and a few steps, untimed
             run = Run(model, clock)
