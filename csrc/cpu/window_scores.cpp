@@ -132,15 +132,18 @@ at::Tensor window_scores_cpu(const at::Tensor& q, const at::Tensor& cu_seqlens_q
   for (int64_t b = 0; b < batch; ++b) key_start[b + 1] = key_start[b] + width * transposed_stride(lengths[b]);
   const std::unique_ptr<float[]> columns(new float[key_start[batch]]);  // the padding past each length is never read
   std::vector<Task> tasks;
+  std::vector<int64_t> pair_tasks(batch * heads + 1, 0);  // (request, KV head) p's tasks: [pair_tasks[p], [p + 1])
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t taken = std::min<int64_t>(window, cu[b + 1] - cu[b]);
     for (int64_t j = 0; j < heads; ++j) {
+      pair_tasks[b * heads + j] = static_cast<int64_t>(tasks.size());
       for (int64_t r = 0; r < group * taken; r += kTaskRows) {
         tasks.push_back({b, j, r, std::min(kTaskRows, group * taken - r)});
       }
     }
   }
   const int64_t tasks_count = static_cast<int64_t>(tasks.size());
+  pair_tasks[batch * heads] = tasks_count;
   std::vector<int64_t> partial_start(tasks_count + 1, 0);
   for (int64_t t = 0; t < tasks_count; ++t) partial_start[t + 1] = partial_start[t] + lengths[tasks[t].b];
   std::vector<float> partials(partial_start[tasks_count], 0.f);
@@ -210,11 +213,8 @@ at::Tensor window_scores_cpu(const at::Tensor& q, const at::Tensor& cu_seqlens_q
   float* out = scores.data_ptr<float>();
   at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      float* o = out + p * capacity;
-      for (int64_t t = 0; t < tasks_count; ++t) {
-        if (tasks[t].b * heads + tasks[t].j == p) {
-          add_scaled(o, partials.data() + partial_start[t], lengths[tasks[t].b], 1.f);
-        }
+      for (int64_t t = pair_tasks[p]; t < pair_tasks[p + 1]; ++t) {
+        add_scaled(out + p * capacity, partials.data() + partial_start[t], lengths[tasks[t].b], 1.f);
       }
     }
   });
