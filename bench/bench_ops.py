@@ -12,8 +12,8 @@ What is measured (docs/design.md section 6):
   / time;
 - windowed decode (phase "window"): a 1024-key window over the decode shapes' caches, contiguous and paged, against
   decode over caches of only 1024 keys (bench_windowed_decode);
-- quantized decode (phase "quantized", CPU, bf16): int8, e4m3 and int4 caches against the bf16 decode of the same rows
-  (bench_quantized_decode);
+- quantized decode (phase "quantized", bf16): int8, e4m3 and int4 caches (on a GPU int8 and e4m3, the caches its
+  kernels take) against the bf16 decode of the same rows (bench_quantized_decode);
 - prefill over a cached prefix (phase "prefix"): new tokens after a prefix in a paged cache, the op reading the pages
   against a gather into rows and the packed op (bench_prefix_prefill).
 Baselines: "SDPA padded" pads every head to the widest width of the layer; "SDPA per bucket" makes one call per bucket
@@ -231,14 +231,21 @@ def bench_windowed_decode(batch: int, context: int, window_left: int, qk_dims: l
 QUANTIZED_SPEEDUP = {torch.int8: 1.6, torch.float8_e4m3fn: 1.6, torch.uint8: 2.5}
 
 
+def quantized_formats(device: torch.device) -> tuple[torch.dtype, ...]:
+    """The quantized caches the decode reads on this device: all three on the CPU, int8 and e4m3 on CUDA (int4 has no
+    CUDA kernel)."""
+    return tuple(QUANTIZED_SPEEDUP) if device.type == "cpu" else (torch.int8, torch.float8_e4m3fn)
+
+
 def bench_quantized_decode(batch: int, context: int, qk_dims: list[int], v_dims: list[int], device: torch.device,
                            copy_mb: int, timer: Timer) -> list[OpRow]:
-    """Decode from int8, float8_e4m3fn and int4 caches (ops.cache_width: codes, then a float32 scale per token and KV
-    head) written by append_kv from the same bf16 rows, against the bf16 decode of that cache, contiguous and paged
-    (128-token shuffled pages), the four called in turn (Timer.interleaved). Achieved bandwidth counts the bytes each
+    """Decode from the quantized caches of quantized_formats (ops.cache_width: codes, then a float32 scale per token
+    and KV head) written by append_kv from the same bf16 rows, against the bf16 decode of that cache, contiguous and
+    paged (128-token shuffled pages), all called in turn (Timer.interleaved). Achieved bandwidth counts the bytes each
     cache holds for the keys read."""
     qk_offsets, v_offsets = ops.prefix_sums(qk_dims), ops.prefix_sums(v_dims)
     goal = phase_targets("decode", device)
+    formats = quantized_formats(device)
     config = f"B={batch} ctx={context} H={NUM_KV_HEADS * GROUP}/{NUM_KV_HEADS}"
     seqlens = torch.full((batch,), context, dtype=torch.int32, device=device)
     q = torch.randn(batch, GROUP * sum(qk_dims), dtype=torch.bfloat16, device=device)
@@ -251,7 +258,7 @@ def bench_quantized_decode(batch: int, context: int, qk_dims: list[int], v_dims:
     rows = []
     for paged in (False, True):
         calls, byte_counts = [], []
-        for dtype in (torch.bfloat16, *QUANTIZED_SPEEDUP):
+        for dtype in (torch.bfloat16, *formats):
             k_width, v_width = ops.cache_width(qk_offsets, dtype), ops.cache_width(v_offsets, dtype)
             shapes = ((table.numel(), k_width, page_size), (table.numel(), v_width, page_size)) if paged else \
                 ((batch, context, k_width), (batch, context, v_width))
@@ -268,7 +275,7 @@ def bench_quantized_decode(batch: int, context: int, qk_dims: list[int], v_dims:
         kind = f"paged ({page_size})" if paged else "contiguous"
         rows.append(OpRow("quantized", config, "torch.bfloat16", f"fdc decode bf16, {kind}", times[0] * 1e3,
                           byte_counts[0] / times[0] / 1e9, "GB/s", 1.0))
-        for dtype, seconds, needed in zip(QUANTIZED_SPEEDUP, times[1:], byte_counts[1:]):
+        for dtype, seconds, needed in zip(formats, times[1:], byte_counts[1:]):
             gbps, floor, target = needed / seconds / 1e9, goal.copy_share * copy_gbps, QUANTIZED_SPEEDUP[dtype]
             rows.append(OpRow("quantized", config, "torch.bfloat16", f"fdc decode {cache_name(dtype)} cache, {kind}",
                               seconds * 1e3, gbps, "GB/s", seconds / times[0],
@@ -422,8 +429,8 @@ def main(argv: list[str] | None = None) -> int:
             rows += bench_decode(batch, context, qk_dims, v_dims, dtype, device, copy_mb, timer)
         for batch, context in decode_shapes if args.phase in ("window", "all") else []:
             rows += bench_windowed_decode(batch, context, WINDOW_LEFT, qk_dims, v_dims, dtype, device, timer)
-        quantized = args.phase in ("quantized", "all") and dtype == torch.bfloat16 and device.type == "cpu"
-        for batch, context in decode_shapes if quantized else []:  # the CUDA ops read float caches only, so far
+        quantized = args.phase in ("quantized", "all") and dtype == torch.bfloat16
+        for batch, context in decode_shapes if quantized else []:
             rows += bench_quantized_decode(batch, context, qk_dims, v_dims, device, copy_mb, timer)
         for lengths in prefill_shapes if args.phase in ("prefill", "all") else []:
             for causal in (True, False):

@@ -339,11 +339,16 @@ inline CacheShape check_cache(const char* op, const at::Tensor& k_cache, const a
   return shape;
 }
 
-// The backends whose kernels read only float caches refuse quantized ones by this message.
-inline void check_float_cache(const char* op, const CacheShape& cache, const at::Tensor& k_cache, const char* where) {
-  FDC_CHECK(cache.format == KvFormat::kFloat, op, "k_cache is a quantized cache (",
-            quantized_name(k_cache.scalar_type()), "), which ", where,
-            " does not read yet: use float32, float16 or bfloat16 caches there");
+// The caches the CUDA kernels take (decode_attention, append_kv): float caches, and int8 and float8_e4m3fn caches with
+// float16 or bfloat16 `activations` (q, or the rows appended); int4 caches have no CUDA kernel yet.
+inline void check_cuda_cache_format(const char* op, const CacheShape& cache, const at::Tensor& k_cache,
+                                    const char* activations_name, const at::Tensor& activations) {
+  if (cache.format == KvFormat::kFloat) return;
+  FDC_CHECK(cache.format != KvFormat::kInt4, op, "k_cache is an int4 cache (", quantized_name(k_cache.scalar_type()),
+            "), which the CUDA ", op, " does not take yet: use an int8 or float8_e4m3fn cache on CUDA");
+  FDC_CHECK(activations.scalar_type() != at::kFloat, op, activations_name, " is float32, but the CUDA ", op,
+            " takes a quantized cache (", quantized_name(k_cache.scalar_type()), ") with float16 or bfloat16 ",
+            activations_name, " only");
 }
 
 // A sliding window's width (include/fdc/attention_variant.h): -1 for none, else the keys a query sees before its own
@@ -544,7 +549,19 @@ inline AttentionVariant check_attention_variant(const char* op, int64_t window_l
 
 // The CUDA kernels read caches in 16-byte packets: the data must start 16-byte aligned, and a contiguous cache's
 // request and row strides (a paged cache's page stride, when pages hold whole packets) must be multiples of 16 bytes.
+// A quantized cache (one-byte codes) is read and written 4 bytes at a time where its rows are (codes, then 4-byte
+// scales: only 4-byte aligned) and its scales are, in 16-byte packets where its pages hold whole ones: it must start
+// 16-byte aligned with strides that are multiples of 4 bytes (a page stride of 16 when pages hold whole packets).
 inline void check_vector_aligned(const char* op, const char* name, const at::Tensor& cache, bool paged) {
+  if (cache.element_size() == 1) {
+    const int64_t page_unit = paged && cache.size(2) % 16 == 0 ? 16 : 4;
+    const bool strides_ok =
+        paged ? cache.stride(0) % page_unit == 0 : (cache.stride(0) % 4 == 0 && cache.stride(1) % 4 == 0);
+    FDC_CHECK(reinterpret_cast<uintptr_t>(cache.data_ptr()) % 16 == 0 && strides_ok, op, name,
+              " (a quantized cache) must start at a 16-byte aligned address with strides that are multiples of ",
+              paged ? page_unit : 4, " bytes but got strides ", cache.strides(), " at offset ", cache.storage_offset());
+    return;
+  }
   const int64_t packet = 16 / static_cast<int64_t>(cache.element_size());
   // Pages that do not hold whole packets are read element by element: no alignment needed.
   if (paged && cache.size(2) % packet != 0) return;

@@ -31,7 +31,9 @@ scales as ``H_kv`` runs of ``page_size`` float32 (``4 * H_kv`` byte rows), so on
 :func:`kv_cache_dtype` maps the names ``"int8"``, ``"float8_e4m3fn"`` and ``"int4"`` to these dtypes.
 :func:`cache_width` gives a cache's last (contiguous) or middle (paged) size.
 :func:`append_kv` quantizes as it writes, :func:`decode_attention` reads the codes in place and
-:func:`prefill_attention` reads quantized pages (on the CPU; the CUDA ops take float caches only, so far).
+:func:`prefill_attention` reads quantized pages, on the CPU; on CUDA, :func:`append_kv` and
+:func:`decode_attention` take int8 and float8_e4m3fn caches with float16 or bfloat16 activations (int4 caches and
+CUDA's prefill_attention over quantized pages raise).
 
 Schedules are int32 tensors whose format is documented in include/fdc/prefill_plan.h and decode_plan.h;
 :mod:`fdc_ops.plans` decodes and builds them (``DecodePlan`` / ``PrefillPlan``).
@@ -435,7 +437,8 @@ def decode_attention(
     Args:
         q: ``(B, G * qk_offsets[-1])`` compressed queries.
         k_cache: ``(B, S_max, W)``, or paged ``(num_pages, W, page_size)``, ``W = cache_width(qk_offsets, dtype)``:
-            of ``q``'s dtype, or quantized (int8, float8_e4m3fn or int4's uint8, CPU only; see the module docstring).
+            of ``q``'s dtype, or quantized (int8, float8_e4m3fn or int4's uint8; on CUDA int8 and float8_e4m3fn with
+            float16 or bfloat16 ``q``; see the module docstring).
         v_cache: ``(B, S_max, W)``, or paged ``(num_pages, W, page_size)``, ``W = cache_width(v_offsets, dtype)``,
             the dtype of ``k_cache``.
         cache_seqlens: ``(B,)`` int32; slots at or past ``cache_seqlens[b]`` are never read, and a request of
@@ -520,7 +523,8 @@ def append_kv(
     Args:
         k_cache, v_cache: contiguous ``(B, S_max, width)`` caches with unit-stride rows, or paged
             ``(num_pages, width, page_size)`` caches with contiguous pages, ``width`` being :func:`cache_width`;
-            written in place. Of ``k``'s dtype, or quantized (int8, float8_e4m3fn or int4's uint8, CPU only): each
+            written in place. Of ``k``'s dtype, or quantized (int8, float8_e4m3fn or int4's uint8; on CUDA int8 and
+            float8_e4m3fn with float16 or bfloat16 ``k``): each
             new row's KV heads are written as codes, ``round(x / scale)`` (ties to even; e4m3: its nearest value)
             with ``scale`` the head's largest magnitude in the row over 127 (int8), 448 (e4m3) or 7 (int4), and the
             scale (int4: two codes per byte, see the module docstring); a head with a non-finite value is stored as

@@ -25,6 +25,9 @@ PREFILL_WIDTH_BUCKETS = (64, 128, 256)
 # Decode: every activation dtype, query heads handled per pass over the keys (groups above 16 take several passes).
 DECODE_DTYPES = {"fp32": "float", "fp16": "c10::Half", "bf16": "c10::BFloat16"}
 DECODE_HEADS_PER_PASS = (4, 8, 16)
+# Decode over a quantized cache (int8 or float8 e4m3 codes, one kernel for both: the format is a launch parameter):
+# the half-precision activations such caches serve; float32 queries over them have no CUDA kernel.
+DECODE_QUANTIZED_DTYPES = ("fp16", "bf16")
 
 
 def prefill_declaration(cpp_type: str, width: int) -> str:
@@ -32,9 +35,9 @@ def prefill_declaration(cpp_type: str, width: int) -> str:
             "cudaStream_t stream);")
 
 
-def decode_declaration(cpp_type: str, heads: int) -> str:
-    return (f"template void launch_layout<{cpp_type}, {heads}>(\n    const DecodeArgs<{cpp_type}>& args, bool paged, "
-            "int64_t smem_bytes, cudaStream_t stream);")
+def decode_declaration(cpp_type: str, cache_type: str, heads: int) -> str:
+    return (f"template void launch_layout<{cpp_type}, {cache_type}, {heads}>(\n    const DecodeArgs<{cpp_type}, "
+            f"{cache_type}>& args, bool paged, int64_t smem_bytes, cudaStream_t stream);")
 
 
 def unit(kernel_header: str, namespace: str, declaration: str) -> str:
@@ -60,10 +63,13 @@ def generated_files() -> dict[str, str]:
     files["prefill_instantiations.h"] = extern_header("prefill_kernels.cuh", "fdc::cuda::prefill", prefill)
     decode = []
     for name, cpp_type in DECODE_DTYPES.items():
-        for heads in DECODE_HEADS_PER_PASS:
-            declaration = decode_declaration(cpp_type, heads)
-            decode.append(declaration)
-            files[f"decode_{name}_h{heads}.cu"] = unit("decode_kernels.cuh", "fdc::cuda::decode", declaration)
+        caches = {"": cpp_type, "_codes": "uint8_t"} if name in DECODE_QUANTIZED_DTYPES else {"": cpp_type}
+        for suffix, cache_type in caches.items():
+            for heads in DECODE_HEADS_PER_PASS:
+                declaration = decode_declaration(cpp_type, cache_type, heads)
+                decode.append(declaration)
+                files[f"decode_{name}{suffix}_h{heads}.cu"] = unit("decode_kernels.cuh", "fdc::cuda::decode",
+                                                                   declaration)
     files["decode_instantiations.h"] = extern_header("decode_kernels.cuh", "fdc::cuda::decode", decode)
     return files
 

@@ -16,7 +16,8 @@
 # "tests" is every CUDA test file plus the bad-input and opcheck files (opcheck runs on CUDA inputs where a GPU is
 # visible); the sanitizers run the CUDA tests with fewer random cases (FDC_CUDA_CASES) and without the 32K-key
 # sequences, since they slow kernels 10-100x; racecheck and synccheck only the files whose kernels use shared memory
-# and barriers; "bench" is the decode and prefill benchmarks' full shapes (decode took 36 s on an H200; prefill with
+# and barriers; "bench" is the decode and prefill benchmarks' full shapes and bench_ops' quantized decode (int8 and
+# e4m3 caches against bf16; not yet timed on a GPU) (decode took 36 s on an H200; prefill with
 # 0.1 s of timed calls per measurement instead of 0.5; --quick in a dry run). Each step runs under its limit (timeout),
 # so one hang costs its limit, not the call.
 #
@@ -26,12 +27,14 @@
 # on 2026-11-27 (2-core AMD EPYC, two compiles at a time): the 31 sources (22 CUDA files for sm_90) took 37 minutes
 # of compiles, the longest 107 s, so a build on the GPU machine's 16 cores would cost about 2 minutes of its 15; what
 # travels is 43 MB of the 64 MiB allowed (the checkout 14.5 MB, the prebuilt extension 28.6 MB).
+# Since 2026-11-29 the quantized caches' decode adds 6 CUDA units (28 in all): FDC_CUDA=1 for sm_80 and sm_90 took 24
+# minutes here beside a test run, and its extension 59.7 MB; the sm_90 prebuilt one is not re-measured.
 #
 #   scripts/gpu_check.sh [WORK_DIR]     WORK_DIR (default build/gpu-check) keeps the logs of every step across calls
 #
 # Environment: STEPS ("first", "second", or step names: build tests memcheck racecheck synccheck initcheck bench;
 # default "first second"), PREBUILT (above), COPY_TO (a folder that receives summary.json, exit-codes, this call's
-# logs as logs.tar.gz and the benchmark JSON: $OUT on the device machine, 5 files at most), PYTHON (default python3),
+# logs as logs.tar.gz and the benchmark JSON: $OUT on the device machine, 6 files at most), PYTHON (default python3),
 # FDC_CUDA_ARCHS (default 90), FDC_COMMIT (the commit the summary and JSON record, for a copy without .git),
 # PYTEST_ARGS (extra pytest arguments for the tests step), DRY_RUN=1 (the CPU rehearsal: every step runs its pytest
 # command without compute-sanitizer, so the CUDA tests skip, saying why, and the plumbing is checked end to end).
@@ -97,7 +100,8 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 cuda_tests=(tests/test_cuda_*.py)
-shared_memory_tests=(tests/test_cuda_decode.py tests/test_cuda_prefill.py tests/test_cuda_plan.py)
+shared_memory_tests=(tests/test_cuda_decode.py tests/test_cuda_prefill.py tests/test_cuda_plan.py
+  tests/test_cuda_quantized.py)
 selection="not long and not among_many and not graph and not hf"
 quick=(-v -p no:cacheprovider -k "$selection")
 fewest=(-v -p no:cacheprovider -k "$selection and not group_sizes and not widest")
@@ -141,17 +145,18 @@ for i in "${!pids[@]}"; do
 done
 size=()
 [ "${DRY_RUN:-0}" = 1 ] && size=(--quick)
-wants bench && rm -f "$work"/*-decode-*.json "$work"/*-prefill-*.json && step bench 300 sh -c \
+wants bench && rm -f "$work"/*-decode-*.json "$work"/*-prefill-*.json "$work"/*-ops-*.json && step bench 300 sh -c \
   "'$python' bench/bench_decode.py ${size[*]} --out '$work' && \
-   '$python' bench/bench_prefill.py ${size[*]} --budget 0.1 --out '$work'"
+   '$python' bench/bench_prefill.py ${size[*]} --budget 0.1 --out '$work' && \
+   '$python' bench/bench_ops.py ${size[*]} --phase quantized --dtype bfloat16 --out '$work'"
 
 "$python" scripts/gpu_summary.py "$work" > /dev/null || status=1
-if [ -n "${COPY_TO:-}" ]; then  # at most 5 files: the device tool brings back 8
+if [ -n "${COPY_TO:-}" ]; then  # at most 6 files: the device tool brings back 8
   mkdir -p "$COPY_TO"
   cp "$work/summary.json" "$work/exit-codes" "$COPY_TO"/
   logs=()
   for name in "${ran[@]}"; do logs+=("$name.log"); done
   [ ${#logs[@]} -eq 0 ] || tar -czf "$COPY_TO/logs.tar.gz" -C "$work" "${logs[@]}"
-  wants bench && cp "$work"/*-decode-*.json "$work"/*-prefill-*.json "$COPY_TO"/ 2> /dev/null
+  wants bench && cp "$work"/*-decode-*.json "$work"/*-prefill-*.json "$work"/*-ops-*.json "$COPY_TO"/ 2> /dev/null
 fi
 exit $status

@@ -424,12 +424,3 @@ def test_paged_quantized_eviction_needs_the_kv_head_count_and_takes_an_empty_poo
                         torch.zeros(1, 1, dtype=torch.int32), num_kv_heads=2)
     assert seqlens.tolist() == [0]
 
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the CUDA ops' refusal of quantized "
-                                                          "caches")
-def test_cuda_refuses_quantized_caches():
-    qk_offsets = v_offsets = offsets([8, 16])
-    cache = torch.zeros(1, 4, 32, dtype=torch.int8, device="cuda")
-    with pytest.raises(RuntimeError, match="fdc::decode_attention: k_cache is a quantized cache"):
-        ops.decode_attention(torch.randn(1, 24, device="cuda"), cache, cache,
-                             torch.tensor([2], dtype=torch.int32, device="cuda"), qk_offsets, v_offsets, 1, 0.3)

@@ -1,4 +1,8 @@
-// fdc::append_kv on CUDA: copies each request's new K/V rows after its current cache rows, bit for bit.
+// fdc::append_kv on CUDA: copies each request's new K/V rows after its current cache rows, bit for bit, or quantizes
+// them into an int8 or float8 e4m3fn cache (fdc/kv_format.h) exactly as the CPU kernel does: per (row, KV head) a
+// scale of the head's largest magnitude over the format's largest code (NaN if the head holds a non-finite value, 0 if
+// it is all zeros; zero codes for both) and each code the nearest to x / scale, ties to even. int4 caches have no CUDA
+// kernel yet (refused).
 //
 // Nothing here reads cu_seqlens, cache_seqlens or block_table on the host: that would synchronise the stream and
 // make a decode step impossible to capture in a CUDA graph. The host checks what shapes, dtypes and devices tell;
@@ -15,6 +19,7 @@
 #include <type_traits>
 
 #include "cuda/cuda_common.cuh"
+#include "fdc/kv_format.h"
 
 namespace fdc::cuda {
 namespace {
@@ -22,6 +27,9 @@ namespace {
 // Rows of the contiguous-cache kernel per CTA: one warp copies one row (a width of at most H_kv * 256 elements,
 // a few 16-byte packets per lane), 8 warps keep 256 threads per CTA.
 constexpr int kAppendWarps = 8;
+// KV heads a quantizing launch takes: each head's columns travel in the kernel's parameters (two tables of 257 int32,
+// within the 4 KiB parameter limit), as in the decode kernel.
+constexpr int kMaxQuantizedKvHeads = 256;
 // Tiles of the paged kernel: 32 rows x 32 columns through shared memory, read row-major (coalesced along a row of
 // k) and written column by column (coalesced along the page's token axis); 32 x 8 threads, 4 rows or columns each.
 constexpr int kPagedTile = 32;
@@ -142,6 +150,63 @@ __global__ void __launch_bounds__(kPagedTile* kPagedThreadRows)
   }
 }
 
+// One of the two quantizations of a launch (blockIdx.z: 0 = keys, 1 = values): rows of T into one-byte codes and a
+// float32 scale per KV head (fdc/kv_format.h).
+template <typename T>
+struct QuantizeTarget {
+  const T* src;           // (T, width), unit-stride rows
+  int64_t src_stride;     // elements between rows of src
+  uint8_t* cache;         // contiguous (B, S_max, width + 4 H_kv) or paged (num_pages, width + 4 H_kv, page_size) bytes
+  int64_t cache_stride0;  // bytes between requests (contiguous) or pages (paged)
+  int64_t cache_stride1;  // bytes between positions (contiguous); page_size when paged
+  int32_t width;          // columns (= code bytes of a row): qk_offsets[-1] or v_offsets[-1]
+  int32_t offsets[kMaxQuantizedKvHeads + 1];  // (H_kv + 1) prefix sums of the head widths
+};
+
+// Quantizing appends: warp w of the CTA writes row blockIdx.x * kAppendWarps + w of keys (blockIdx.z 0) or values
+// (1), one KV head after another: the lanes take the head's columns, agree on its largest magnitude and whether it is
+// finite by shuffles, then write its codes and its scale. A contiguous row is (codes, scales); a page is (code byte
+// rows, then H_kv runs of page_size scales), each code at its column's byte row and the row's slot.
+template <typename T>
+__global__ void __launch_bounds__(kAppendWarps * 32)
+    append_quantized_kernel(const __grid_constant__ AppendRequests q, const __grid_constant__ QuantizeTarget<T> k,
+                            const __grid_constant__ QuantizeTarget<T> v, int32_t num_kv_heads, KvFormat format) {
+  const QuantizeTarget<T>& t = blockIdx.z == 0 ? k : v;
+  const int64_t row = int64_t(blockIdx.x) * kAppendWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const Destination dest = locate(q, row);
+  if (!dest.valid) return;
+  const T* src = t.src + row * t.src_stride;
+  const bool paged = q.block_table != nullptr;
+  uint8_t* base = t.cache + dest.index0 * t.cache_stride0 + (paged ? dest.position : dest.position * t.cache_stride1);
+  const int64_t code_stride = paged ? q.page_size : 1;  // bytes between a row's consecutive codes
+  // Head j's scale at scales[j * scale_stride]: 4-byte aligned (check_vector_aligned).
+  float* scales = reinterpret_cast<float*>(paged ? t.cache + dest.index0 * t.cache_stride0 + t.width * q.page_size
+                                                 : base + t.width) +
+                  (paged ? dest.position : 0);
+  const int64_t scale_stride = paged ? q.page_size : 1;
+  const float code_max = kv_code_max(format);
+  for (int j = 0; j < num_kv_heads; ++j) {
+    const int c0 = t.offsets[j], c1 = t.offsets[j + 1];
+    float largest = 0.f;
+    bool finite = true;
+    for (int c = c0 + lane; c < c1; c += 32) {
+      const float x = to_float(src[c]);
+      finite = finite && isfinite(x);
+      largest = fmaxf(largest, fabsf(x));
+    }
+    finite = __all_sync(0xffffffffu, finite);
+#pragma unroll
+    for (int m = 16; m > 0; m /= 2) largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, m));
+    const float scale = finite ? __fdiv_rn(largest, code_max) : NAN;
+    const bool codes_of_zero = !finite || scale == 0.f;  // scale 0: all zeros, or magnitudes below code_max * 2^-149
+    for (int c = c0 + lane; c < c1; c += 32) {
+      base[c * code_stride] = codes_of_zero ? uint8_t(0) : float_to_code(__fdiv_rn(to_float(src[c]), scale), format);
+    }
+    if (lane == 0) scales[j * scale_stride] = scale;
+  }
+}
+
 // src (T, width) with unit-stride rows; cache (B, S_max, width) or (num_pages, width, page_size).
 template <typename Bits>
 AppendTarget<Bits> target(const at::Tensor& src, at::Tensor& cache, int64_t width) {
@@ -152,6 +217,21 @@ AppendTarget<Bits> target(const at::Tensor& src, at::Tensor& cache, int64_t widt
   t.cache_stride0 = cache.stride(0);
   t.cache_stride1 = cache.stride(1);
   t.width = static_cast<int32_t>(width);
+  return t;
+}
+
+// src (T, width) with unit-stride rows; a quantized cache (B, S_max, width + 4 H_kv) or (num_pages, width + 4 H_kv,
+// page_size) of one-byte codes; offsets (H_kv + 1) the layout's prefix sums.
+template <typename T>
+QuantizeTarget<T> quantize_target(const at::Tensor& src, at::Tensor& cache, const std::vector<int32_t>& offsets) {
+  QuantizeTarget<T> t;
+  t.src = static_cast<const T*>(src.data_ptr());
+  t.src_stride = src.stride(0);
+  t.cache = static_cast<uint8_t*>(cache.data_ptr());
+  t.cache_stride0 = cache.stride(0);
+  t.cache_stride1 = cache.stride(1);
+  t.width = offsets.back();
+  std::copy(offsets.begin(), offsets.end(), t.offsets);
   return t;
 }
 
@@ -191,8 +271,15 @@ void append_kv_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& 
   const char* op = "append_kv";
   const checks::AppendShape shape = checks::check_append_kv(op, k_cache, v_cache, k, v, cu_seqlens, cache_seqlens,
                                                             qk_offsets, v_offsets, block_table);
-  checks::check_float_cache(op, shape.cache, k_cache, "the CUDA append_kv");
+  checks::check_cuda_cache_format(op, shape.cache, k_cache, "k", k);
   checks::check_cuda_tensor(op, "k_cache", k_cache);
+  const bool quantized = shape.cache.format != KvFormat::kFloat;
+  if (quantized) {
+    checks::check_vector_aligned(op, "k_cache", k_cache, block_table.has_value());
+    checks::check_vector_aligned(op, "v_cache", v_cache, block_table.has_value());
+    FDC_CHECK(shape.layout.num_kv_heads() <= kMaxQuantizedKvHeads, op, "the CUDA kernel quantizes at most ",
+              kMaxQuantizedKvHeads, " KV heads but qk_offsets has ", shape.layout.num_kv_heads());
+  }
   checks::check_same_device(op, "cu_seqlens", cu_seqlens, "k_cache", k_cache);
   checks::check_same_device(op, "cache_seqlens", cache_seqlens, "k_cache", k_cache);
   const int64_t rows = k.size(0);
@@ -218,6 +305,24 @@ void append_kv_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& 
   const at::Tensor k_rows = checks::unit_last_stride(k);
   const at::Tensor v_rows = checks::unit_last_stride(v);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (quantized) {
+    // Rows of half precision (float32 ones were refused by check_cuda_cache_format); T is a template parameter here so
+    // that no float32 kernel is instantiated.
+    const auto quantize = [&]<typename T>() {
+      if constexpr (std::is_same_v<T, float>) {
+        TORCH_INTERNAL_ASSERT(false, "fdc::append_kv: float32 rows into a quantized cache were let through");
+      } else {
+        const dim3 grid(static_cast<uint32_t>(ceil_div(rows, kAppendWarps)), 1, 2);
+        append_quantized_kernel<T><<<grid, kAppendWarps * 32, 0, stream>>>(
+            q, quantize_target<T>(k_rows, k_cache, shape.layout.qk_offsets),
+            quantize_target<T>(v_rows, v_cache, shape.layout.v_offsets),
+            static_cast<int32_t>(shape.layout.num_kv_heads()), shape.cache.format);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    };
+    FDC_DISPATCH_FLOAT_TYPES(k.scalar_type(), "fdc::append_kv", [&] { quantize.template operator()<scalar_t>(); });
+    return;
+  }
   // A copy moves bits: 2-byte types (float16, bfloat16) and 4-byte float32 share the kernels of their size.
   switch (k_cache.element_size()) {
     case 2:

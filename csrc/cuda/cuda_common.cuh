@@ -7,11 +7,13 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <cuda_fp8.h>
 
 #include <optional>
 
 #include "checks.h"
 #include "dispatch.h"
+#include "fdc/kv_format.h"
 
 namespace fdc::cuda {
 
@@ -24,8 +26,28 @@ __device__ __forceinline__ T from_float(float x) {
   return static_cast<T>(x);
 }
 
-// Elements of T in one 16-byte packet (the unit of ld.global.v4 / cp.async.cg): 8 halves or 4 floats. Every packed
-// width is a multiple of 8 elements, so a head's row segment is a whole number of packets in every dtype.
+// A quantized cache's code (fdc/kv_format.h) as a float, before its scale: a one-byte code of an int8 cache (two's
+// complement) or a float8 e4m3fn one (cuda_fp8.h's conversion: exact, NaN for the NaN codes). format is uniform over a
+// launch, so the branch costs every thread the same.
+__device__ __forceinline__ float code_to_float(uint8_t code, KvFormat format) {
+  if (format == KvFormat::kInt8) return static_cast<float>(static_cast<int8_t>(code));
+  __nv_fp8_e4m3 e4m3;
+  e4m3.__x = code;
+  return static_cast<float>(e4m3);
+}
+
+// The code of q = x / scale (fdc/kv_format.h), as append_kv's CPU kernel computes it: int8 rounds to the nearest
+// integer, ties to even, within [-127, 127]; e4m3fn rounds to the nearest e4m3 value, ties to even, within [-448, 448].
+// q is finite.
+__device__ __forceinline__ uint8_t float_to_code(float q, KvFormat format) {
+  if (format == KvFormat::kInt8)
+    return static_cast<uint8_t>(static_cast<int8_t>(rintf(fminf(fmaxf(q, -127.f), 127.f))));
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(fminf(fmaxf(q, -448.f), 448.f), __NV_SATFINITE, __NV_E4M3));
+}
+
+// Elements of T in one 16-byte packet (the unit of ld.global.v4 / cp.async.cg): 8 halves, 4 floats or 16 one-byte
+// codes. Every packed width is a multiple of 8 elements, so a head's row segment of a float cache is a whole number of
+// packets; a quantized cache's is a whole number of 8-byte halves only.
 template <typename T>
 constexpr int kPacket = 16 / static_cast<int>(sizeof(T));
 
@@ -38,6 +60,12 @@ inline bool is_aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) 
 __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* global_src) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(global_src));
+}
+// The same for one aligned 4-byte word: a quantized cache's row segments (whose rows are 4-byte multiples: codes,
+// then 4 bytes of scale per KV head) and its scales. cp.async.ca: 4-byte copies go through L1, which .cg refuses.
+__device__ __forceinline__ void cp_async_4(void* smem_dst, const void* global_src) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(global_src));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>

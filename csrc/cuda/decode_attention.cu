@@ -17,6 +17,12 @@
 // pages dim-major ((num_pages, width, page_size), head_layout.h), so their tiles arrive dim-major and are transposed
 // in shared memory before use: one compute path for both layouts.
 //
+// Quantized caches (fdc/kv_format.h; int8 and float8 e4m3fn, with float16 or bfloat16 queries) run the same kernel on
+// their one-byte codes: tiles of codes (contiguous rows copied 4 bytes at a time, as a row of codes and 4-byte scales
+// is only 4-byte aligned) with each tile's key and value scales beside them, every code turned into a float where the
+// float cache's element is (fdc::cuda::code_to_float), the key scale applied to the key's score and the value scale to
+// its probability. int4 caches and float32 queries over a quantized cache have no CUDA kernel and are refused.
+//
 // Nothing here reads a device value on the host: lengths, the plan and the block table are read by the kernels, so
 // plan + attention can be captured in a CUDA graph. A value the kernels find invalid (a plan whose planner reported
 // a bad length, a plan made for other shapes, a record past its request's length or the cache capacity, a block
@@ -26,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/decode_kernels.cuh"
 #include "cuda/generated/decode_instantiations.h"
@@ -41,8 +48,8 @@ using decode::plan_is_usable;
 
 // One CTA per (request, KV head): zeros for an empty request, the log-sum-exp merge of a split one, NaN everywhere
 // if the plan cannot be used. Unsplit requests were written by the attention kernel.
-template <typename T>
-__global__ void __launch_bounds__(kThreads) decode_combine_kernel(const __grid_constant__ DecodeArgs<T> a) {
+template <typename T, typename C>
+__global__ void __launch_bounds__(kThreads) decode_combine_kernel(const __grid_constant__ DecodeArgs<T, C> a) {
   const int bj = blockIdx.x;
   const int64_t b = bj / a.num_kv_heads;
   const int j = bj % a.num_kv_heads;
@@ -113,7 +120,7 @@ at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
   const checks::AttentionVariant variant =
       checks::check_attention_variant(op, window_left, softcap, sinks, q, layout.num_heads());
   const checks::CacheShape& cache = inputs.cache;
-  checks::check_float_cache(op, cache, k_cache, "the CUDA decode_attention");
+  checks::check_cuda_cache_format(op, cache, k_cache, "q", q);
   const int64_t batch = inputs.batch;
   checks::check_int32_vector(op, "cache_seqlens", cache_seqlens, batch);
   checks::check_same_device(op, "cache_seqlens", cache_seqlens, "q", q);
@@ -148,17 +155,18 @@ at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
   const bool paged = block_table.has_value();
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
 
-  FDC_DISPATCH_FLOAT_TYPES(q.scalar_type(), "fdc::decode_attention", [&] {
-    DecodeArgs<scalar_t> args{};
-    args.q = qc.data_ptr<scalar_t>();
-    args.k_cache = k_cache.data_ptr<scalar_t>();
-    args.v_cache = v_cache.data_ptr<scalar_t>();
+  // T: q's dtype; C: the caches' elements, T or a quantized cache's one-byte codes.
+  const auto run = [&]<typename T, typename C>() {
+    DecodeArgs<T, C> args{};
+    args.q = qc.data_ptr<T>();
+    args.k_cache = static_cast<const C*>(k_cache.data_ptr());
+    args.v_cache = static_cast<const C*>(v_cache.data_ptr());
     args.cache_seqlens = seqlens.data_ptr<int32_t>();
     args.block_table = paged ? table.data_ptr<int32_t>() : nullptr;
     args.plan = schedule.data_ptr<int32_t>();
     std::copy(layout.qk_offsets.begin(), layout.qk_offsets.end(), args.qk_offsets);
     std::copy(layout.v_offsets.begin(), layout.v_offsets.end(), args.v_offsets);
-    args.out = out.data_ptr<scalar_t>();
+    args.out = out.data_ptr<T>();
     args.partial_out = partial_out.data_ptr<float>();
     args.partial_lse = partial_lse.data_ptr<float>();
     args.q_stride = qc.stride(0);
@@ -180,28 +188,44 @@ at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
     args.scale = static_cast<float>(scale);
     args.window_left = variant.window_left;
     args.softcap = variant.softcap;
+    args.format = cache.format;
     args.sinks = variant.sink_logits();
     args.max_qk_dim = max_qk_dim;
     // Query heads per pass (groups over 16 take several passes) and staging tiles, as many as the device's shared
     // memory allows: fdc/decode_tiles.h.
     const int64_t smem_limit = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
     const DecodeSharedLayout smem =
-        choose_decode_shared_layout(sizeof(scalar_t), max_qk_dim, max_v_dim, group, paged, smem_limit);
+        choose_decode_shared_layout(sizeof(C), max_qk_dim, max_v_dim, group, paged, smem_limit);
     FDC_CHECK(smem.bytes <= smem_limit, op, "heads of widths up to ", max_qk_dim, " (qk) and ", max_v_dim, " (v) in ",
-              c10::toString(q.scalar_type()), paged ? " on a paged cache" : "", " need ", smem.bytes,
+              c10::toString(k_cache.scalar_type()), paged ? " on a paged cache" : "", " need ", smem.bytes,
               " bytes of shared memory per CTA but the device allows ", smem_limit);
     args.stages = smem.stages;
     args.stage_elems = smem.stage_elems;
     args.compute_elems = smem.compute_elems;
-    const int heads = smem.heads;
-    switch (heads) {
-      case 4: launch_layout<scalar_t, 4>(args, paged, smem.bytes, stream); break;
-      case 8: launch_layout<scalar_t, 8>(args, paged, smem.bytes, stream); break;
-      case 16: launch_layout<scalar_t, 16>(args, paged, smem.bytes, stream); break;
-      default: FDC_CHECK(false, op, "no kernel for ", heads, " query heads per pass");
+    switch (smem.heads) {
+      case 4: launch_layout<T, C, 4>(args, paged, smem.bytes, stream); break;
+      case 8: launch_layout<T, C, 8>(args, paged, smem.bytes, stream); break;
+      case 16: launch_layout<T, C, 16>(args, paged, smem.bytes, stream); break;
+      default: FDC_CHECK(false, op, "no kernel for ", smem.heads, " query heads per pass");
     }
-    decode_combine_kernel<scalar_t><<<static_cast<unsigned>(batch * hkv), kThreads, 0, stream>>>(args);
+    decode_combine_kernel<T, C><<<static_cast<unsigned>(batch * hkv), kThreads, 0, stream>>>(args);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  // Quantized caches: the codes' kernels exist for half-precision queries (float32 ones were refused by
+  // check_cuda_cache_format); T is a template parameter here so that no float32 one is instantiated.
+  const auto run_codes = [&]<typename T>() {
+    if constexpr (std::is_same_v<T, float>) {
+      TORCH_INTERNAL_ASSERT(false, "fdc::decode_attention: float32 queries over a quantized cache were let through");
+    } else {
+      run.template operator()<T, uint8_t>();
+    }
+  };
+  FDC_DISPATCH_FLOAT_TYPES(q.scalar_type(), "fdc::decode_attention", [&] {
+    if (cache.format == KvFormat::kFloat) {
+      run.template operator()<scalar_t, scalar_t>();
+    } else {
+      run_codes.template operator()<scalar_t>();
+    }
   });
   return out;
 }

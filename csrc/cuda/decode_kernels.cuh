@@ -6,11 +6,13 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/cuda_common.cuh"
 #include "fdc/attention_variant.h"
 #include "fdc/decode_plan.h"
 #include "fdc/decode_tiles.h"
+#include "fdc/kv_format.h"
 
 namespace fdc::cuda::decode {
 
@@ -20,19 +22,34 @@ namespace fdc::cuda::decode {
 constexpr int kThreads = kDecodeThreads;
 static_assert(kThreads == 128, "the score loop's bank-conflict padding and the reduction bound assume 128 threads");
 
-template <typename T>
+// The cache's element type C: the activations' own T for a float cache, uint8_t for a quantized one (int8 or float8
+// e4m3 codes, DecodeArgs::format; int4 has no CUDA kernel yet), whose rows end in one float32 scale per KV head.
+template <typename C>
+constexpr bool kCodes = std::is_same_v<C, uint8_t>;
+
+template <typename C>
 constexpr int tile_keys() {
-  return decode_tile_keys(sizeof(T));
+  return decode_tile_keys(sizeof(C));
 }
 
-template <typename T>
+template <typename C>
 constexpr int staged_row() {
-  return decode_staged_row(sizeof(T));
+  return decode_staged_row(sizeof(C));
 }
 
-template <typename T>
+template <typename C>
 __host__ __device__ constexpr int padded_k_row(int dim) {
-  return decode_padded_k_row(sizeof(T), dim);
+  return decode_padded_k_row(sizeof(C), dim);
+}
+
+// An element of a cache tile as a float: a float cache's value, or a quantized cache's code before its scale.
+template <typename C>
+__device__ __forceinline__ float cache_to_float(C x, KvFormat format) {
+  if constexpr (kCodes<C>) {
+    return code_to_float(x, format);
+  } else {
+    return to_float(x);
+  }
 }
 
 // KV heads a launch takes: the head layout travels in the kernel's parameters (captured by value in a CUDA graph,
@@ -40,12 +57,14 @@ __host__ __device__ constexpr int padded_k_row(int dim) {
 // Current models have at most 128 KV heads.
 constexpr int kMaxKvHeads = 256;
 
-// Everything a task needs besides its record; one copy per launch (kernel parameter space).
-template <typename T>
+// Everything a task needs besides its record; one copy per launch (kernel parameter space). T: q's and the output's
+// dtype; C: the caches' elements (T, or a quantized cache's one-byte codes).
+template <typename T, typename C = T>
 struct DecodeArgs {
   const T* q;                    // (B, G * W_qk), row stride q_stride
-  const T* k_cache;              // contiguous (B, S_max, W_qk) or paged (num_pages, W_qk, page_size)
-  const T* v_cache;              // contiguous (B, S_max, W_v) or paged (num_pages, W_v, page_size)
+  const C* k_cache;              // contiguous (B, S_max, W_qk) or paged (num_pages, W_qk, page_size); quantized: the
+                                 // W_qk codes of a row (or byte rows of a page), then H_kv float32 scales
+  const C* v_cache;              // contiguous (B, S_max, W_v) or paged (num_pages, W_v, page_size); as k_cache
   const int32_t* cache_seqlens;  // (B)
   const int32_t* block_table;    // (B, max_pages) when paged, else nullptr
   const int32_t* plan;           // decode plan, decode_plan_size(B, H_kv, N) entries
@@ -65,6 +84,7 @@ struct DecodeArgs {
   // all threads take the same way, and without them the kernel does what it did before they existed.
   int64_t window_left;  // kNoWindow, or the keys before its own position the query sees
   float softcap;        // 0, or the cap of the scaled scores
+  KvFormat format;      // the caches' format: kFloat (C = T), or kInt8 or kFp8E4M3 (C = uint8_t)
   // Shared-memory carve-up, in elements of T (fdc/decode_tiles.h): `stages` staging tiles (2, or 1 for a paged
   // cache), then (paged) one token-major compute tile.
   int32_t stages, stage_elems, compute_elems;
@@ -74,8 +94,8 @@ struct DecodeArgs {
 
 // Header checks every kernel makes before trusting a plan: made by decode_plan for these shapes, and its planner
 // succeeded (entry [7] is the status the device planner writes).
-template <typename T>
-__device__ bool plan_is_usable(const DecodeArgs<T>& a) {
+template <typename T, typename C>
+__device__ bool plan_is_usable(const DecodeArgs<T, C>& a) {
   const DecodePlanView plan{a.plan};
   return a.plan[0] == kDecodePlanTag && plan.batch() == a.batch && plan.num_kv_heads() == a.num_kv_heads &&
          plan.num_workers() == a.num_workers && plan.capacity() == a.plan_capacity && plan.group() == a.group &&
@@ -84,8 +104,8 @@ __device__ bool plan_is_usable(const DecodeArgs<T>& a) {
 
 // Physical location of token t of request b in a paged cache: (page, slot), or page -1 if the block table does not
 // name a valid page for it.
-template <typename T>
-__device__ __forceinline__ int64_t page_of(const DecodeArgs<T>& a, int64_t b, int64_t t) {
+template <typename T, typename C>
+__device__ __forceinline__ int64_t page_of(const DecodeArgs<T, C>& a, int64_t b, int64_t t) {
   const int64_t logical = t / a.page_size;
   if (logical >= a.max_pages) return -1;
   const int64_t page = a.block_table[b * a.max_pages + logical];
@@ -94,21 +114,28 @@ __device__ __forceinline__ int64_t page_of(const DecodeArgs<T>& a, int64_t b, in
 
 // Starts the copy of keys [t0, t0 + n) of request b, columns [col, col + dim) of one cache, into a staging tile:
 // token-major rows of `ld` elements (contiguous cache) or dim-major rows of staged_row() elements (paged cache).
-// Returns false if a block-table entry it needed was invalid (those elements are not loaded).
-template <typename T, bool kPaged>
-__device__ bool load_tile(const DecodeArgs<T>& a, const T* cache, int64_t stride0, int64_t stride1, int64_t b,
-                          int64_t t0, int n, int64_t col, int dim, int ld, T* stage) {
-  constexpr int P = kPacket<T>;
-  const int packets_per_row = dim / P;
+// A contiguous quantized cache's rows are copied 4 bytes at a time (a row is codes and 4-byte scales, so only 4-byte
+// aligned), everything else in 16-byte packets where pages hold whole ones. Returns false if a block-table entry it
+// needed was invalid (those elements are not loaded).
+template <typename T, typename C, bool kPaged>
+__device__ bool load_tile(const DecodeArgs<T, C>& a, const C* cache, int64_t stride0, int64_t stride1, int64_t b,
+                          int64_t t0, int n, int64_t col, int dim, int ld, C* stage) {
+  constexpr int P = kPacket<C>;
   bool ok = true;
   if constexpr (!kPaged) {
-    const T* base = cache + b * stride0 + t0 * stride1 + col;
-    for (int e = threadIdx.x; e < n * packets_per_row; e += kThreads) {
-      const int key = e / packets_per_row, p = e % packets_per_row;
-      cp_async_16(stage + key * ld + p * P, base + key * stride1 + p * P);
+    constexpr int kCopy = kCodes<C> ? 4 : P;  // elements per copy
+    const int copies_per_row = dim / kCopy;
+    const C* base = cache + b * stride0 + t0 * stride1 + col;
+    for (int e = threadIdx.x; e < n * copies_per_row; e += kThreads) {
+      const int key = e / copies_per_row, p = e % copies_per_row;
+      if constexpr (kCodes<C>) {
+        cp_async_4(stage + key * ld + p * kCopy, base + key * stride1 + p * kCopy);
+      } else {
+        cp_async_16(stage + key * ld + p * kCopy, base + key * stride1 + p * kCopy);
+      }
     }
   } else {
-    constexpr int kRow = staged_row<T>();
+    constexpr int kRow = staged_row<C>();
     const int key_packets = (n + P - 1) / P;
     if (a.page_size % P == 0) {
       // A packet of P tokens starting at a multiple of P (tiles start at multiples of P keys: run_pass) never
@@ -139,20 +166,45 @@ __device__ bool load_tile(const DecodeArgs<T>& a, const T* cache, int64_t stride
 }
 
 // Paged tiles only: dim-major staging (dim rows of staged_row() keys) -> token-major (n rows of ld dims).
-template <typename T>
-__device__ void transpose_tile(const T* stage, int dim, int n, int ld, T* tile) {
-  constexpr int P = kPacket<T>;
-  constexpr int kRow = staged_row<T>();
+template <typename C>
+__device__ void transpose_tile(const C* stage, int dim, int n, int ld, C* tile) {
+  constexpr int P = kPacket<C>;
+  constexpr int kRow = staged_row<C>();
   const int key_packets = (n + P - 1) / P;
   for (int e = threadIdx.x; e < dim * key_packets; e += kThreads) {
     const int c = e % dim, key0 = (e / dim) * P;
-    alignas(16) T values[P];
+    alignas(16) C values[P];
     *reinterpret_cast<uint4*>(values) = *reinterpret_cast<const uint4*>(stage + c * kRow + key0);
 #pragma unroll
     for (int u = 0; u < P; ++u) {
       if (key0 + u < n) tile[(key0 + u) * ld + c] = values[u];
     }
   }
+}
+
+// A quantized cache only: starts the copy of the scales of KV head j for keys [t0, t0 + n) of request b into
+// scales[n] (fdc/kv_format.h: after a contiguous row's `data_width` codes, H_kv float32; after a page's data_width byte
+// rows, H_kv runs of page_size float32). Returns false if a block-table entry it needed was invalid.
+template <typename T, bool kPaged>
+__device__ bool load_scales(const DecodeArgs<T, uint8_t>& a, const uint8_t* cache, int64_t stride0, int64_t stride1,
+                            int64_t data_width, int64_t b, int64_t t0, int n, int j, float* scales) {
+  bool ok = true;
+  for (int key = threadIdx.x; key < n; key += kThreads) {
+    const int64_t t = t0 + key;
+    const uint8_t* scale;
+    if constexpr (kPaged) {
+      const int64_t page = page_of(a, b, t);
+      if (page < 0) {
+        ok = false;
+        continue;
+      }
+      scale = cache + page * stride0 + data_width * a.page_size + kKvScaleBytes * (j * a.page_size + t % a.page_size);
+    } else {
+      scale = cache + b * stride0 + t * stride1 + data_width + kKvScaleBytes * j;
+    }
+    cp_async_4(scales + key, scale);
+  }
+  return ok;
 }
 
 // Shared state of the CTA for one task (one pass over at most kHeads query heads).
@@ -163,24 +215,32 @@ struct SoftmaxState {
   float factor[kHeads];  // rescale of this tile for what was accumulated before it
 };
 
-// Runs the query heads [head0, head0 + heads) of one task over its keys.
-template <typename T, int kHeads, bool kPaged>
-__device__ void run_pass(const DecodeArgs<T>& a, int64_t b, int j, int64_t kv_start, int64_t kv_end, bool split,
+// Runs the query heads [head0, head0 + heads) of one task over its keys. A quantized cache's codes are staged and
+// read as bytes and turned into floats as they are used (never a float copy of the cache): a key's scores are scaled by
+// its key scale after the products, each probability by its value scale before the value sums (as on the CPU).
+template <typename T, typename C, int kHeads, bool kPaged>
+__device__ void run_pass(const DecodeArgs<T, C>& a, int64_t b, int j, int64_t kv_start, int64_t kv_end, bool split,
                          int split_slot, int head0, int heads, char* smem) {
-  constexpr int P = kPacket<T>;
-  constexpr int kTile = tile_keys<T>();
+  constexpr int P = kPacket<C>;
+  constexpr int kTile = tile_keys<C>();
   constexpr int kPerKey = kThreads / kTile;  // threads that share one key's score
+  // The score loop's loads: 16-byte packets of a float cache, 8 codes of a quantized one (fdc/decode_tiles.h).
+  constexpr int kUnit = decode_score_unit(sizeof(C));
+  using Unit = std::conditional_t<kCodes<C>, uint2, uint4>;
+  static_assert(sizeof(Unit) == kUnit * sizeof(C), "a score unit is one vector load");
   const int qk_col = a.qk_offsets[j], dq = a.qk_offsets[j + 1] - qk_col;
   const int v_col = a.v_offsets[j], dv = a.v_offsets[j + 1] - v_col;
-  const int ldk = padded_k_row<T>(dq), ldv = dv;
+  const int ldk = padded_k_row<C>(dq), ldv = dv;
 
-  // Carve-up (fdc/decode_tiles.h): [stage 0 | stage 1 if two | compute tile (paged)] in T, then q (kHeads x
-  // max_qk_dim) and scores (kHeads x kTile) in float, then the softmax state.
-  T* stages = reinterpret_cast<T*>(smem);
-  T* compute = stages + a.stages * a.stage_elems;
+  // Carve-up (fdc/decode_tiles.h): [stage 0 | stage 1 if two | compute tile (paged)] in C, then q (kHeads x
+  // max_qk_dim) and scores (kHeads x kTile) in float, then the softmax state, then (quantized) two tiles' scales.
+  C* stages = reinterpret_cast<C*>(smem);
+  C* compute = stages + a.stages * a.stage_elems;
   float* s_q = reinterpret_cast<float*>(compute + a.compute_elems);
   float* s_scores = s_q + kHeads * a.max_qk_dim;
   SoftmaxState<kHeads>* state = reinterpret_cast<SoftmaxState<kHeads>*>(s_scores + kHeads * kTile);
+  // Tile i's key scales at s_scales + (i % 2) * 2 kTile, its value scales kTile further.
+  float* s_scales = reinterpret_cast<float*>(state + 1);
 
   // Each (request, KV head) is one task's; the q row is scaled once here.
   const int group = a.group;
@@ -205,12 +265,20 @@ __device__ void run_pass(const DecodeArgs<T>& a, int64_t b, int j, int64_t kv_st
   for (int i = 0; i < kHeads; ++i) acc[i][0] = acc[i][1] = 0.f;
 
   auto stage_k = [&](int s) { return stages + s * a.stage_elems; };
-  auto stage_v = [&](int s) { return stages + s * a.stage_elems + (kPaged ? dq * staged_row<T>() : kTile * ldk); };
+  auto stage_v = [&](int s) { return stages + s * a.stage_elems + (kPaged ? dq * staged_row<C>() : kTile * ldk); };
+  auto key_scales = [&](int64_t tile) { return s_scales + (tile % 2) * 2 * kTile; };
   bool pages_ok = true;
-  auto issue = [&](int s, int64_t t0) {
+  // Tile `tile` of the pass (its keys from t0) into stage s.
+  auto issue = [&](int s, int64_t t0, int64_t tile) {
     const int n = static_cast<int>(min64(kTile, kv_end - t0));
-    pages_ok &= load_tile<T, kPaged>(a, a.k_cache, a.k_stride0, a.k_stride1, b, t0, n, qk_col, dq, ldk, stage_k(s));
-    pages_ok &= load_tile<T, kPaged>(a, a.v_cache, a.v_stride0, a.v_stride1, b, t0, n, v_col, dv, ldv, stage_v(s));
+    pages_ok &= load_tile<T, C, kPaged>(a, a.k_cache, a.k_stride0, a.k_stride1, b, t0, n, qk_col, dq, ldk, stage_k(s));
+    pages_ok &= load_tile<T, C, kPaged>(a, a.v_cache, a.v_stride0, a.v_stride1, b, t0, n, v_col, dv, ldv, stage_v(s));
+    if constexpr (kCodes<C>) {
+      pages_ok &= load_scales<T, kPaged>(a, a.k_cache, a.k_stride0, a.k_stride1, a.qk_offsets[a.num_kv_heads], b, t0, n,
+                                         j, key_scales(tile));
+      pages_ok &= load_scales<T, kPaged>(a, a.v_cache, a.v_stride0, a.v_stride1, a.v_offsets[a.num_kv_heads], b, t0, n,
+                                         j, key_scales(tile) + kTile);
+    }
     cp_async_commit();
   };
 
@@ -224,46 +292,48 @@ __device__ void run_pass(const DecodeArgs<T>& a, int64_t b, int j, int64_t kv_st
   // Two stages: the next tile's copy is issued before waiting for the current one. One (paged caches only): it is
   // issued into the stage just emptied into the compute tile, and overlaps the tile's compute only.
   const bool double_buffered = !kPaged || a.stages == 2;
-  issue(0, tiles_start);
+  issue(0, tiles_start, 0);
   int s = 0;
-  for (int64_t t0 = tiles_start; t0 < kv_end; t0 += kTile) {
+  for (int64_t t0 = tiles_start, tile = 0; t0 < kv_end; t0 += kTile, ++tile) {
     const int n = static_cast<int>(min64(kTile, kv_end - t0));
     const bool more = t0 + kTile < kv_end;
     if (double_buffered && more) {
-      issue(s ^ 1, t0 + kTile);
+      issue(s ^ 1, t0 + kTile, tile + 1);
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
     __syncthreads();
-    const T* k_tile = stage_k(s);
-    const T* v_tile = stage_v(s);
+    const C* k_tile = stage_k(s);
+    const C* v_tile = stage_v(s);
+    const float* k_scales = key_scales(tile);  // quantized caches only
+    const float* v_scales = k_scales + kTile;
     if constexpr (kPaged) {
       transpose_tile(stage_k(s), dq, n, ldk, compute);
       transpose_tile(stage_v(s), dv, n, ldv, compute + kTile * ldk);
       __syncthreads();
-      if (!double_buffered && more) issue(s, t0 + kTile);
+      if (!double_buffered && more) issue(s, t0 + kTile, tile + 1);
       k_tile = compute;
       v_tile = compute + kTile * ldk;
     }
 
-    // Scores: the kPerKey threads of a key take interleaved 16-byte packets of its row, then add up by shuffles.
+    // Scores: the kPerKey threads of a key take interleaved units of its row, then add up by shuffles.
     {
       const int key = threadIdx.x / kPerKey, part = threadIdx.x % kPerKey;
       float dot[kHeads];
 #pragma unroll
       for (int i = 0; i < kHeads; ++i) dot[i] = 0.f;
-      for (int p = part; p < dq / P; p += kPerKey) {
-        alignas(16) T kv[P];
-        *reinterpret_cast<uint4*>(kv) = *reinterpret_cast<const uint4*>(k_tile + key * ldk + p * P);
-        float kf[P];
+      for (int p = part; p < dq / kUnit; p += kPerKey) {
+        alignas(sizeof(Unit)) C kv[kUnit];
+        *reinterpret_cast<Unit*>(kv) = *reinterpret_cast<const Unit*>(k_tile + key * ldk + p * kUnit);
+        float kf[kUnit];
 #pragma unroll
-        for (int u = 0; u < P; ++u) kf[u] = to_float(kv[u]);
+        for (int u = 0; u < kUnit; ++u) kf[u] = cache_to_float(kv[u], a.format);
 #pragma unroll
         for (int i = 0; i < kHeads; ++i) {
-          const float* qi = s_q + i * a.max_qk_dim + p * P;
+          const float* qi = s_q + i * a.max_qk_dim + p * kUnit;
 #pragma unroll
-          for (int u = 0; u < P; ++u) dot[i] += qi[u] * kf[u];
+          for (int u = 0; u < kUnit; ++u) dot[i] += qi[u] * kf[u];
         }
       }
 #pragma unroll
@@ -273,6 +343,10 @@ __device__ void run_pass(const DecodeArgs<T>& a, int64_t b, int j, int64_t kv_st
           dot[i] += __shfl_xor_sync(0xffffffffu, dot[i], lane_mask);
       }
       if (part == 0) {
+        if constexpr (kCodes<C>) {  // a key's scale multiplies its products' sum (unused past n: masked below)
+#pragma unroll
+          for (int i = 0; i < kHeads; ++i) dot[i] *= k_scales[key];
+        }
         if (a.softcap > 0.f) {
 #pragma unroll
           for (int i = 0; i < kHeads; ++i) dot[i] = soft_cap(dot[i], a.softcap);
@@ -298,7 +372,11 @@ __device__ void run_pass(const DecodeArgs<T>& a, int64_t b, int j, int64_t kv_st
         float tile_sum = 0.f;
         for (int k = lane; k < kTile; k += 32) {
           const float p = k < n ? __expf(si[k] - new_max) : 0.f;
-          si[k] = p;
+          if constexpr (kCodes<C>) {  // the weight of the key's value codes: p times its value scale (0 if masked)
+            si[k] = k >= masked && k < n ? p * v_scales[k] : 0.f;
+          } else {
+            si[k] = p;
+          }
           tile_sum += p;
         }
 #pragma unroll
@@ -326,8 +404,8 @@ __device__ void run_pass(const DecodeArgs<T>& a, int64_t b, int j, int64_t kv_st
         }
       }
       for (int k = masked + key_group; k < n; k += key_groups) {
-        const float v0 = to_float(v_tile[k * ldv + 2 * pair]);
-        const float v1 = to_float(v_tile[k * ldv + 2 * pair + 1]);
+        const float v0 = cache_to_float(v_tile[k * ldv + 2 * pair], a.format);
+        const float v1 = cache_to_float(v_tile[k * ldv + 2 * pair + 1], a.format);
 #pragma unroll
         for (int i = 0; i < kHeads; ++i) {
           const float p = s_scores[i * kTile + k];
@@ -377,8 +455,8 @@ __device__ void run_pass(const DecodeArgs<T>& a, int64_t b, int j, int64_t kv_st
 // SM count by default and a CTA's shared memory leaves room for few more. Without it ptxas aimed at more CTAs per SM,
 // capped registers at 64 to 96 and spilled (ptxas -v on sm_80 and sm_90, with and without the attention variants:
 // up to 52 bytes); with it, no instantiation spills.
-template <typename T, int kHeads, bool kPaged>
-__global__ void __launch_bounds__(kThreads, 1) decode_attention_kernel(const __grid_constant__ DecodeArgs<T> a) {
+template <typename T, typename C, int kHeads, bool kPaged>
+__global__ void __launch_bounds__(kThreads, 1) decode_attention_kernel(const __grid_constant__ DecodeArgs<T, C> a) {
   extern __shared__ __align__(16) char smem[];
   if (!plan_is_usable(a)) return;  // the combine kernel writes NaN everywhere
   const DecodePlanView plan{a.plan};
@@ -423,14 +501,15 @@ __global__ void __launch_bounds__(kThreads, 1) decode_attention_kernel(const __g
       continue;
     }
     for (int head0 = 0; head0 < a.group; head0 += kHeads) {
-      run_pass<T, kHeads, kPaged>(a, b, j, rec[2], rec[3], is_split, slot, head0, min(kHeads, a.group - head0), smem);
+      run_pass<T, C, kHeads, kPaged>(a, b, j, rec[2], rec[3], is_split, slot, head0, min(kHeads, a.group - head0),
+                                     smem);
     }
   }
 }
 
-template <typename T, int kHeads, bool kPaged>
-void launch(const DecodeArgs<T>& args, int64_t smem_bytes, cudaStream_t stream) {
-  auto kernel = decode_attention_kernel<T, kHeads, kPaged>;
+template <typename T, typename C, int kHeads, bool kPaged>
+void launch(const DecodeArgs<T, C>& args, int64_t smem_bytes, cudaStream_t stream) {
+  auto kernel = decode_attention_kernel<T, C, kHeads, kPaged>;
   const int64_t limit = allow_all_shared_memory(kernel);
   FDC_CHECK(smem_bytes <= limit, "decode_attention", "the kernel needs ", smem_bytes,
             " bytes of shared memory per CTA but ", "the device allows ", limit);
@@ -438,12 +517,12 @@ void launch(const DecodeArgs<T>& args, int64_t smem_bytes, cudaStream_t stream) 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename T, int kHeads>
-void launch_layout(const DecodeArgs<T>& args, bool paged, int64_t smem_bytes, cudaStream_t stream) {
+template <typename T, typename C, int kHeads>
+void launch_layout(const DecodeArgs<T, C>& args, bool paged, int64_t smem_bytes, cudaStream_t stream) {
   if (paged) {
-    launch<T, kHeads, true>(args, smem_bytes, stream);
+    launch<T, C, kHeads, true>(args, smem_bytes, stream);
   } else {
-    launch<T, kHeads, false>(args, smem_bytes, stream);
+    launch<T, C, kHeads, false>(args, smem_bytes, stream);
   }
 }
 

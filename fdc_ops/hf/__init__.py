@@ -141,8 +141,9 @@ def _check_kv_dtype(model, kv_dtype) -> torch.dtype | None:
                          f"{error}") from None
     device = next(model.parameters()).device
     if device.type != "cpu":
-        raise NotImplementedError(f"{where}: kv_dtype on {device.type} is not supported yet: the CUDA ops read "
-                                  "float caches only")
+        raise NotImplementedError(f"{where}: kv_dtype on {device.type} is not supported yet: the model side's "
+                                  "quantized cache runs on the CPU only (the CUDA append_kv and decode_attention take "
+                                  "int8 and float8_e4m3fn caches, but no model has run them on a GPU yet)")
     return kv_dtype
 
 

@@ -14,6 +14,10 @@
 // an A100's 163 KiB; with one, every layout fits an A100 and an H100 in every dtype, as contiguous ones do. The
 // 99 KiB parts (sm_86, sm_89, sm_120) fit every layout with qk + v <= 336, paged or not; wider ones are refused with
 // the bytes they need (smaller key tiles would fit them). tests/cpp/test_planners.cpp checks these claims.
+//
+// A quantized cache (fdc/kv_format.h: int8 or float8 e4m3 codes, element_bytes 1) stages its codes as bytes, in the
+// same tiles, and two tiles' key and value scales follow the softmax state (decode_tile_scales). Its rows are read
+// in units of 8 codes: a head's codes are a multiple of 8 bytes, not of 16.
 #pragma once
 
 #include <cstdint>
@@ -24,8 +28,8 @@ namespace fdc {
 
 constexpr int32_t kDecodeThreads = 128;
 
-// Keys per tile: 64 for 2-byte caches, 32 for float ones (one tile of the widest heads, 256 + 256 dims, is 64 KiB
-// or less in either dtype).
+// Keys per tile: 64 for 2-byte and 1-byte (quantized) caches, 32 for float32 ones (one tile of the widest heads,
+// 256 + 256 dims, is 64 KiB or less in every cache dtype).
 FDC_HOST_DEVICE constexpr int32_t decode_tile_keys(int32_t element_bytes) { return element_bytes == 4 ? 32 : 64; }
 
 // Elements in one 16-byte packet, the unit of cp.async and of the vector loads.
@@ -37,14 +41,29 @@ FDC_HOST_DEVICE constexpr int32_t decode_staged_row(int32_t element_bytes) {
   return decode_tile_keys(element_bytes) + decode_packet(element_bytes);
 }
 
+// Elements the score loop reads at once from a key's row: a 16-byte packet of a float cache, 8 codes (8 bytes) of a
+// quantized one (a head's codes are a multiple of 8 bytes only).
+FDC_HOST_DEVICE constexpr int32_t decode_score_unit(int32_t element_bytes) {
+  return element_bytes == 1 ? 8 : decode_packet(element_bytes);
+}
+
 // Token-major K rows are padded so that the score loop, in which the kDecodeThreads / tile keys threads of a key
-// read interleaved 16-byte packets of its row, touches 8 distinct 16-byte bank groups per quarter warp: a row stride
-// of L packets with L = threads per key (mod 2 * threads per key) does that.
+// read interleaved units of its row, touches distinct banks in each phase of a warp's access (a quarter warp of
+// 16-byte loads, a half warp of 8-byte ones): a row stride of L units with L = threads per key (mod 2 * threads per
+// key) does that in both cases.
 FDC_HOST_DEVICE constexpr int32_t decode_padded_k_row(int32_t element_bytes, int32_t dim) {
   const int32_t per_key = kDecodeThreads / decode_tile_keys(element_bytes);
-  int32_t packets = dim / decode_packet(element_bytes);
-  while (packets % (2 * per_key) != per_key) ++packets;
-  return packets * decode_packet(element_bytes);
+  const int32_t unit = decode_score_unit(element_bytes);
+  int32_t units = dim / unit;
+  while (units % (2 * per_key) != per_key) ++units;
+  return units * unit;
+}
+
+// Floats of one tile's scales: a quantized cache's key and value scales of the tile's keys; none for a float cache.
+// Two tiles' scales are kept whatever the stages: the next tile's arrive while the current tile's are in use (with one
+// stage too, whose codes are transposed out of the stage before the next copy is issued, but whose scales are not).
+FDC_HOST_DEVICE constexpr int32_t decode_tile_scales(int32_t element_bytes) {
+  return element_bytes == 1 ? 2 * decode_tile_keys(element_bytes) : 0;
 }
 
 // Query heads one pass over a task's keys serves, at most: the kernel is instantiated for 4, 8 and 16.
@@ -60,7 +79,8 @@ struct DecodeSharedLayout {
   int64_t bytes = 0;          // dynamic shared memory of one CTA
 };
 
-// The layout for heads up to max_qk_dim / max_v_dim wide (multiples of 8), `heads` query heads per pass.
+// The layout for heads up to max_qk_dim / max_v_dim wide (multiples of 8), `heads` query heads per pass; element_bytes
+// is the cache's: 4 or 2 (float caches), 1 (quantized).
 FDC_HOST_DEVICE inline DecodeSharedLayout decode_shared_layout(int32_t element_bytes, int32_t max_qk_dim,
                                                                int32_t max_v_dim, int32_t heads, bool paged,
                                                                int32_t stages) {
@@ -78,7 +98,8 @@ FDC_HOST_DEVICE inline DecodeSharedLayout decode_shared_layout(int32_t element_b
   const int64_t stage = ceil_div(staged > for_reduction ? staged : for_reduction, packet) * packet;
   layout.stage_elems = static_cast<int32_t>(stage);
   layout.compute_elems = static_cast<int32_t>(compute);
-  const int64_t floats = int64_t(heads) * max_qk_dim + int64_t(heads) * keys + 3 * int64_t(heads);
+  const int64_t floats = int64_t(heads) * max_qk_dim + int64_t(heads) * keys + 3 * int64_t(heads) +
+                         2 * int64_t(decode_tile_scales(element_bytes));
   layout.bytes = (stages * stage + compute) * element_bytes + floats * 4;
   return layout;
 }

@@ -385,9 +385,10 @@ void test_device_keys(std::mt19937& rng) {
 }
 
 // The CUDA decode kernel's shared memory (fdc/decode_tiles.h), for every layout of widths 8..256 (qk and v), both
-// dtype sizes, contiguous and paged caches and every group size's heads per pass, against each architecture's opt-in
-// limit per block: the carve-up is sound (tiles hold what is staged and transposed, the reduction fits, regions stay
-// 16-byte aligned, the bytes add up), and the layouts that must fit do: all of them on sm_80 (A100, 163 KiB) and
+// cache element sizes (float32, half precision, a quantized cache's 1-byte codes with their scales), contiguous and
+// paged caches and every group size's heads per pass, against each architecture's opt-in limit per block: the carve-up
+// is sound (tiles hold what is staged and transposed, the reduction fits, regions stay 16-byte aligned, K rows hold
+// whole score units, the bytes add up), and the layouts that must fit do: all of them on sm_80 (A100, 163 KiB) and
 // sm_90 (H100/H200, 227 KiB); on the 99 KiB parts (sm_86, sm_89, sm_120) those with qk + v <= 336, paged or not.
 void test_decode_shared_memory() {
   struct Arch {
@@ -396,7 +397,7 @@ void test_decode_shared_memory() {
     int32_t fits_upto;  // every layout with qk + v up to this fits
   };
   const Arch archs[] = {{"sm_80", 166912, 512}, {"sm_86/89/120", 101376, 336}, {"sm_90/100", 232448, 512}};
-  for (const int32_t bytes : {2, 4}) {
+  for (const int32_t bytes : {1, 2, 4}) {
     const int64_t packet = fdc::decode_packet(bytes), keys = fdc::decode_tile_keys(bytes);
     for (const bool paged : {false, true}) {
       for (int32_t qk = 8; qk <= 256; qk += 8) {
@@ -407,7 +408,11 @@ void test_decode_shared_memory() {
               const int64_t token_major = keys * (fdc::decode_padded_k_row(bytes, qk) + v);
               const int64_t dim_major = int64_t(qk + v) * fdc::decode_staged_row(bytes);
               const int64_t tiles = int64_t(stages) * l.stage_elems + l.compute_elems;
-              const int64_t floats = int64_t(heads) * (qk + keys + 3);
+              const int64_t floats = int64_t(heads) * (qk + keys + 3) + (bytes == 1 ? 4 * keys : 0);
+              CHECK(fdc::decode_padded_k_row(bytes, qk) >= qk &&
+                        fdc::decode_padded_k_row(bytes, qk) % fdc::decode_score_unit(bytes) == 0 &&
+                        fdc::decode_score_unit(bytes) * bytes % 8 == 0,
+                    "bytes %d qk %d: a K row does not hold whole score units", bytes, qk);
               CHECK(l.stage_elems >= (paged ? dim_major : token_major) && l.compute_elems >= (paged ? token_major : 0),
                     "bytes %d qk %d v %d paged %d: the tiles do not hold a tile", bytes, qk, v, paged);
               CHECK(tiles * bytes >= int64_t(2) * fdc::kDecodeThreads * heads * 4,
