@@ -1,7 +1,8 @@
 """Compressed Hugging Face models on a GPU: a tiny random model of every supported family, compressed with FDC and
 with Palu on the CPU, then moved to the GPU, gives the CPU's logits (float32) and the CPU's greedy tokens, through
 prefill (prompts of different lengths, left padding) and cached decode steps, so the model side drives
-rope_rotate_compress, append_kv, prefill_attention and decode_attention on CUDA as it does on the CPU."""
+rope_rotate_compress, append_kv, prefill_attention and decode_attention on CUDA as it does on the CPU; and a bf16 model
+with an int8 or e4m3 cache stays as near its bf16 cache on the GPU as the CPU test asks of it."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from tiny_models import FAMILIES, tiny_model
 
 skip_without_cuda_kernels("rope_rotate_compress", "append_kv", "prefill_attention", "decode_attention")
 pytest.importorskip("transformers", reason="the model side needs transformers")
-from fdc_ops import calibration, hf  # noqa: E402  (imports transformers)
+from fdc_ops import calibration, hf, ops  # noqa: E402  (imports transformers)
 
 NEW_TOKENS = 16
 
@@ -91,3 +92,37 @@ def test_a_static_cache_on_the_gpu_gives_the_cpu_tokens(compile_mode):
         actual = gpu_model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), **settings,
                                     **compiling).cpu()
     assert torch.equal(actual, expected), replay
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
+def test_a_quantized_cache_on_the_gpu_stays_near_its_float_cache(kv_dtype):
+    """hf.compress(kv_dtype=...) on a bfloat16 model on the GPU (the CUDA append_kv quantizing, decode_attention
+    reading the codes; a several-token call dequantizing the cached rows for prefill_attention): every call after the
+    prompt within the CPU test's bound of the same model with a bfloat16 cache (tests/test_hf_quantized.py), and the
+    cache holding codes and scales."""
+    from fdc_ops.hf.modules import CompressedKVLayer
+    from test_hf import calibrated, left_padded
+    from test_hf_quantized import LOGIT_ERROR, _steps
+
+    generator, rng, replay = case_generator(f"cuda hf quantized cache {kv_dtype}", 0)
+    model, artifact = calibrated("llama", rng.randrange(1000))
+    allocation = hf.compress(model, artifact, compression=0.3)
+    ids, mask = left_padded(generator, model.config.vocab_size, [rng.randrange(3, 20) for _ in range(3)])
+    cuda = dict(device="cuda", dtype=torch.bfloat16)
+    expected, _ = _steps(copy.deepcopy(model).to(**cuda), ids.cuda(), mask.cuda(), steps=4, chunk=3)
+    hf.restore(model)
+    on_gpu = copy.deepcopy(model).to(**cuda)
+    hf.compress(model, artifact, allocation=allocation, kv_dtype=kv_dtype)
+    actual, cache = _steps(model.to(**cuda), ids.cuda(), mask.cuda(), steps=4, chunk=3)
+    bound = LOGIT_ERROR[ops.kv_cache_dtype(kv_dtype)]
+    for step, (got, want) in enumerate(zip(actual[1:], expected[1:])):
+        error = float((got.float() - want.float()).abs().max() / want.float().abs().max())
+        assert error < bound, f"call {step + 1}: logit error {error:.4f} {kv_dtype} {replay}"
+    layers = [layer for layer in cache.layers if isinstance(layer, CompressedKVLayer)]
+    assert layers and all(layer.k_cache.dtype == ops.kv_cache_dtype(kv_dtype) and layer.k_cache.is_cuda
+                          for layer in layers)
+    # compressing a model already on the GPU: these formats with bf16 weights are taken, int4 is refused by name
+    hf.compress(on_gpu, artifact, allocation=allocation, kv_dtype=kv_dtype)
+    hf.restore(on_gpu)
+    with pytest.raises(NotImplementedError, match="on a GPU the ops take int8 and float8_e4m3fn caches"):
+        hf.compress(on_gpu, artifact, allocation=allocation, kv_dtype="int4")

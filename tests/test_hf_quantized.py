@@ -26,7 +26,7 @@ LOGIT_ERROR = {torch.int8: 0.065, torch.float8_e4m3fn: 0.2, torch.uint8: 1.2}
 
 def _steps(model, ids, mask, steps: int, chunk: int):
     """Logits of a prompt call, then of `chunk` tokens in one call (a prefill over the cache), then of `steps` single
-    tokens (decode), teacher-forced on fixed tokens; and the cache."""
+    tokens (decode), teacher-forced on fixed tokens drawn on the CPU (the same on every device); and the cache."""
     generator = torch.Generator().manual_seed(1)
     cache = transformers.DynamicCache()
     logits = []
@@ -35,7 +35,7 @@ def _steps(model, ids, mask, steps: int, chunk: int):
                     position_ids=(mask.cumsum(1) - 1).clamp_min(0))
         logits.append(out.logits[:, -1])
         for count in [chunk] + [1] * steps:
-            new = torch.randint(1, model.config.vocab_size, (ids.shape[0], count), generator=generator)
+            new = torch.randint(1, model.config.vocab_size, (ids.shape[0], count), generator=generator).to(ids.device)
             mask = torch.cat([mask, torch.ones_like(new)], dim=1)
             out = model(input_ids=new, attention_mask=mask, past_key_values=cache, use_cache=True,
                         position_ids=mask.cumsum(1)[:, -count:] - 1)

@@ -139,11 +139,13 @@ def _check_kv_dtype(model, kv_dtype) -> torch.dtype | None:
     except ValueError as error:
         raise ValueError(f"{where}: kv_dtype must be None (the activations' dtype) or a quantized cache: "
                          f"{error}") from None
-    device = next(model.parameters()).device
-    if device.type != "cpu":
-        raise NotImplementedError(f"{where}: kv_dtype on {device.type} is not supported yet: the model side's "
-                                  "quantized cache runs on the CPU only (the CUDA append_kv and decode_attention take "
-                                  "int8 and float8_e4m3fn caches, but no model has run them on a GPU yet)")
+    weight = next(model.parameters())
+    on_cuda_kernels = weight.device.type == "cuda" and kv_dtype in (torch.int8, torch.float8_e4m3fn) and \
+        weight.dtype in (torch.float16, torch.bfloat16)
+    if weight.device.type != "cpu" and not on_cuda_kernels:
+        raise NotImplementedError(f"{where}: kv_dtype={kv_dtype} with {weight.dtype} weights on {weight.device.type} "
+                                  "is not supported: on a GPU the ops take int8 and float8_e4m3fn caches with float16 "
+                                  "or bfloat16 activations (the CPU takes every format and dtype)")
     return kv_dtype
 
 
