@@ -27,7 +27,13 @@ from conftest import (
     strided_rows,
 )
 from fdc_ops import ops, reference
-from test_quantized_cache import _bytes, _empty_cache, _rows_of
+from test_quantized_cache import (
+    _bytes,
+    _empty_cache,
+    appended_rows,
+    check_every_e4m3_code,
+    check_quantized_opcheck,
+)
 
 skip_without_cuda_kernels("append_kv", "decode_plan", "decode_attention")
 
@@ -65,13 +71,7 @@ def test_append_kv_quantizes_as_the_cpu_does(case, paged):
     for counts in (prompt, step):
         cu = offsets(counts)
         rows = int(cu[-1])
-        k_new = strided_rows(randn((rows, layout.qk_width), torch.float32, gen).mul(rng.choice([0.01, 1, 300]))
-                             .to(dtype), rng)
-        v_new = randn((rows, layout.v_width), dtype, gen)
-        if rows and rng.random() < 0.3:
-            k_new[0, : layout.qk_dims[0]] = 0  # an all-zero head: scale 0, zero codes
-        if rows and rng.random() < 0.3:
-            v_new[rows - 1, rng.randrange(layout.v_width)] = float("nan")  # a NaN scale, zero codes
+        k_new, v_new = appended_rows(gen, rng, layout, rows, dtype)
         ops.append_kv(*caches, k_new, v_new, cu, seqlens, layout.qk_offsets, layout.v_offsets, block_table)
         ops.append_kv(*gpu_caches, k_new.to(DEVICE), v_new.to(DEVICE), cu.to(DEVICE), seqlens.to(DEVICE),
                       layout.qk_offsets, layout.v_offsets, gpu_table)
@@ -133,40 +133,9 @@ def test_decode_attention_reads_quantized_caches(case, paged):
 
 
 def test_decode_attention_reads_every_e4m3_code():
-    """Each of e4m3fn's 254 finite codes as one key's dim and one value's, in a request of its own (that key and a
-    zero one), contiguous and in pages of 16, 32 and 3 tokens, stored by the GPU's append_kv: the query makes the key's
-    score 1, so a code read as any other value moves the output beyond bf16's rounding."""
-    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
-    values = codes.view(torch.float8_e4m3fn).double()
-    batch, width = len(codes), 8
-    qk_offsets = v_offsets = torch.tensor([0, width], dtype=torch.int32)
-    rows = torch.zeros(batch, 2, width, dtype=torch.float64)
-    rows[:, 1, 0] = values
-    rows[:, 1, 1] = 448.0  # each row's scale is 448 / 448 = 1, so dim 0 stores the code itself
-    rows = rows.reshape(2 * batch, width).to(torch.bfloat16)
-    q = torch.zeros(batch, width, dtype=torch.float64)
-    q[:, 0] = torch.where(values == 0, 1.0, 1.0 / values)
-    q = q.to(torch.bfloat16)
-    seqlens = torch.full((batch,), 2, dtype=torch.int32)
-    for page_size in (None, 16, 32, 3):
-        paged = page_size is not None
-        block_table = torch.arange(batch, dtype=torch.int32).view(batch, 1) if paged else None
-        gpu_table = None if block_table is None else block_table.to(DEVICE)
-        k_cache, v_cache = (c.to(DEVICE) for c in _empty_cache(qk_offsets, v_offsets, torch.float8_e4m3fn, batch, 2,
-                                                               block_table, batch if paged else 0, page_size or 0))
-        ops.append_kv(k_cache, v_cache, rows.to(DEVICE), rows.to(DEVICE), offsets([2] * batch).to(DEVICE),
-                      torch.zeros_like(seqlens).to(DEVICE), qk_offsets, v_offsets, gpu_table)
-        k_float = reference.dequantize_cache_ref(k_cache.cpu(), qk_offsets, paged=paged)
-        v_float = reference.dequantize_cache_ref(v_cache.cpu(), v_offsets, paged=paged)
-        stored = torch.stack([_rows_of(k_float, b, 1, 2, block_table, paged)[0, 0] for b in range(batch)])
-        assert torch.equal(stored, values.to(stored.dtype)), f"append_kv did not store each code, pages {page_size}"
-        out = ops.decode_attention(q.to(DEVICE), k_cache, v_cache, seqlens.to(DEVICE), qk_offsets, v_offsets, 1, 1.0,
-                                   block_table=gpu_table).cpu()
-        expected = reference.decode_attention_ref(q, k_float, v_float, seqlens, qk_offsets, v_offsets, 1, 1.0,
-                                                  block_table=block_table)
-        where = f"e4m3 codes read wrongly on the GPU (pages {page_size})"
-        torch.testing.assert_close(out.double(), expected.double(), rtol=2 ** -7, atol=0.0,
-                                   msg=lambda m, where=where: f"{where}: {m}")
+    """Each of e4m3fn's 254 finite codes as one key's dim and one value's, stored by the GPU's append_kv and read by its
+    decode, contiguous and paged (tests/test_quantized_cache.py's check on the GPU)."""
+    check_every_e4m3_code(DEVICE, "cuda")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -223,34 +192,7 @@ def test_quantized_decode_step_replays_from_a_cuda_graph(fmt, paged):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("paged", [False, True])
 def test_quantized_ops_pass_opcheck_on_cuda(fmt, paged):
-    qk_offsets, v_offsets, group = offsets([8, 16]), offsets([16, 8]), 2
-    gen = torch.Generator().manual_seed(0)
-    seqlens = torch.tensor([3, 2], dtype=torch.int32, device=DEVICE)
-    one_row_each = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
-    block_table = torch.tensor([[1, 0], [2, -1]], dtype=torch.int32) if paged else None
-    k_cache, v_cache = (c.to(DEVICE) for c in _empty_cache(qk_offsets, v_offsets, fmt, 2, 6, block_table, 3, 4))
-    gpu_table = None if block_table is None else block_table.to(DEVICE)
-    ops.append_kv(k_cache, v_cache, randn((5, 24), torch.bfloat16, gen).to(DEVICE),
-                  randn((5, 24), torch.bfloat16, gen).to(DEVICE), torch.tensor([0, 3, 5], dtype=torch.int32,
-                                                                               device=DEVICE),
-                  torch.zeros(2, dtype=torch.int32, device=DEVICE), qk_offsets, v_offsets, gpu_table)
-    q = randn((2, group * 24), torch.bfloat16, gen).to(DEVICE)
-    rows = randn((2, 24), torch.bfloat16, gen).to(DEVICE)
-    decode = (q, k_cache, v_cache, seqlens, qk_offsets, v_offsets, group, 0.25, None, gpu_table)
-    append = (k_cache, v_cache, rows, rows, one_row_each, seqlens, qk_offsets, v_offsets, gpu_table)
-    # As on the CPU (tests/test_quantized_cache.py): opcheck's schema test compares float8 tensors by arithmetic torch
-    # lacks for them, so for e4m3 the same question is asked of the bytes.
-    utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
-    if fmt == torch.float8_e4m3fn:
-        utils = utils[1:]
-        before = [_cuda_bytes(t).clone() for t in (k_cache, v_cache, q, rows)]
-        torch.ops.fdc.decode_attention(*decode)
-        assert all(torch.equal(_cuda_bytes(t), b) for t, b in zip((k_cache, v_cache, q, rows), before))
-        torch.ops.fdc.append_kv(*append)
-        assert not torch.equal(_cuda_bytes(k_cache), before[0]) and not torch.equal(_cuda_bytes(v_cache), before[1])
-        assert torch.equal(_cuda_bytes(rows), before[3])
-    torch.library.opcheck(torch.ops.fdc.decode_attention.default, decode, test_utils=utils)
-    torch.library.opcheck(torch.ops.fdc.append_kv.default, append, test_utils=utils)
+    check_quantized_opcheck(fmt, paged, DEVICE)
 
 
 def test_what_has_no_cuda_kernel_is_refused():

@@ -56,6 +56,19 @@ def _rows_of(cache: torch.Tensor, b: int, t0: int, t1: int, block_table, paged: 
         if t1 > t0 else cache.new_zeros((0, cache.shape[1]))
 
 
+def appended_rows(gen, rng, layout, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """New K and V rows for append_kv: keys of a random magnitude in non-contiguous rows, sometimes an all-zero head
+    (scale 0, zero codes) in the first key row and a NaN (a NaN scale, zero codes) in the last value row."""
+    k_new = strided_rows(randn((rows, layout.qk_width), torch.float32, gen).mul(rng.choice([0.01, 1, 300])).to(dtype),
+                         rng)
+    v_new = randn((rows, layout.v_width), dtype, gen)
+    if rows and rng.random() < 0.3:
+        k_new[0, : layout.qk_dims[0]] = 0
+    if rows and rng.random() < 0.3:
+        v_new[rows - 1, rng.randrange(layout.v_width)] = float("nan")
+    return k_new, v_new
+
+
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("case", range(CASES // 2))
 def test_append_kv_quantizes_like_the_reference(case, paged):
@@ -78,13 +91,7 @@ def test_append_kv_quantizes_like_the_reference(case, paged):
     for counts in (prompt, step):
         cu = offsets(counts)
         rows = int(cu[-1])
-        k_new = strided_rows(randn((rows, layout.qk_width), torch.float32, gen).mul(rng.choice([0.01, 1, 300]))
-                             .to(dtype), rng)
-        v_new = randn((rows, layout.v_width), dtype, gen)
-        if rows and rng.random() < 0.3:
-            k_new[0, : layout.qk_dims[0]] = 0  # an all-zero head: scale 0
-        if rows and rng.random() < 0.3:
-            v_new[rows - 1, rng.randrange(layout.v_width)] = float("nan")  # a NaN scale for its head
+        k_new, v_new = appended_rows(gen, rng, layout, rows, dtype)
         before_k, before_v = _bytes(k_cache).clone(), _bytes(v_cache).clone()
         ops.append_kv(k_cache, v_cache, k_new, v_new, cu, seqlens, layout.qk_offsets, layout.v_offsets, block_table)
         # Bytes outside the appended rows are untouched: mark the appended rows in a copy of the old bytes.
@@ -162,6 +169,12 @@ def test_decode_attention_reads_every_e4m3_code(isa, monkeypatch):
     is scaled so that the key's score is 1, so a code read as any other value moves the output well beyond bf16's
     rounding."""
     monkeypatch.setenv("FDC_CPU_ISA", isa)
+    check_every_e4m3_code(torch.device("cpu"), isa)
+
+
+def check_every_e4m3_code(device: torch.device, where: str):
+    """test_decode_attention_reads_every_e4m3_code's check, the caches written and read on `device` (the reference
+    on the CPU)."""
     codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
     values = codes.view(torch.float8_e4m3fn).double()
     batch, width = len(codes), 8
@@ -178,20 +191,22 @@ def test_decode_attention_reads_every_e4m3_code(isa, monkeypatch):
     for page_size in (None, 16, 32, 3):
         paged = page_size is not None
         block_table = torch.arange(batch, dtype=torch.int32).view(batch, 1) if paged else None
-        k_cache, v_cache = _empty_cache(qk_offsets, v_offsets, torch.float8_e4m3fn, batch, 2, block_table,
-                                        batch if paged else 0, page_size or 0)
-        ops.append_kv(k_cache, v_cache, rows, rows, cu, torch.zeros_like(seqlens), qk_offsets, v_offsets, block_table)
-        k_float = reference.dequantize_cache_ref(k_cache, qk_offsets, paged=paged)
-        v_float = reference.dequantize_cache_ref(v_cache, v_offsets, paged=paged)
+        table_there = None if block_table is None else block_table.to(device)
+        k_cache, v_cache = (c.to(device) for c in _empty_cache(qk_offsets, v_offsets, torch.float8_e4m3fn, batch, 2,
+                                                               block_table, batch if paged else 0, page_size or 0))
+        ops.append_kv(k_cache, v_cache, rows.to(device), rows.to(device), cu.to(device),
+                      torch.zeros_like(seqlens).to(device), qk_offsets, v_offsets, table_there)
+        k_float = reference.dequantize_cache_ref(k_cache.cpu(), qk_offsets, paged=paged)
+        v_float = reference.dequantize_cache_ref(v_cache.cpu(), v_offsets, paged=paged)
         stored = torch.stack([_rows_of(k_float, b, 1, 2, block_table, paged)[0, 0] for b in range(batch)])
         assert torch.equal(stored, values.to(stored.dtype)), f"append_kv did not store each code, pages {page_size}"
-        out = ops.decode_attention(q, k_cache, v_cache, seqlens, qk_offsets, v_offsets, 1, 1.0,
-                                   block_table=block_table)
+        out = ops.decode_attention(q.to(device), k_cache, v_cache, seqlens.to(device), qk_offsets, v_offsets, 1, 1.0,
+                                   block_table=table_there).cpu()
         expected = reference.decode_attention_ref(q, k_float, v_float, seqlens, qk_offsets, v_offsets, 1, 1.0,
                                                   block_table=block_table)
-        where = f"e4m3 codes read wrongly ({isa}, pages {page_size})"
+        message = f"e4m3 codes read wrongly ({where}, pages {page_size})"
         torch.testing.assert_close(out.double(), expected.double(), rtol=2 ** -7, atol=0.0,
-                                   msg=lambda m, where=where: f"{where}: {m}")
+                                   msg=lambda m, message=message: f"{message}: {m}")
 
 
 def check_quantized_decode(name: str, case: int, paged: bool, isa: str, monkeypatch, fmt=None, dtypes=DTYPES):
@@ -301,17 +316,23 @@ def test_quantized_decode_stays_near_the_float_cache(fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("paged", [False, True])
 def test_quantized_ops_pass_opcheck(fmt, paged):
+    check_quantized_opcheck(fmt, paged, torch.device("cpu"))
+
+
+def check_quantized_opcheck(fmt: torch.dtype, paged: bool, device: torch.device):
+    """opcheck of decode_attention and append_kv over a quantized cache on `device` (bf16 activations)."""
     qk_offsets, v_offsets, group = offsets([8, 16]), offsets([16, 8]), 2
     gen = torch.Generator().manual_seed(0)
-    seqlens, one_row_each = torch.tensor([3, 2], dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32)
-    block_table = torch.tensor([[1, 0], [2, -1]], dtype=torch.int32) if paged else None
+    seqlens = torch.tensor([3, 2], dtype=torch.int32, device=device)
+    one_row_each = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
+    block_table = torch.tensor([[1, 0], [2, -1]], dtype=torch.int32, device=device) if paged else None
     rng = random.Random(0)
-    k_cache, v_cache = _empty_cache(qk_offsets, v_offsets, fmt, 2, 6, block_table, 3, 4)
-    ops.append_kv(k_cache, v_cache, randn((5, 24), torch.float32, gen), randn((5, 24), torch.float32, gen),
-                  torch.tensor([0, 3, 5], dtype=torch.int32), torch.zeros(2, dtype=torch.int32), qk_offsets,
-                  v_offsets, block_table)
-    q = strided_rows(randn((2, group * 24), torch.bfloat16, gen), rng)
-    rows = randn((2, 24), torch.bfloat16, gen)
+    k_cache, v_cache = (c.to(device) for c in _empty_cache(qk_offsets, v_offsets, fmt, 2, 6, block_table, 3, 4))
+    ops.append_kv(k_cache, v_cache, randn((5, 24), torch.bfloat16, gen).to(device),
+                  randn((5, 24), torch.bfloat16, gen).to(device), offsets([3, 2]).to(device),
+                  torch.zeros(2, dtype=torch.int32, device=device), qk_offsets, v_offsets, block_table)
+    q = strided_rows(randn((2, group * 24), torch.bfloat16, gen).to(device), rng)
+    rows = randn((2, 24), torch.bfloat16, gen).to(device)
     decode = (q, k_cache, v_cache, seqlens, qk_offsets, v_offsets, group, 0.25, None, block_table)
     append = (k_cache, v_cache, rows, rows, one_row_each, seqlens, qk_offsets, v_offsets, block_table)
     # opcheck's schema test compares tensors by arithmetic that torch has no CPU kernel for on float8 ("mul" on
@@ -319,12 +340,13 @@ def test_quantized_ops_pass_opcheck(fmt, paged):
     utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     if fmt == torch.float8_e4m3fn:
         utils = utils[1:]
-        before = [_bytes(t).clone() for t in (k_cache, v_cache, q, rows)]
+        before = [_bytes(t).cpu().clone() for t in (k_cache, v_cache, q, rows)]
         torch.ops.fdc.decode_attention(*decode)
-        assert all(torch.equal(_bytes(t), b) for t, b in zip((k_cache, v_cache, q, rows), before))
+        assert all(torch.equal(_bytes(t).cpu(), b) for t, b in zip((k_cache, v_cache, q, rows), before))
         torch.ops.fdc.append_kv(*append)
-        assert not torch.equal(_bytes(k_cache), before[0]) and not torch.equal(_bytes(v_cache), before[1])
-        assert torch.equal(_bytes(rows), before[3])
+        assert not torch.equal(_bytes(k_cache).cpu(), before[0])
+        assert not torch.equal(_bytes(v_cache).cpu(), before[1])
+        assert torch.equal(_bytes(rows).cpu(), before[3])
     torch.library.opcheck(torch.ops.fdc.decode_attention.default, decode, test_utils=utils)
     torch.library.opcheck(torch.ops.fdc.append_kv.default, append, test_utils=utils)
 
