@@ -8,7 +8,8 @@
 // fp32, and the probability-weighted value rows accumulated in registers.
 //
 // Variants (fdc/attention_variant.h): a sliding window is the plan's (its tasks cover the visible keys only, so no
-// key before the window is read beyond the up to 7 lead keys of the first tile on a paged cache, which are masked);
+// key before the window is read beyond the lead keys of the first tile on a paged cache, fewer than a 16-byte packet's
+// elements, which are masked);
 // soft-capping applies to each score as it is written, before the mask; a sink scales each query head's normalised
 // output by sink_factor of its log-sum-exp, in the attention kernel for an unsplit request and in the combine kernel,
 // after the merge, for a split one.
