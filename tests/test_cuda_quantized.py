@@ -3,8 +3,8 @@ include/fdc/kv_format.h): append_kv quantizes on the device into exactly the byt
 tests/test_quantized_cache.py holds to the float64 reference), decode_attention reads the codes in place, contiguous and
 paged, with NaN-poisoned unused slots and pages, windows, soft-capping, sinks and explicit plans, giving the reference's
 attention over the dequantized cache; every e4m3 code is read as its value; a quantized decode step replays from a CUDA
-graph; opcheck on CUDA inputs; and what has no CUDA kernel (int4 caches, float32 activations over codes) is refused by
-name. The CPU-only float64 checks of the formats are in tests/test_quantized_cache.py, whose helpers this reuses."""
+graph; opcheck on CUDA inputs; and what has no CUDA kernel (int4 caches, float32 activations over codes) or breaks
+its alignment is refused by name. The CPU-only float64 checks of the formats are in tests/test_quantized_cache.py, whose helpers this reuses."""
 
 from __future__ import annotations
 
@@ -217,3 +217,22 @@ def test_what_has_no_cuda_kernel_is_refused():
                                                "quantized cache"):
             ops.append_kv(cache, cache, rows, rows, cu, seqlens, qk_offsets, v_offsets)
         assert torch.equal(_cuda_bytes(cache), before), "a refused append_kv wrote to the cache"
+
+
+def test_misaligned_quantized_caches_are_refused():
+    """A quantized cache whose start is 4-byte aligned (as its float32 scales need everywhere) but not 16-byte aligned
+    (as the CUDA kernels' packets need): errors naming the op and the cache, and nothing written."""
+    qk_offsets = v_offsets = offsets([8, 16])
+    width = ops.cache_width(qk_offsets, torch.int8)
+    seqlens = torch.tensor([2], dtype=torch.int32, device=DEVICE)
+    cu = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    rows, q = (torch.randn(1, 24, dtype=torch.bfloat16, device=DEVICE) for _ in range(2))
+    storage = torch.zeros(4 * width + 16, dtype=torch.int8, device=DEVICE)
+    cache = storage[4:4 + 4 * width].view(1, 4, width)  # 4 bytes past an aligned start
+    with pytest.raises(RuntimeError, match="fdc::append_kv: k_cache \\(a quantized cache\\) must start at a "
+                                           "16-byte aligned address"):
+        ops.append_kv(cache, cache, rows, rows, cu, seqlens, qk_offsets, v_offsets)
+    assert not storage.any(), "a refused append_kv wrote to the cache"
+    with pytest.raises(RuntimeError, match="fdc::decode_attention: k_cache \\(a quantized cache\\) must start at a "
+                                           "16-byte aligned address"):
+        ops.decode_attention(q, cache, cache, seqlens, qk_offsets, v_offsets, 1, 0.3)
