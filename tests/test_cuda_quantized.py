@@ -4,7 +4,8 @@ tests/test_quantized_cache.py holds to the float64 reference), decode_attention 
 paged, with NaN-poisoned unused slots and pages, windows, soft-capping, sinks and explicit plans, giving the reference's
 attention over the dequantized cache; every e4m3 code is read as its value; a quantized decode step replays from a CUDA
 graph; opcheck on CUDA inputs; and what has no CUDA kernel (int4 caches, float32 activations over codes) or breaks
-its alignment is refused by name. The CPU-only float64 checks of the formats are in tests/test_quantized_cache.py, whose helpers this reuses."""
+its alignment is refused by name. The CPU-only float64 checks of the formats are in tests/test_quantized_cache.py,
+whose helpers this reuses."""
 
 from __future__ import annotations
 
