@@ -234,7 +234,7 @@ QUANTIZED_SPEEDUP = {torch.int8: 1.6, torch.float8_e4m3fn: 1.6, torch.uint8: 2.5
 def quantized_formats(device: torch.device) -> tuple[torch.dtype, ...]:
     """The quantized caches the decode reads on this device: all three on the CPU, int8 and e4m3 on CUDA (int4 has no
     CUDA kernel)."""
-    return tuple(QUANTIZED_SPEEDUP) if device.type == "cpu" else (torch.int8, torch.float8_e4m3fn)
+    return tuple(QUANTIZED_SPEEDUP) if device.type == "cpu" else ops.CUDA_QUANTIZED_CACHE_DTYPES
 
 
 def bench_quantized_decode(batch: int, context: int, qk_dims: list[int], v_dims: list[int], device: torch.device,

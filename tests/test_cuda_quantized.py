@@ -41,7 +41,7 @@ skip_without_cuda_kernels("append_kv", "decode_plan", "decode_attention")
 DEVICE = torch.device("cuda")
 NUM_SMS = torch.cuda.get_device_properties(DEVICE).multi_processor_count
 CASES = int(os.environ.get("FDC_CUDA_CASES", 40))  # per test and run; fewer under compute-sanitizer
-FORMATS = (torch.int8, torch.float8_e4m3fn)  # what the CUDA kernels read (int4 is refused)
+FORMATS = ops.CUDA_QUANTIZED_CACHE_DTYPES  # what the CUDA kernels read (int4 is refused)
 DTYPES = (torch.float16, torch.bfloat16)  # the activations they take with a quantized cache
 
 

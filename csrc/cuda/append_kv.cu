@@ -177,14 +177,15 @@ __global__ void __launch_bounds__(kAppendWarps * 32)
   const Destination dest = locate(q, row);
   if (!dest.valid) return;
   const T* src = t.src + row * t.src_stride;
+  // Column c's code at codes[c * stride], KV head j's scale at scales[j * stride] (4-byte aligned:
+  // check_vector_aligned): a contiguous row holds both side by side, a page one byte row per column and then one run
+  // of page_size scales per KV head.
+  uint8_t* const first = t.cache + dest.index0 * t.cache_stride0;  // the request's rows, or the page
   const bool paged = q.block_table != nullptr;
-  uint8_t* base = t.cache + dest.index0 * t.cache_stride0 + (paged ? dest.position : dest.position * t.cache_stride1);
-  const int64_t code_stride = paged ? q.page_size : 1;  // bytes between a row's consecutive codes
-  // Head j's scale at scales[j * scale_stride]: 4-byte aligned (check_vector_aligned).
-  float* scales = reinterpret_cast<float*>(paged ? t.cache + dest.index0 * t.cache_stride0 + t.width * q.page_size
-                                                 : base + t.width) +
-                  (paged ? dest.position : 0);
-  const int64_t scale_stride = paged ? q.page_size : 1;
+  uint8_t* const codes = first + (paged ? dest.position : dest.position * t.cache_stride1);
+  float* const scales = paged ? reinterpret_cast<float*>(first + t.width * q.page_size) + dest.position
+                              : reinterpret_cast<float*>(codes + t.width);
+  const int64_t stride = paged ? q.page_size : 1;
   const float code_max = kv_code_max(format);
   for (int j = 0; j < num_kv_heads; ++j) {
     const int c0 = t.offsets[j], c1 = t.offsets[j + 1];
@@ -201,9 +202,9 @@ __global__ void __launch_bounds__(kAppendWarps * 32)
     const float scale = finite ? __fdiv_rn(largest, code_max) : NAN;
     const bool codes_of_zero = !finite || scale == 0.f;  // scale 0: all zeros, or magnitudes below code_max * 2^-149
     for (int c = c0 + lane; c < c1; c += 32) {
-      base[c * code_stride] = codes_of_zero ? uint8_t(0) : float_to_code(__fdiv_rn(to_float(src[c]), scale), format);
+      codes[c * stride] = codes_of_zero ? uint8_t(0) : float_to_code(__fdiv_rn(to_float(src[c]), scale), format);
     }
-    if (lane == 0) scales[j * scale_stride] = scale;
+    if (lane == 0) scales[j * stride] = scale;
   }
 }
 

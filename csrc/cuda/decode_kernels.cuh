@@ -59,7 +59,7 @@ constexpr int kMaxKvHeads = 256;
 
 // Everything a task needs besides its record; one copy per launch (kernel parameter space). T: q's and the output's
 // dtype; C: the caches' elements (T, or a quantized cache's one-byte codes).
-template <typename T, typename C = T>
+template <typename T, typename C>
 struct DecodeArgs {
   const T* q;                    // (B, G * W_qk), row stride q_stride
   const C* k_cache;              // contiguous (B, S_max, W_qk) or paged (num_pages, W_qk, page_size); quantized: the
@@ -266,7 +266,7 @@ __device__ void run_pass(const DecodeArgs<T, C>& a, int64_t b, int j, int64_t kv
 
   auto stage_k = [&](int s) { return stages + s * a.stage_elems; };
   auto stage_v = [&](int s) { return stages + s * a.stage_elems + (kPaged ? dq * staged_row<C>() : kTile * ldk); };
-  auto key_scales = [&](int64_t tile) { return s_scales + (tile % 2) * 2 * kTile; };
+  auto tile_scales = [&](int64_t tile) { return s_scales + (tile % 2) * 2 * kTile; };
   bool pages_ok = true;
   // Tile `tile` of the pass (its keys from t0) into stage s.
   auto issue = [&](int s, int64_t t0, int64_t tile) {
@@ -275,9 +275,9 @@ __device__ void run_pass(const DecodeArgs<T, C>& a, int64_t b, int j, int64_t kv
     pages_ok &= load_tile<T, C, kPaged>(a, a.v_cache, a.v_stride0, a.v_stride1, b, t0, n, v_col, dv, ldv, stage_v(s));
     if constexpr (kCodes<C>) {
       pages_ok &= load_scales<T, kPaged>(a, a.k_cache, a.k_stride0, a.k_stride1, a.qk_offsets[a.num_kv_heads], b, t0, n,
-                                         j, key_scales(tile));
+                                         j, tile_scales(tile));
       pages_ok &= load_scales<T, kPaged>(a, a.v_cache, a.v_stride0, a.v_stride1, a.v_offsets[a.num_kv_heads], b, t0, n,
-                                         j, key_scales(tile) + kTile);
+                                         j, tile_scales(tile) + kTile);
     }
     cp_async_commit();
   };
@@ -306,7 +306,7 @@ __device__ void run_pass(const DecodeArgs<T, C>& a, int64_t b, int j, int64_t kv
     __syncthreads();
     const C* k_tile = stage_k(s);
     const C* v_tile = stage_v(s);
-    const float* k_scales = key_scales(tile);  // quantized caches only
+    const float* k_scales = tile_scales(tile);  // quantized caches only
     const float* v_scales = k_scales + kTile;
     if constexpr (kPaged) {
       transpose_tile(stage_k(s), dq, n, ldk, compute);

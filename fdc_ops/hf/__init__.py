@@ -140,7 +140,7 @@ def _check_kv_dtype(model, kv_dtype) -> torch.dtype | None:
         raise ValueError(f"{where}: kv_dtype must be None (the activations' dtype) or a quantized cache: "
                          f"{error}") from None
     weight = next(model.parameters())
-    on_cuda_kernels = weight.device.type == "cuda" and kv_dtype in (torch.int8, torch.float8_e4m3fn) and \
+    on_cuda_kernels = weight.device.type == "cuda" and kv_dtype in ops.CUDA_QUANTIZED_CACHE_DTYPES and \
         weight.dtype in (torch.float16, torch.bfloat16)
     if weight.device.type != "cpu" and not on_cuda_kernels:
         raise NotImplementedError(f"{where}: kv_dtype={kv_dtype} with {weight.dtype} weights on {weight.device.type} "
