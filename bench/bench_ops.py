@@ -15,7 +15,8 @@ What is measured (docs/design.md section 6):
 - quantized decode (phase "quantized", bf16): int8, e4m3 and int4 caches (on a GPU int8 and e4m3, the caches its
   kernels take) against the bf16 decode of the same rows (bench_quantized_decode);
 - prefill over a cached prefix (phase "prefix"): new tokens after a prefix in a paged cache, the op reading the pages
-  against a gather into rows and the packed op (bench_prefix_prefill).
+  against a gather into rows and the packed op, and reading the same keys from quantized pages (int8, e4m3 and int4;
+  on a GPU int8 and e4m3 with half-precision queries) against the float pages (bench_prefix_prefill).
 Baselines: "SDPA padded" pads every head to the widest width of the layer; "SDPA per bucket" makes one call per bucket
 of KV heads that share a width max(d_qk, d_v), each padded only to its bucket's width (SDPA's fused CPU kernel takes
 one head size for Q, K and V, so a bucket of unequal d_qk and d_v would otherwise fall back to its unfused math path).
@@ -232,8 +233,8 @@ QUANTIZED_SPEEDUP = {torch.int8: 1.6, torch.float8_e4m3fn: 1.6, torch.uint8: 2.5
 
 
 def quantized_formats(device: torch.device) -> tuple[torch.dtype, ...]:
-    """The quantized caches the decode reads on this device: all three on the CPU, int8 and e4m3 on CUDA (int4 has no
-    CUDA kernel)."""
+    """The quantized caches decode and prefill read on this device: all three on the CPU, int8 and e4m3 on CUDA (int4
+    has no CUDA kernel)."""
     return tuple(QUANTIZED_SPEEDUP) if device.type == "cpu" else ops.CUDA_QUANTIZED_CACHE_DTYPES
 
 
@@ -361,9 +362,9 @@ def bench_prefix_prefill(batch: int, prefix: int, chunk: int, page_size: int, qk
                                      block_table=table)
 
     calls = [gathered, paged]
-    # On the CPU, the same keys in int8, e4m3 and int4 pages (written by append_kv from the float pages' rows, same
-    # table).
-    formats = tuple(QUANTIZED_SPEEDUP) if device.type == "cpu" else ()
+    # The same keys in quantized pages (written by append_kv from the float pages' rows, same table): int8, e4m3 and
+    # int4 on the CPU, int8 and e4m3 with half-precision queries on CUDA.
+    formats = quantized_formats(device) if device.type == "cpu" or dtype != torch.float32 else ()
     for fmt in formats:
         k_q, v_q = (torch.empty(table.numel(), ops.cache_width(offsets, fmt), page_size, dtype=fmt, device=device)
                     for offsets in (qk_offsets, v_offsets))
@@ -402,10 +403,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = bench_parser(__doc__, repeats_help="timed calls per measurement (median)", topic="ops")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32", "all"], default="all")
     parser.add_argument("--phase", choices=["decode", "window", "quantized", "prefill", "prefix", "all"],
-                        default="all",
-                        help="time only decode, windowed decode, decode from int8 / e4m3 / int4 caches against bf16 "
-                             "(CPU), prefill or prefill over a paged cached prefix (a full CPU run takes minutes)")
+                        nargs="+", default=["all"],
+                        help="time only decode, windowed decode, decode from int8 / e4m3 / int4 caches against bf16, "
+                             "prefill or prefill over a paged cached prefix; several may be named (a full CPU run "
+                             "takes minutes)")
     args = parser.parse_args(argv)
+    everything = {"decode", "window", "quantized", "prefill", "prefix"}
+    phases = everything if "all" in args.phase else set(args.phase)
     device, repeats = setup(args)
     timer = Timer(device, repeats, warmup=WARMUP)
     dtypes = [torch.bfloat16, torch.float32] if args.dtype == "all" else [getattr(torch, args.dtype)]
@@ -425,17 +429,17 @@ def main(argv: list[str] | None = None) -> int:
     copy_gbps = copy_bandwidth(device, copy_mb, timer)
     rows: list[OpRow] = []
     for dtype in dtypes:
-        for batch, context in decode_shapes if args.phase in ("decode", "all") else []:
+        for batch, context in decode_shapes if "decode" in phases else []:
             rows += bench_decode(batch, context, qk_dims, v_dims, dtype, device, copy_mb, timer)
-        for batch, context in decode_shapes if args.phase in ("window", "all") else []:
+        for batch, context in decode_shapes if "window" in phases else []:
             rows += bench_windowed_decode(batch, context, WINDOW_LEFT, qk_dims, v_dims, dtype, device, timer)
-        quantized = args.phase in ("quantized", "all") and dtype == torch.bfloat16
+        quantized = "quantized" in phases and dtype == torch.bfloat16
         for batch, context in decode_shapes if quantized else []:
             rows += bench_quantized_decode(batch, context, qk_dims, v_dims, device, copy_mb, timer)
-        for lengths in prefill_shapes if args.phase in ("prefill", "all") else []:
+        for lengths in prefill_shapes if "prefill" in phases else []:
             for causal in (True, False):
                 rows += bench_prefill(lengths, causal, qk_dims, v_dims, dtype, device, timer)
-        for batch, prefix, chunk, page_size in prefix_shapes if args.phase in ("prefix", "all") else []:
+        for batch, prefix, chunk, page_size in prefix_shapes if "prefix" in phases else []:
             rows += bench_prefix_prefill(batch, prefix, chunk, page_size, qk_dims, v_dims, dtype, device, timer)
 
     name = device_name(device)
@@ -446,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     print_op_rows(rows, 40, 15, 34)
 
     report = {**provenance("ops", name, device, args.quick), "repeats": repeats,
-              "dtypes": [dtype_name(d) for d in dtypes], "phase": args.phase, "copy_bandwidth_gbps": copy_gbps,
+              "dtypes": [dtype_name(d) for d in dtypes], "phase": sorted(phases), "copy_bandwidth_gbps": copy_gbps,
               "layout": layout_record(qk_dims, v_dims), "rows": [asdict(r) for r in rows]}
     write_report(report, args.out, name, "ops", args.quick)
     return 0

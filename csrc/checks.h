@@ -339,15 +339,16 @@ inline CacheShape check_cache(const char* op, const at::Tensor& k_cache, const a
   return shape;
 }
 
-// The caches the CUDA kernels take (decode_attention, append_kv): float caches, and int8 and float8_e4m3fn caches with
-// float16 or bfloat16 `activations` (q, or the rows appended); int4 caches have no CUDA kernel yet.
-inline void check_cuda_cache_format(const char* op, const CacheShape& cache, const at::Tensor& k_cache,
+// The caches the CUDA kernels take (decode_attention, append_kv, prefill_attention's pages): float caches, and int8
+// and float8_e4m3fn caches with float16 or bfloat16 `activations` (q, or the rows appended); int4 caches have no CUDA
+// kernel yet. `cache` (named `cache_name`) is the key cache, of format `format`.
+inline void check_cuda_cache_format(const char* op, KvFormat format, const char* cache_name, const at::Tensor& cache,
                                     const char* activations_name, const at::Tensor& activations) {
-  if (cache.format == KvFormat::kFloat) return;
-  FDC_CHECK(cache.format != KvFormat::kInt4, op, "k_cache is an int4 cache (", quantized_name(k_cache.scalar_type()),
+  if (format == KvFormat::kFloat) return;
+  FDC_CHECK(format != KvFormat::kInt4, op, cache_name, " is an int4 cache (", quantized_name(cache.scalar_type()),
             "), which the CUDA ", op, " does not take yet: use an int8 or float8_e4m3fn cache on CUDA");
   FDC_CHECK(activations.scalar_type() != at::kFloat, op, activations_name, " is float32, but the CUDA ", op,
-            " takes a quantized cache (", quantized_name(k_cache.scalar_type()), ") with float16 or bfloat16 ",
+            " takes a quantized cache (", quantized_name(cache.scalar_type()), ") with float16 or bfloat16 ",
             activations_name, " only");
 }
 

@@ -31,9 +31,8 @@ scales as ``H_kv`` runs of ``page_size`` float32 (``4 * H_kv`` byte rows), so on
 :func:`kv_cache_dtype` maps the names ``"int8"``, ``"float8_e4m3fn"`` and ``"int4"`` to these dtypes.
 :func:`cache_width` gives a cache's last (contiguous) or middle (paged) size.
 :func:`append_kv` quantizes as it writes, :func:`decode_attention` reads the codes in place and
-:func:`prefill_attention` reads quantized pages, on the CPU; on CUDA, :func:`append_kv` and
-:func:`decode_attention` take int8 and float8_e4m3fn caches with float16 or bfloat16 activations (int4 caches and
-CUDA's prefill_attention over quantized pages raise).
+:func:`prefill_attention` reads quantized pages, on the CPU; on CUDA, all three take int8 and float8_e4m3fn caches
+with float16 or bfloat16 activations (int4 caches, and float32 activations over codes, raise).
 
 Schedules are int32 tensors whose format is documented in include/fdc/prefill_plan.h and decode_plan.h;
 :mod:`fdc_ops.plans` decodes and builds them (``DecodePlan`` / ``PrefillPlan``).
@@ -319,8 +318,8 @@ def prefill_attention(
         q: ``(T_q, G * qk_offsets[-1])`` compressed queries.
         k: ``(T_k, qk_offsets[-1])`` compressed keys, or with ``block_table`` a paged key cache
             ``(num_pages, cache_width(qk_offsets, dtype), page_size)`` (the layout of :func:`decode_attention` and
-            :func:`append_kv`), of ``q``'s dtype or quantized (int8, float8_e4m3fn or int4's uint8, CPU only:
-            dequantized as its key blocks are packed).
+            :func:`append_kv`), of ``q``'s dtype or quantized (int8, float8_e4m3fn or int4's uint8; on CUDA int8
+            and float8_e4m3fn with float16 or bfloat16 ``q``), dequantized as its key tiles are loaded.
         v: ``(T_k, v_offsets[-1])`` compressed values, or with ``block_table`` a paged value cache
             ``(num_pages, cache_width(v_offsets, dtype), page_size)``, the dtype of ``k``.
         cu_seqlens_q, cu_seqlens_k: ``(B + 1,)`` int32 sequence boundaries in ``q`` and in ``k``/``v``; with

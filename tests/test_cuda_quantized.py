@@ -1,11 +1,11 @@
 """Quantized KV caches on a GPU (int8 and float8_e4m3fn codes with a float32 scale per token and KV head;
 include/fdc/kv_format.h): append_kv quantizes on the device into exactly the bytes the CPU op writes (which
-tests/test_quantized_cache.py holds to the float64 reference), decode_attention reads the codes in place, contiguous and
-paged, with NaN-poisoned unused slots and pages, windows, soft-capping, sinks and explicit plans, giving the reference's
-attention over the dequantized cache; every e4m3 code is read as its value; a quantized decode step replays from a CUDA
-graph; opcheck on CUDA inputs; and what has no CUDA kernel (int4 caches, float32 activations over codes) or breaks
-its alignment is refused by name. The CPU-only float64 checks of the formats are in tests/test_quantized_cache.py,
-whose helpers this reuses."""
+tests/test_quantized_cache.py holds to the float64 reference), decode_attention reads the codes in place, contiguous
+and paged, with NaN-poisoned unused slots and pages, windows, soft-capping, sinks and explicit plans, and
+prefill_attention the pages behind a cached prefix, each giving the reference's attention over the dequantized cache;
+every e4m3 code is read as its value; a quantized decode step replays from a CUDA graph; opcheck on CUDA inputs; and
+what has no CUDA kernel (int4 caches, float32 activations over codes) or breaks its alignment is refused by name. The
+CPU-only float64 checks of the formats are in tests/test_quantized_cache.py, whose helpers this reuses."""
 
 from __future__ import annotations
 
@@ -34,9 +34,10 @@ from test_quantized_cache import (
     appended_rows,
     check_every_e4m3_code,
     check_quantized_opcheck,
+    check_quantized_prefill,
 )
 
-skip_without_cuda_kernels("append_kv", "decode_plan", "decode_attention")
+skip_without_cuda_kernels("append_kv", "decode_plan", "decode_attention", "prefill_attention")
 
 DEVICE = torch.device("cuda")
 NUM_SMS = torch.cuda.get_device_properties(DEVICE).multi_processor_count
@@ -133,6 +134,14 @@ def test_decode_attention_reads_quantized_caches(case, paged):
     assert_close_to_cpu(out, cpu, expected, torch_lowp, what)
 
 
+@pytest.mark.parametrize("case", range(CASES))
+def test_prefill_attention_reads_quantized_pages(case):
+    """New tokens after a cached prefix in int8 or e4m3 pages written by the GPU's append_kv (a chunked prefill's
+    later chunk, a prefix-cache hit), causal, with windows, soft-capping and sinks, unused slots poisoned: the float64
+    reference's attention over the dequantized pages, and the CPU op's over the same bytes."""
+    check_quantized_prefill("cuda quantized prefill_attention", case, DEVICE, FORMATS, DTYPES)
+
+
 def test_decode_attention_reads_every_e4m3_code():
     """Each of e4m3fn's 254 finite codes as one key's dim and one value's, stored by the GPU's append_kv and read by its
     decode, contiguous and paged (tests/test_quantized_cache.py's check on the GPU)."""
@@ -197,7 +206,8 @@ def test_quantized_ops_pass_opcheck_on_cuda(fmt, paged):
 
 
 def test_what_has_no_cuda_kernel_is_refused():
-    """int4 caches, and float32 queries or rows with int8 / e4m3 caches: errors naming the op and what to use."""
+    """int4 caches, and float32 queries or rows with int8 / e4m3 caches, in decode_attention, append_kv and
+    prefill_attention (pages): errors naming the op and what to use."""
     qk_offsets = v_offsets = offsets([8, 16])
     seqlens = torch.tensor([2], dtype=torch.int32, device=DEVICE)
     int4 = torch.zeros(1, 4, ops.cache_width(qk_offsets, torch.uint8), dtype=torch.uint8, device=DEVICE)
@@ -218,6 +228,15 @@ def test_what_has_no_cuda_kernel_is_refused():
                                                "quantized cache"):
             ops.append_kv(cache, cache, rows, rows, cu, seqlens, qk_offsets, v_offsets)
         assert torch.equal(_cuda_bytes(cache), before), "a refused append_kv wrote to the cache"
+    table = torch.tensor([[0]], dtype=torch.int32, device=DEVICE)
+    cu_q, cu_k = cu, torch.tensor([0, 2], dtype=torch.int32, device=DEVICE)
+    for fmt in (torch.uint8, *FORMATS):
+        pages = torch.zeros(1, ops.cache_width(qk_offsets, fmt), 4, dtype=torch.uint8, device=DEVICE).view(fmt)
+        q_dtype, refusal = ((torch.bfloat16, "k is an int4 cache") if fmt == torch.uint8 else
+                            (torch.float32, "q is float32, but the CUDA prefill_attention takes a quantized cache"))
+        with pytest.raises(RuntimeError, match=f"fdc::prefill_attention: {refusal}"):
+            ops.prefill_attention(torch.randn(1, 24, dtype=q_dtype, device=DEVICE), pages, pages, cu_q, cu_k,
+                                  qk_offsets, v_offsets, 1, 0.3, True, block_table=table)
 
 
 def test_misaligned_quantized_caches_are_refused():

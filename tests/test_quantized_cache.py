@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import (
+    assert_close_to_cpu,
     assert_close_to_reference,
     case_generator,
     offsets,
@@ -261,9 +262,15 @@ def test_prefill_attention_reads_quantized_pages(case, isa, monkeypatch):
     prefix and new rows, as a chunked prefill does), causal, sometimes windowed: the float64 reference's attention
     over the dequantized pages; unused slots poisoned."""
     monkeypatch.setenv("FDC_CPU_ISA", isa)
-    gen, rng, replay = case_generator("quantized prefill_attention", case)
+    check_quantized_prefill("quantized prefill_attention", case, torch.device("cpu"), FORMATS, DTYPES)
+
+
+def check_quantized_prefill(name: str, case: int, device: torch.device, formats, dtypes) -> None:
+    """One random prefill_attention case over quantized pages on ``device`` (caches written there by append_kv)
+    against the float64 reference, and, off the CPU, against the CPU op over the same bytes."""
+    gen, rng, replay = case_generator(name, case)
     layout = random_layout(rng, max_kv_heads=5, max_group=6)
-    fmt, dtype = rng.choice(FORMATS), rng.choice(DTYPES)
+    fmt, dtype = rng.choice(formats), rng.choice(dtypes)
     batch = rng.randint(1, 4)
     new = random_lengths(rng, batch, choices=(0, 1, 7, 33, 80))
     prefix = random_lengths(rng, batch, choices=(0, 5, 64, 300))
@@ -271,24 +278,34 @@ def test_prefill_attention_reads_quantized_pages(case, isa, monkeypatch):
     capacity = max(keys) + rng.randint(0, 9)
     page_size = rng.choice([1, 3, 16, 64, 256])
     block_table, num_pages = random_block_table(keys, capacity, page_size, rng)
-    k_pages, v_pages = _empty_cache(layout.qk_offsets, layout.v_offsets, fmt, batch, capacity, block_table, num_pages,
-                                    page_size)
-    cu_k = offsets(keys)
-    ops.append_kv(k_pages, v_pages, randn((int(cu_k[-1]), layout.qk_width), dtype, gen),
-                  randn((int(cu_k[-1]), layout.v_width), dtype, gen), cu_k, torch.zeros(batch, dtype=torch.int32),
-                  layout.qk_offsets, layout.v_offsets, block_table)
+    k_pages, v_pages = (c.to(device) for c in _empty_cache(layout.qk_offsets, layout.v_offsets, fmt, batch, capacity,
+                                                           block_table, num_pages, page_size))
+    cu_k, table = offsets(keys), block_table.to(device)
+    ops.append_kv(k_pages, v_pages, randn((int(cu_k[-1]), layout.qk_width), dtype, gen).to(device),
+                  randn((int(cu_k[-1]), layout.v_width), dtype, gen).to(device), cu_k.to(device),
+                  torch.zeros(batch, dtype=torch.int32, device=device), layout.qk_offsets, layout.v_offsets, table)
     cu_q = offsets(new)
     q = randn((int(cu_q[-1]), layout.group * layout.qk_width), dtype, gen)
     window_left = rng.choice([-1, -1, 20])
+    softcap = rng.choice([0.0, 0.0, 5.0])
+    sinks = torch.randn(layout.num_kv_heads * layout.group, generator=gen) if rng.random() < 0.25 else None
     args = (layout.qk_offsets, layout.v_offsets, layout.group, rng.uniform(0.05, 0.5), True)
-    out = ops.prefill_attention(q, k_pages, v_pages, cu_q, cu_k, *args, window_left=window_left,
-                                block_table=block_table)
-    k_float = reference.dequantize_cache_ref(k_pages, layout.qk_offsets, paged=True)
-    v_float = reference.dequantize_cache_ref(v_pages, layout.v_offsets, paged=True)
-    ref_args = (q, k_float, v_float, cu_q, cu_k, *args, window_left, 0.0, None)
+    out = ops.prefill_attention(q.to(device), k_pages, v_pages, cu_q.to(device), cu_k.to(device), *args,
+                                window_left=window_left, softcap=softcap,
+                                sinks=None if sinks is None else sinks.to(device), block_table=table).cpu()
+    k_host, v_host = k_pages.cpu(), v_pages.cpu()
+    k_float = reference.dequantize_cache_ref(k_host, layout.qk_offsets, paged=True)
+    v_float = reference.dequantize_cache_ref(v_host, layout.v_offsets, paged=True)
+    ref_args = (q, k_float, v_float, cu_q, cu_k, *args, window_left, softcap, sinks)
     expected = reference.prefill_attention_ref(*ref_args, block_table=block_table)
     torch_lowp = reference.prefill_attention_ref(*ref_args, block_table=block_table, compute_dtype=dtype)
-    assert_close_to_reference(out, expected, torch_lowp, f"prefill over {fmt} pages window={window_left} {replay}")
+    what = (f"{device.type} prefill over {fmt} pages of {page_size}, {dtype}, window={window_left}, softcap={softcap}, "
+            f"sinks={sinks is not None} {replay}")
+    assert_close_to_reference(out, expected, torch_lowp, what)
+    if device.type != "cpu":
+        cpu = ops.prefill_attention(q, k_host, v_host, cu_q, cu_k, *args, window_left=window_left, softcap=softcap,
+                                    sinks=sinks, block_table=block_table)
+        assert_close_to_cpu(out, cpu, expected, torch_lowp, what)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -320,7 +337,8 @@ def test_quantized_ops_pass_opcheck(fmt, paged):
 
 
 def check_quantized_opcheck(fmt: torch.dtype, paged: bool, device: torch.device):
-    """opcheck of decode_attention and append_kv over a quantized cache on `device` (bf16 activations)."""
+    """opcheck of decode_attention and append_kv over a quantized cache on `device` (bf16 activations), and of
+    prefill_attention over its pages."""
     qk_offsets, v_offsets, group = offsets([8, 16]), offsets([16, 8]), 2
     gen = torch.Generator().manual_seed(0)
     seqlens = torch.tensor([3, 2], dtype=torch.int32, device=device)
@@ -335,6 +353,9 @@ def check_quantized_opcheck(fmt: torch.dtype, paged: bool, device: torch.device)
     rows = randn((2, 24), torch.bfloat16, gen).to(device)
     decode = (q, k_cache, v_cache, seqlens, qk_offsets, v_offsets, group, 0.25, None, block_table)
     append = (k_cache, v_cache, rows, rows, one_row_each, seqlens, qk_offsets, v_offsets, block_table)
+    # the last cached key of each request as its one new token
+    prefill = (q, k_cache, v_cache, one_row_each, offsets([3, 2]).to(device), qk_offsets, v_offsets, group, 0.25,
+               True, None, -1, 0.0, None, block_table)
     # opcheck's schema test compares tensors by arithmetic that torch has no CPU kernel for on float8 ("mul" on
     # Float8_e4m3fn): for e4m3 it is replaced by the same question asked of the bytes, what each op mutates.
     utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
@@ -342,12 +363,16 @@ def check_quantized_opcheck(fmt: torch.dtype, paged: bool, device: torch.device)
         utils = utils[1:]
         before = [_bytes(t).cpu().clone() for t in (k_cache, v_cache, q, rows)]
         torch.ops.fdc.decode_attention(*decode)
+        if paged:
+            torch.ops.fdc.prefill_attention(*prefill)
         assert all(torch.equal(_bytes(t).cpu(), b) for t, b in zip((k_cache, v_cache, q, rows), before))
         torch.ops.fdc.append_kv(*append)
         assert not torch.equal(_bytes(k_cache).cpu(), before[0])
         assert not torch.equal(_bytes(v_cache).cpu(), before[1])
         assert torch.equal(_bytes(rows).cpu(), before[3])
     torch.library.opcheck(torch.ops.fdc.decode_attention.default, decode, test_utils=utils)
+    if paged:
+        torch.library.opcheck(torch.ops.fdc.prefill_attention.default, prefill, test_utils=utils)
     torch.library.opcheck(torch.ops.fdc.append_kv.default, append, test_utils=utils)
 
 

@@ -57,11 +57,12 @@ struct CacheView {
   // The scale of (key t of request b, KV head j) of a quantized cache; the next key's is scale_stride() floats on,
   // within a block (a page, when paged).
   const float* scales(int64_t b, int64_t t, int64_t j) const {
+    static_assert(sizeof(T) == 1, "a quantized cache's elements are bytes");
     if (paged()) {
       const T* page = data + block_table[b * max_pages + t / page_size] * stride0;
-      return reinterpret_cast<const float*>(page + width * page_size) + j * page_size + t % page_size;
+      return reinterpret_cast<const float*>(page + kv_page_scale_offset(width, page_size, j, t % page_size));
     }
-    return reinterpret_cast<const float*>(data + b * stride0 + t * stride1 + width) + j;
+    return reinterpret_cast<const float*>(data + b * stride0 + t * stride1 + kv_row_scale_offset(width, j));
   }
   int64_t scale_stride() const { return paged() ? 1 : stride1 / kKvScaleBytes; }
 

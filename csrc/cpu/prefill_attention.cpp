@@ -273,10 +273,11 @@ PackedKV<T> pack_kv_paged(const at::Tensor& k, const at::Tensor& v, const checks
         const float* k_scale = nullptr;
         const float* v_scale = nullptr;
         if constexpr (kQuantized<S>) {
-          const int64_t first = j * page_size + slot;
           const int64_t k_rows = layout.qk_width() / kColumnsPer<S>, v_rows = layout.v_width() / kColumnsPer<S>;
-          k_scale = reinterpret_cast<const float*>(k_data + page * k.stride(0) + k_rows * page_size) + first;
-          v_scale = reinterpret_cast<const float*>(v_data + page * v.stride(0) + v_rows * page_size) + first;
+          k_scale = reinterpret_cast<const float*>(k_data + page * k.stride(0) +
+                                                   kv_page_scale_offset(k_rows, page_size, j, slot));
+          v_scale = reinterpret_cast<const float*>(v_data + page * v.stride(0) +
+                                                   kv_page_scale_offset(v_rows, page_size, j, slot));
         }
         // Column c of the run's token i, from the head's first element row src.
         const auto value = [page_size](const S* src, int64_t c, const float* scales, int64_t i) {

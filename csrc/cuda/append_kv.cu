@@ -272,7 +272,7 @@ void append_kv_cuda(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& 
   const char* op = "append_kv";
   const checks::AppendShape shape = checks::check_append_kv(op, k_cache, v_cache, k, v, cu_seqlens, cache_seqlens,
                                                             qk_offsets, v_offsets, block_table);
-  checks::check_cuda_cache_format(op, shape.cache, k_cache, "k", k);
+  checks::check_cuda_cache_format(op, shape.cache.format, "k_cache", k_cache, "k", k);
   checks::check_cuda_tensor(op, "k_cache", k_cache);
   const bool quantized = shape.cache.format != KvFormat::kFloat;
   if (quantized) {

@@ -121,7 +121,7 @@ at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
   const checks::AttentionVariant variant =
       checks::check_attention_variant(op, window_left, softcap, sinks, q, layout.num_heads());
   const checks::CacheShape& cache = inputs.cache;
-  checks::check_cuda_cache_format(op, cache, k_cache, "q", q);
+  checks::check_cuda_cache_format(op, cache.format, "k_cache", k_cache, "q", q);
   const int64_t batch = inputs.batch;
   checks::check_int32_vector(op, "cache_seqlens", cache_seqlens, batch);
   checks::check_same_device(op, "cache_seqlens", cache_seqlens, "q", q);

@@ -198,9 +198,9 @@ __device__ bool load_scales(const DecodeArgs<T, uint8_t>& a, const uint8_t* cach
         ok = false;
         continue;
       }
-      scale = cache + page * stride0 + data_width * a.page_size + kKvScaleBytes * (j * a.page_size + t % a.page_size);
+      scale = cache + page * stride0 + kv_page_scale_offset(data_width, a.page_size, j, t % a.page_size);
     } else {
-      scale = cache + b * stride0 + t * stride1 + data_width + kKvScaleBytes * j;
+      scale = cache + b * stride0 + t * stride1 + kv_row_scale_offset(data_width, j);
     }
     cp_async_4(scales + key, scale);
   }

@@ -28,6 +28,12 @@
 // query's window and past the last key are never read. The tensor-core kernel loads a paged tile with plain loads
 // (a page's column holds consecutive keys, so a warp reads one column's slots), not cp.async: no 16-byte alignment
 // is needed, and that tile's loads do not overlap the previous tile's compute.
+//
+// Quantized pages (int8 or float8 e4m3 codes with a float32 scale per token and KV head, fdc/kv_format.h), what a
+// chunked prefill's later chunks and a prefix-cache hit read in vLLM with kv_cache_dtype int8 or fp8: the same plain
+// loads take each key's codes and its scale, and store code x scale as fp16 / bf16 in the shared-memory tile (one key
+// tile of 32 or 64 keys at a time, never a full-precision copy of the cache), so the tensor-core loop is unchanged.
+// int4 pages and float32 queries over codes are refused (check_cuda_cache_format).
 #include <torch/library.h>
 
 #include <algorithm>
@@ -168,8 +174,7 @@ at::Tensor prefill_attention_cuda(const at::Tensor& q, const at::Tensor& k, cons
   // used as they are: no copy either way.
   const checks::PrefillInputs in = checks::check_prefill_inputs(op, q, k, v, cu_seqlens_q, cu_seqlens_k, qk_offsets,
                                                                 v_offsets, group, scale, block_table, window_left);
-  FDC_CHECK(in.format == KvFormat::kFloat, op, "k is a quantized cache (", checks::quantized_name(k.scalar_type()),
-            "), which the CUDA prefill_attention does not read yet: use float32, float16 or bfloat16 caches there");
+  checks::check_cuda_cache_format(op, in.format, "k", k, "q", q);
   const checks::HostLayout& layout = in.layout;
   const checks::AttentionVariant variant =
       checks::check_attention_variant(op, window_left, softcap, sinks, q, layout.num_heads());
@@ -220,8 +225,14 @@ at::Tensor prefill_attention_cuda(const at::Tensor& q, const at::Tensor& k, cons
   FDC_DISPATCH_FLOAT_TYPES(q.scalar_type(), "fdc::prefill_attention", [&] {
     PrefillArgs<scalar_t> args{};
     args.q = qc.data_ptr<scalar_t>();
-    args.k = kc.data_ptr<scalar_t>();
-    args.v = vc.data_ptr<scalar_t>();
+    args.format = in.format;
+    if (in.format == KvFormat::kFloat) {
+      args.k = kc.data_ptr<scalar_t>();
+      args.v = vc.data_ptr<scalar_t>();
+    } else {  // int8 or e4m3 pages (check_cuda_cache_format: fp16 or bf16 q, so the tensor-core kernel), as bytes
+      args.k_codes = static_cast<const uint8_t*>(kc.data_ptr());
+      args.v_codes = static_cast<const uint8_t*>(vc.data_ptr());
+    }
     args.cu_q = cu_q_dev.data_ptr<int32_t>();
     args.cu_k = cu_k_dev.data_ptr<int32_t>();
     args.plan = schedule.data_ptr<int32_t>();

@@ -4,7 +4,8 @@
 // by side, and the op's file only dispatches.
 //
 // Keys and values are packed rows or a paged cache (decode_attention's page layout); both kernels address them through
-// key_offset, so the paging is a branch on PrefillArgs::block_table that every thread takes the same way.
+// key_offset, so the paging is a branch on PrefillArgs::block_table that every thread takes the same way. The
+// tensor-core kernel also reads int8 and float8 e4m3 pages (PrefillArgs::format), a branch of the same kind.
 #pragma once
 
 #include <cmath>
@@ -12,6 +13,7 @@
 
 #include "cuda/cuda_common.cuh"
 #include "fdc/attention_variant.h"
+#include "fdc/kv_format.h"
 #include "fdc/prefill_plan.h"
 
 namespace fdc::cuda::prefill {
@@ -29,9 +31,15 @@ constexpr float kLn2 = 0.693147180559945309f;
 
 template <typename T>
 struct PrefillArgs {
-  const T* q;           // (T_q, G * W_qk), row stride q_stride
-  const T* k;           // packed (T_k, W_qk) with 16-byte aligned rows, or paged (num_pages, W_qk, page_size)
-  const T* v;           // packed (T_k, W_v) with 16-byte aligned rows, or paged (num_pages, W_v, page_size)
+  const T* q;  // (T_q, G * W_qk), row stride q_stride
+  const T* k;  // packed (T_k, W_qk) with 16-byte aligned rows, or paged (num_pages, W_qk, page_size)
+  const T* v;  // packed (T_k, W_v) with 16-byte aligned rows, or paged (num_pages, W_v, page_size)
+  // A quantized paged cache instead (fdc/kv_format.h; the tensor-core kernel only): k and v are null and its pages
+  // are read as bytes, k_codes (num_pages, W_qk + 4 H_kv, page_size) and v_codes (num_pages, W_v + 4 H_kv,
+  // page_size), the page strides k_stride and v_stride in bytes.
+  const uint8_t* k_codes;
+  const uint8_t* v_codes;
+  KvFormat format;      // kFloat (k and v hold T), kInt8 or kFp8E4M3 (k_codes and v_codes)
   const int32_t* cu_q;  // (B + 1) query boundaries, on the device
   const int32_t* cu_k;  // (B + 1) key boundaries, on the device
   const int32_t* plan;  // the prefill plan, validated on the host
@@ -101,6 +109,30 @@ __device__ __forceinline__ int64_t key_offset(const PrefillArgs<T>& a, const Rec
   if (a.block_table == nullptr) return (r.k_row0 + t) * stride;
   const int64_t page = a.block_table[int64_t(r.b) * a.max_pages + t / a.page_size];
   return page * stride + t % a.page_size;
+}
+
+// Key t of request b from one quantized paged cache (k_codes or v_codes, page stride `stride` bytes, `data_bytes`
+// byte rows of codes per page) into a shared-memory row of T: columns column0, column0 + step, ... below `dim` of KV
+// head j (its first column `col`), each code times the (token, KV head) scale (fdc/kv_format.h), rounded to T as a
+// float page's element is. A warp's lanes take consecutive keys, so each byte row is read in runs of consecutive slots,
+// as a float page's columns are. K and V are staged one after the other, so that little is live beside the tile loop's
+// accumulators.
+template <typename T>
+__device__ __forceinline__ void stage_quantized_key(const PrefillArgs<T>& a, const uint8_t* codes, int64_t stride,
+                                                    int64_t data_bytes, int32_t b, int32_t t, int32_t j, int64_t col,
+                                                    int dim, int column0, int step, T* dst) {
+  // t and its slot are int32: a page wider than INT32_MAX holds every key in its first INT32_MAX slots.
+  const int32_t page_size = static_cast<int32_t>(min64(a.page_size, INT32_MAX));
+  const int32_t page = a.block_table[int64_t(b) * a.max_pages + t / page_size];
+  const int32_t slot = t % page_size;
+  const uint8_t* page_start = codes + page * stride;
+  const float scale =
+      *reinterpret_cast<const float*>(page_start + kv_page_scale_offset(data_bytes, a.page_size, j, slot));
+  const uint8_t* src = page_start + col * a.page_size + slot + column0 * a.page_size;
+  const int64_t src_step = step * a.page_size;
+  for (int c = column0; c < dim; c += step, src += src_step) {
+    dst[c] = static_cast<T>(code_to_float(*src, a.format) * scale);
+  }
 }
 
 // Keys [0, keys_end) are the ones some row of [row0, row1) sees (causal: bottom-right aligned, as in the planner).
@@ -286,14 +318,19 @@ __global__ void __launch_bounds__(kThreads) prefill_mma_kernel(const __grid_cons
           // the loop's __syncthreads; they are not pipelined like cp.async: each thread waits for its loads here, so
           // the next tile's loads do not overlap this tile's compute. Keys past n (the last key or the tile's end) are
           // zero: no block-table entry or page past the last key is read, and their V rows, multiplied by probability
-          // 0, hold no stale value (0 * NaN = NaN).
+          // 0, hold no stale value (0 * NaN = NaN). Quantized pages are dequantized into the same tiles.
           static_assert(kThreads % B::kKeys == 0, "every key of a tile has the same number of threads");
           constexpr int kColumnStep = kThreads / B::kKeys;
           const int key = threadIdx.x % B::kKeys;
           const int column0 = threadIdx.x / B::kKeys;
           T* k_dst = ks_ptr + key * B::kLdk;
           T* v_dst = vs_ptr + key * B::kLdv;
-          if (key < n) {
+          if (key < n && a.format != KvFormat::kFloat) {
+            stage_quantized_key(a, a.k_codes, a.k_stride, a.qk_offsets[a.num_kv_heads], r.b, k0 + key, r.j, r.k_col,
+                                r.dq, column0, kColumnStep, k_dst);
+            stage_quantized_key(a, a.v_codes, a.v_stride, a.v_offsets[a.num_kv_heads], r.b, k0 + key, r.j, r.v_col,
+                                r.dv, column0, kColumnStep, v_dst);
+          } else if (key < n) {
             const T* k_src = a.k + key_offset(a, r, k0 + key, a.k_stride) + r.k_col * a.col_stride;
             const T* v_src = a.v + key_offset(a, r, k0 + key, a.v_stride) + r.v_col * a.col_stride;
             for (int c = column0; c < r.dq; c += kColumnStep) k_dst[c] = k_src[c * a.col_stride];

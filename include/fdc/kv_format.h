@@ -39,4 +39,15 @@ FDC_HOST_DEVICE inline int64_t kv_stored_width(int64_t width, int64_t num_kv_hea
   return format == KvFormat::kFloat ? width : width / kv_columns_per_element(format) + kKvScaleBytes * num_kv_heads;
 }
 
+// Where the float32 scale of (token, KV head j) lies, in bytes from the start of the token's row in a contiguous cache
+// or of its page in a paged one, `data_bytes` being the data columns' bytes of a row (width / 2 for int4) or byte rows
+// of a page: right after the row's data, or, in a page, after the data's byte rows, in head j's run of page_size
+// scales at the token's slot.
+FDC_HOST_DEVICE inline int64_t kv_row_scale_offset(int64_t data_bytes, int64_t j) {
+  return data_bytes + kKvScaleBytes * j;
+}
+FDC_HOST_DEVICE inline int64_t kv_page_scale_offset(int64_t data_bytes, int64_t page_size, int64_t j, int64_t slot) {
+  return data_bytes * page_size + kKvScaleBytes * (j * page_size + slot);
+}
+
 }  // namespace fdc
