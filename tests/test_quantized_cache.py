@@ -259,8 +259,8 @@ def check_quantized_decode(name: str, case: int, paged: bool, isa: str, monkeypa
 @pytest.mark.parametrize("case", range(CASES // 3))
 def test_prefill_attention_reads_quantized_pages(case, isa, monkeypatch):
     """New tokens after a cached prefix, every key and value in a quantized paged cache (append_kv wrote them all,
-    prefix and new rows, as a chunked prefill does), causal, sometimes windowed: the float64 reference's attention
-    over the dequantized pages; unused slots poisoned."""
+    prefix and new rows, as a chunked prefill does), causal, sometimes windowed, soft-capped or with sinks: the
+    float64 reference's attention over the dequantized pages; unused slots poisoned."""
     monkeypatch.setenv("FDC_CPU_ISA", isa)
     check_quantized_prefill("quantized prefill_attention", case, torch.device("cpu"), FORMATS, DTYPES)
 
