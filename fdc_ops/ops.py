@@ -71,7 +71,8 @@ __all__ = [
 # Cache dtypes stored as codes and per-(token, KV head) float32 scales (include/fdc/kv_format.h), with each one's
 # largest code magnitude; uint8 is the storage of int4 codes, two per byte.
 QUANTIZED_CACHE_DTYPES = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.uint8: 7.0}
-# The quantized caches the CUDA append_kv and decode_attention take (with float16 or bfloat16 activations).
+# The quantized caches the CUDA append_kv, decode_attention and prefill_attention (pages) take (with float16 or
+# bfloat16 activations).
 CUDA_QUANTIZED_CACHE_DTYPES = (torch.int8, torch.float8_e4m3fn)
 _SCALE_BYTES = 4
 _KV_CACHE_DTYPE_NAMES = {"int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn, "int4": torch.uint8}

@@ -116,10 +116,12 @@ void append_quantized(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor
       if (paged) {
         C* page = base + table[run.b * shape.cache.paged.max_pages + t / page_size] * cache.stride(0);
         quantize_row(src, offsets, heads, format, page + t % page_size, page_size,
-                     reinterpret_cast<float*>(page + width * page_size) + t % page_size, page_size);
+                     reinterpret_cast<float*>(page + kv_page_scale_offset(width, page_size, 0, t % page_size)),
+                     page_size);
       } else {
         C* row = base + run.b * cache.stride(0) + t * cache.stride(1);
-        quantize_row(src, offsets, heads, format, row, 1, reinterpret_cast<float*>(row + width), 1);
+        quantize_row(src, offsets, heads, format, row, 1, reinterpret_cast<float*>(row + kv_row_scale_offset(width, 0)),
+                     1);
       }
     }
   };

@@ -183,8 +183,9 @@ __global__ void __launch_bounds__(kAppendWarps * 32)
   uint8_t* const first = t.cache + dest.index0 * t.cache_stride0;  // the request's rows, or the page
   const bool paged = q.block_table != nullptr;
   uint8_t* const codes = first + (paged ? dest.position : dest.position * t.cache_stride1);
-  float* const scales = paged ? reinterpret_cast<float*>(first + t.width * q.page_size) + dest.position
-                              : reinterpret_cast<float*>(codes + t.width);
+  float* const scales =
+      reinterpret_cast<float*>(paged ? first + kv_page_scale_offset(t.width, q.page_size, 0, dest.position)
+                                     : codes + kv_row_scale_offset(t.width, 0));
   const int64_t stride = paged ? q.page_size : 1;
   const float code_max = kv_code_max(format);
   for (int j = 0; j < num_kv_heads; ++j) {
