@@ -12,6 +12,7 @@ import torch
 from conftest import case_generator
 from fdc_ops import hf, ops
 from fdc_ops.artifact import mix_kept_columns
+from fdc_ops.hf.compat import cache_keyword
 from fdc_ops.hf.modules import CompressedKVLayer
 from test_hf import calibrated, left_padded
 
@@ -29,15 +30,16 @@ def _steps(model, ids, mask, steps: int, chunk: int):
     tokens (decode), teacher-forced on fixed tokens drawn on the CPU (the same on every device); and the cache."""
     generator = torch.Generator().manual_seed(1)
     cache = transformers.DynamicCache()
+    passed = {cache_keyword(model): cache}  # cache= from transformers 5.24, past_key_values= before
     logits = []
     with torch.no_grad():  # positions count each request's real tokens, as generate() numbers them (Palu needs it)
-        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True,
+        out = model(input_ids=ids, attention_mask=mask, **passed, use_cache=True,
                     position_ids=(mask.cumsum(1) - 1).clamp_min(0))
         logits.append(out.logits[:, -1])
         for count in [chunk] + [1] * steps:
             new = torch.randint(1, model.config.vocab_size, (ids.shape[0], count), generator=generator).to(ids.device)
             mask = torch.cat([mask, torch.ones_like(new)], dim=1)
-            out = model(input_ids=new, attention_mask=mask, past_key_values=cache, use_cache=True,
+            out = model(input_ids=new, attention_mask=mask, **passed, use_cache=True,
                         position_ids=mask.cumsum(1)[:, -count:] - 1)
             logits.append(out.logits[:, -1])
     return logits, cache

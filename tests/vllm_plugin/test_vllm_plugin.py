@@ -157,22 +157,24 @@ def hf_greedy_with_margins(hf_model, artifact_dir: Path, prompt: str, first: int
     from transformers import DynamicCache
 
     from fdc_ops import calibration, hf
+    from fdc_ops.hf.compat import cache_keyword
 
     model, tokenizer = hf_model
     hf.compress(model, calibration.FDCArtifact.load(artifact_dir, model=model), **allocation)
     try:
         ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
         cache, tokens, margins = DynamicCache(), [], []
+        passed = {cache_keyword(model): cache}
         with torch.no_grad():
             for part in (ids,) if first is None else (ids[:, :first], ids[:, first:]):
-                logits = model(input_ids=part, past_key_values=cache, use_cache=True).logits
+                logits = model(input_ids=part, **passed, use_cache=True).logits
             while len(tokens) < new_tokens:
                 top = logits[0, -1].topk(2)
                 tokens.append(int(top.indices[0]))
                 margins.append(float(top.values[0] - top.values[1]))
                 if tokens[-1] == tokenizer.eos_token_id:
                     break
-                logits = model(input_ids=torch.tensor([tokens[-1:]]), past_key_values=cache, use_cache=True).logits
+                logits = model(input_ids=torch.tensor([tokens[-1:]]), **passed, use_cache=True).logits
         return tokens, margins
     finally:
         hf.restore(model)
