@@ -102,9 +102,12 @@ def extension():
     os.environ["CUDA_HOME"] = cuda_home
     import torch.utils.cpp_extension as cpp_ext
     cpp_ext.CUDA_HOME = cuda_home
-    # ATen's CUDA headers include cusparse.h, which pip's torch ships in the nvidia/cu13 wheel folder.
+    # ATen's CUDA headers include cusparse.h, which pip's torch ships in the nvidia/cu13 wheel folder (a CUDA toolkit
+    # may lack it). That folder is searched after the toolkit's own headers (-idirafter), never before: it holds the
+    # runtime headers of the CUDA release torch was built with, which a toolkit of another minor release refuses
+    # (torch 2.15's CUDA 13.2 headers under nvcc 13.0: "CUDA compiler and CUDA toolkit headers are incompatible").
     site = sysconfig.get_paths()["purelib"]
-    include_dirs += [p for p in glob.glob(os.path.join(site, "nvidia", "cu*", "include")) if os.path.isdir(p)]
+    wheel_headers = [p for p in glob.glob(os.path.join(site, "nvidia", "cu*", "include")) if os.path.isdir(p)]
     gencode = []
     for arch in archs.split(";"):
         gencode += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
@@ -113,6 +116,9 @@ def extension():
     newest = max(archs.split(";"), key=lambda arch: int("".join(c for c in arch if c.isdigit())))
     gencode += ["-gencode", f"arch=compute_{newest},code=compute_{newest}"]
     nvcc_flags = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"] + gencode
+    for path in wheel_headers:  # nvcc preprocesses with the host compiler, so it takes the flag through -Xcompiler
+        cxx_flags += ["-idirafter", path]
+        nvcc_flags += ["-Xcompiler", f"-idirafter,{path}"]
     return CUDAExtension("fdc_ops._C", cpu_sources + cuda_sources, include_dirs=include_dirs,
                          extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags}, extra_link_args=link_flags)
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs every test: sets up (or refreshes) the checkout, checks the house style (scripts/lint.sh), then the C++ tests
 # of the torch-free headers (CMake + ctest), the Python test suite (pytest), the model tests at the ends of the
-# supported release ranges (scripts/test_release_range.sh), and the vLLM plugin's tests in their own environment. CUDA tests skip, saying why, where no GPU is visible.
+# supported release ranges (scripts/test_release_range.sh), the operator tests on the newest torch of its range
+# (scripts/test_torch_release.sh), and the vLLM plugin's tests in their own environment. CUDA tests skip, saying why,
+# where no GPU is visible.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -17,6 +19,8 @@ ctest_bin=.venv/bin/ctest
 # The model tests again at the other ends of the supported release ranges (fdc_ops/supported.py): every model-side
 # dependency at its lower bound, and the newest transformers on the package index.
 scripts/test_release_range.sh "$@"
+# The extension built against the newest torch release of the supported range, and the operator tests run on it.
+scripts/test_torch_release.sh "$@"
 
 # The vLLM plugin's tests, in vLLM's own environment (scripts/setup_vllm.sh: vLLM's CPU build pins another torch);
 # above, in .venv, they skip. PYTHONSAFEPATH=1 keeps the checkout off sys.path in pytest and in every process vLLM
