@@ -19,7 +19,7 @@ import os
 # before it is admitted.
 TORCH = ">=2.13,<2.16"
 
-# 5.16.1: the oldest release CI runs the model tests on (scripts/test_transformers_range.sh), and vLLM 0.32's own
+# 5.16.1: the oldest release CI runs the model tests on (scripts/test_release_range.sh), and vLLM 0.32's own
 # lower bound; below 5.25: 5.24.0 is the newest tested. The compressed attention modules stand in for transformers'
 # own and take what its decoder layers pass (fdc_ops/hf/compat.py lists every internal read, docs/design.md section 5).
 TRANSFORMERS = ">=5.16.1,<5.25"
