@@ -73,9 +73,11 @@ def offsets(sizes: list[int]) -> torch.Tensor:
     return ops.prefix_sums(sizes)
 
 
-def random_layout(rng: random.Random, max_kv_heads: int = 8, max_group: int = 8, max_dim: int = 256) -> Layout:
-    """G in 1..max_group, H_kv in 1..max_kv_heads, widths multiples of 8 up to max_dim (skewed towards small)."""
-    num_kv_heads = rng.randint(1, max_kv_heads)
+def random_layout(rng: random.Random, max_kv_heads: int = 8, max_group: int = 8, max_dim: int = 256,
+                  min_kv_heads: int = 1) -> Layout:
+    """G in 1..max_group, H_kv in min_kv_heads..max_kv_heads, widths multiples of 8 up to max_dim (skewed towards
+    small)."""
+    num_kv_heads = rng.randint(min_kv_heads, max_kv_heads)
 
     def width() -> int:
         return 8 * (rng.randint(1, max_dim // 8) if rng.random() < 0.3 else rng.randint(1, min(12, max_dim // 8)))

@@ -138,6 +138,16 @@ def test_decode_attention_reads_quantized_caches(case, paged, isa, monkeypatch):
     check_quantized_decode(f"quantized decode_attention paged={paged}", case, paged, isa, monkeypatch)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("case", range(2))
+def test_decode_attention_reads_quantized_caches_of_many_kv_heads(case, fmt, paged, monkeypatch):
+    """17 to 40 KV heads (multi-head models: Llama-2-7B's 32), the default CPU path: a contiguous row's scales of 16
+    heads fill one register, so the decode gathers a block's scales for the rest in a second one."""
+    check_quantized_decode(f"quantized decode_attention {fmt} paged={paged}, many KV heads", case, paged, "",
+                           monkeypatch, fmt=fmt, kv_heads=(17, 40), max_group=2)
+
+
 @pytest.mark.parametrize("isa", CPU_ISAS)
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("fmt", [torch.int8, torch.uint8])
@@ -210,14 +220,15 @@ def check_every_e4m3_code(device: torch.device, where: str):
                                    msg=lambda m, message=message: f"{message}: {m}")
 
 
-def check_quantized_decode(name: str, case: int, paged: bool, isa: str, monkeypatch, fmt=None, dtypes=DTYPES):
-    """One random decode_attention case over a quantized cache (of ``fmt``, or a random format) against the float64
-    reference."""
+def check_quantized_decode(name: str, case: int, paged: bool, isa: str, monkeypatch, fmt=None, dtypes=DTYPES,
+                           kv_heads: tuple[int, int] = (1, 6), max_group: int = 10):
+    """One random decode_attention case over a quantized cache (of ``fmt``, or a random format; kv_heads: the range
+    of H_kv) against the float64 reference."""
     monkeypatch.setenv("FDC_CPU_ISA", isa)
     gen, rng, replay = case_generator(name, case)
     read_ahead = rng.choice(READ_AHEADS)
     monkeypatch.setenv("FDC_CPU_READ_AHEAD", read_ahead)
-    layout = random_layout(rng, max_kv_heads=6, max_group=10)
+    layout = random_layout(rng, min_kv_heads=kv_heads[0], max_kv_heads=kv_heads[1], max_group=max_group)
     fmt, dtype = fmt or rng.choice(FORMATS), rng.choice(dtypes)
     batch = rng.randint(1, 5)
     lengths = random_lengths(rng, batch, choices=(0, 1, 5, 64, 65, 300, 700))

@@ -24,9 +24,10 @@ namespace fdc::cpu::decode {
 namespace {
 
 // Per-thread state of run_piece_avx512: queries as float (G * W_qk, q's own order), the unnormalised outputs
-// (G * W_v, the output's order), one online softmax per query head, the scores of one block for one KV head, and a
-// quantized cache's scales of one block for one KV head, and an int4 cache's codes of one block for one KV head
-// unpacked to int8.
+// (G * W_v, the output's order), one online softmax per query head, the scores of one block for one KV head, a
+// quantized cache's scales of one block (H_kv runs of kMaxBlockKeys: every KV head's for contiguous rows, gathered
+// once per block; the first run only for pages), and an int4 cache's codes of one block for one KV head unpacked to
+// int8.
 struct RowScratch {
   std::vector<float> q, acc, scores, key_scales, value_scales;
   std::vector<uint16_t> weights_bf16;  // scores' probabilities rounded to bf16, for axpy_rows_bf16
@@ -38,12 +39,13 @@ struct RowScratch {
   std::vector<float> w_scale;          // (G)
   std::vector<OnlineSoftmax> softmax;
   std::unique_ptr<int8_t[]> key_codes, value_codes;  // int4 caches: (kMaxBlockKeys * kMaxHeadDim), written first
-  RowScratch(int64_t group, int64_t qk_width, int64_t v_width, int64_t heads, bool int4)
-      : q(group * qk_width), acc(group * v_width), scores(group * kMaxBlockKeys), key_scales(kMaxBlockKeys),
+  RowScratch(int64_t group, int64_t qk_width, int64_t v_width, int64_t kv_heads, bool int4)
+      : q(group * qk_width), acc(group * v_width), scores(group * kMaxBlockKeys), key_scales(kv_heads * kMaxBlockKeys),
         // q_int16: two codes spare, since a head of odd width's last pair load reads one code past it (multiplied by 0)
-        value_scales(kMaxBlockKeys), weights_bf16(group * kMaxBlockKeys), q_int16(group * qk_width + 2), q_scale(heads),
-        q_parts(heads * 2 * kMaxHeadDim), q_offsets(heads), weights_int16(group * (kMaxBlockKeys + 1)), w_scale(group),
-        softmax(heads), key_codes(int4 ? new int8_t[kMaxBlockKeys * kMaxHeadDim] : nullptr),
+        value_scales(kv_heads * kMaxBlockKeys), weights_bf16(group * kMaxBlockKeys), q_int16(group * qk_width + 2),
+        q_scale(kv_heads * group), q_parts(kv_heads * group * 2 * kMaxHeadDim), q_offsets(kv_heads * group),
+        weights_int16(group * (kMaxBlockKeys + 1)), w_scale(group), softmax(kv_heads * group),
+        key_codes(int4 ? new int8_t[kMaxBlockKeys * kMaxHeadDim] : nullptr),
         value_codes(int4 ? new int8_t[kMaxBlockKeys * kMaxHeadDim] : nullptr) {}
 };
 
@@ -184,12 +186,37 @@ inline void split_queries_int14(const float* q, const checks::HostLayout& layout
   }
 }
 
-// A quantized cache's scales of keys [t0, t0 + n) of request b, KV head j, into out: a contiguous block's, or the
-// page runs' of a paged block.
+// A contiguous quantized cache's scales of keys [t0, t0 + n) of request b, every KV head's: head j's n scales at out
+// + j * ld. A row's scales follow its codes, the heads' side by side, so 16 rows' scales of up to 16 heads
+// are 16 loads and one transpose in registers. Gathering each head's scales in turn took a strided scalar load per
+// key and head, which perf put at 30% of run_piece's own samples (int8 rows, bench_ops' layer at B=4 x 2K).
 template <typename C>
-inline void block_scales(const CacheView<C>& cache, const PageRuns<C>& runs, int64_t b, int64_t t0, int64_t n,
-                         int64_t j, float* out) {
-  if (!cache.paged()) return cache.gather_scales(b, t0, t0 + n, j, out);
+FDC_AVX512 inline void row_scales(const CacheView<C>& cache, int64_t b, int64_t t0, int64_t n, int64_t heads,
+                                  float* out, int64_t ld) {
+  const float* first = cache.scales(b, t0, 0);
+  const int64_t step = cache.scale_stride();
+  for (int64_t h0 = 0; h0 < heads; h0 += avx512::kLanes) {
+    const __mmask16 columns = avx512::lanes_mask(heads - h0);
+    const int64_t count = std::min<int64_t>(avx512::kLanes, heads - h0);
+    for (int64_t r0 = 0; r0 < n; r0 += avx512::kLanes) {
+      __m512i t[avx512::kLanes];
+#pragma GCC unroll 16
+      for (int64_t k = 0; k < avx512::kLanes; ++k) {
+        const int64_t r = std::min(r0 + k, n - 1);  // a short last group repeats its final row (not stored)
+        t[k] = _mm512_castps_si512(_mm512_maskz_loadu_ps(columns, first + r * step + h0));
+      }
+      avx512::transpose16x16_epi32(t);
+      const __mmask16 rows = avx512::lanes_mask(n - r0);
+      for (int64_t h = 0; h < count; ++h)
+        _mm512_mask_storeu_ps(out + (h0 + h) * ld + r0, rows, _mm512_castsi512_ps(t[h]));
+    }
+  }
+}
+
+// A paged quantized cache's scales of keys [t0, t0 + n) of request b, KV head j, into out: its page runs'.
+template <typename C>
+inline void page_scales(const CacheView<C>& cache, const PageRuns<C>& runs, int64_t b, int64_t t0, int64_t j,
+                        float* out) {
   for (int64_t s = 0; s < runs.count; ++s) {
     const int64_t first = t0 + runs.first[s];
     cache.gather_scales(b, first, first + runs.len[s], j, out + runs.first[s]);
@@ -308,6 +335,12 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
     // Keys before the sliding window that this block reads (its first block's, cut_rows): fewer than the block holds,
     // so its largest score is finite, and their -inf scores give weights of exactly 0.
     const int64_t masked = std::max<int64_t>(0, piece.visible - t0);
+    if constexpr (kQuantized<C>) {
+      if (!kc.paged()) {
+        row_scales(kc, b, t0, n, hkv, ws.key_scales.data(), kMaxBlockKeys);
+        row_scales(vc, b, t0, n, hkv, ws.value_scales.data(), kMaxBlockKeys);
+      }
+    }
     for (int64_t j = 0; j < hkv; ++j) {
       if (way == ReadAhead::kPrefetchL2) {
         if (kc.paged()) {
@@ -390,17 +423,20 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
           avx512::dot_rows(qj, dq, group, keys, kc.stride1, n, dq, scores, kMaxBlockKeys);
         }
       }
+      // A quantized cache's scales of this KV head in this block: gathered above for contiguous rows.
+      float* const key_scales = ws.key_scales.data() + (kc.paged() ? 0 : j * kMaxBlockKeys);
+      float* const value_scales = ws.value_scales.data() + (vc.paged() ? 0 : j * kMaxBlockKeys);
       if constexpr (kQuantized<C>) {
-        block_scales(kc, here, b, t0, n, j, ws.key_scales.data());
-        scale_columns(scores, kMaxBlockKeys, group, ws.key_scales.data(), n,
+        if (kc.paged()) page_scales(kc, here, b, t0, j, key_scales);
+        scale_columns(scores, kMaxBlockKeys, group, key_scales, n,
                       integer_rows ? ws.q_scale.data() + j * group : nullptr);
       }
       uint16_t* const weights = ws.weights_bf16.data();
       const float* weight_factors = nullptr;  // the value scales, where the exps are rounded to bf16 weights with them
       if constexpr (kQuantized<C>) {          // the masked keys' scales may be stale, their weights are 0
-        block_scales(vc, here, b, t0, n, j, ws.value_scales.data());
-        std::fill(ws.value_scales.data(), ws.value_scales.data() + masked, 0.f);
-        if (bf16_weights) weight_factors = ws.value_scales.data();
+        if (vc.paged()) page_scales(vc, here, b, t0, j, value_scales);
+        std::fill(value_scales, value_scales + masked, 0.f);
+        if (bf16_weights) weight_factors = value_scales;
       }
       for (int64_t i = 0; i < group; ++i) {
         float* si = scores + i * kMaxBlockKeys;
@@ -420,7 +456,7 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
         }
       }
       if (kQuantized<C> && !bf16_weights) {  // weights of the codes
-        scale_columns(scores, kMaxBlockKeys, group, ws.value_scales.data(), n);
+        scale_columns(scores, kMaxBlockKeys, group, value_scales, n);
         if (integer_rows || integer_pages) {  // the weights as int16 codes for the vpdpwssd value sums
           quantize_weights_int16(scores, kMaxBlockKeys, group, n, ws.weights_int16.data(), kMaxBlockKeys + 1,
                                  ws.w_scale.data());
