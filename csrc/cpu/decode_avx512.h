@@ -121,20 +121,38 @@ FDC_AVX512 inline void quantize_weights_int16(const float* w, int64_t ld, int64_
 
 // The scale of a query head's dim values x for integer codes of at most largest_code in magnitude: the largest
 // magnitude / largest_code (0 for an all-zero head), NaN where a value is not finite.
-inline float query_scale(const float* x, int64_t dim, float largest_code) {
-  float largest = 0.f;
-  for (int64_t c = 0; c < dim; ++c) {
-    if (!std::isfinite(x[c])) return std::numeric_limits<float>::quiet_NaN();
-    largest = std::max(largest, std::abs(x[c]));
+FDC_AVX512 inline float query_scale(const float* x, int64_t dim, float largest_code) {
+  constexpr int kNonFinite = 0x99;  // vfpclassps: quiet or signalling NaN, +inf or -inf
+  __m512 largest = _mm512_setzero_ps();
+  __mmask16 non_finite = 0;
+  for (int64_t c = 0; c < dim; c += avx512::kLanes) {
+    const __m512 v = _mm512_maskz_loadu_ps(avx512::lanes_mask(dim - c), x + c);
+    non_finite |= _mm512_fpclass_ps_mask(v, kNonFinite);
+    largest = _mm512_max_ps(largest, _mm512_abs_ps(v));
   }
-  return largest / largest_code;
+  return non_finite != 0 ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(largest) / largest_code;
+}
+
+// A query head's codes round(x / scale) (to nearest even, MXCSR's default, as std::nearbyint), clamped to
+// [-largest, largest], 16 columns at a time: take(c, codes, mask) gets columns [c, c + 16) in lanes 0-15, zero past
+// dim. scale > 0 and finite.
+template <typename Take>
+FDC_AVX512 inline void for_query_codes(const float* x, int64_t dim, float scale, int32_t largest, Take&& take) {
+  const __m512 divisor = _mm512_set1_ps(scale);
+  const __m512i high = _mm512_set1_epi32(largest), low = _mm512_set1_epi32(-largest);
+  for (int64_t c = 0; c < dim; c += avx512::kLanes) {
+    const __mmask16 mask = avx512::lanes_mask(dim - c);
+    const __m512i code = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_maskz_loadu_ps(mask, x + c), divisor));
+    take(c, _mm512_maskz_mov_epi32(mask, _mm512_max_epi32(_mm512_min_epi32(code, high), low)), mask);
+  }
 }
 
 // Each query head's dim columns of q (G * W_qk floats, query head h = j * G + i at G * offsets[j] + i * dim[j]) as
 // int16 codes q_int16 = round(q / q_scale), q_scale = the head's largest magnitude / 32767 (0 for an all-zero head):
 // 15 bits, far finer than the integer pages' keys they meet (axpy_rows_s8, axpy_nibble_rows). A head holding a
 // non-finite value gets a NaN scale (its scores are NaN, as the float products would make them) and zero codes.
-inline void quantize_queries_int16(const float* q, const checks::HostLayout& layout, int16_t* q_int16, float* q_scale) {
+FDC_AVX512 inline void quantize_queries_int16(const float* q, const checks::HostLayout& layout, int16_t* q_int16,
+                                              float* q_scale) {
   const int64_t group = layout.group;
   for (int64_t j = 0; j < layout.num_kv_heads(); ++j) {
     const int64_t dim = layout.qk_offsets[j + 1] - layout.qk_offsets[j];
@@ -142,9 +160,14 @@ inline void quantize_queries_int16(const float* q, const checks::HostLayout& lay
       const int64_t first = group * layout.qk_offsets[j] + i * dim;
       const float scale = query_scale(q + first, dim, 32767.f);
       q_scale[j * group + i] = scale;
-      for (int64_t c = 0; c < dim; ++c) {
-        q_int16[first + c] = scale > 0.f ? static_cast<int16_t>(std::nearbyint(q[first + c] / scale)) : int16_t(0);
+      int16_t* codes = q_int16 + first;
+      if (!(scale > 0.f)) {
+        std::fill(codes, codes + dim, int16_t(0));
+        continue;
       }
+      for_query_codes(q + first, dim, scale, 32767, [&](int64_t c, __m512i code, __mmask16 mask) FDC_AVX512 {
+        _mm256_mask_storeu_epi16(codes + c, mask, _mm512_cvtepi32_epi16(code));
+      });
     }
   }
 }
@@ -156,10 +179,17 @@ inline void quantize_queries_int16(const float* q, const checks::HostLayout& lay
 // the order of a register of the codes (int8: the columns'; int4: the 32 even columns', then the 32 odd ones'), zero
 // past the head; offsets[h] = the codes' unsigned offset (128 for int8, 8 for int4) x the sum of the head's codes.
 // 14 bits, finer than the half-precision queries themselves near a head's largest; a head holding a non-finite value
-// gets a NaN scale and zero codes.
-inline void split_queries_int14(const float* q, const checks::HostLayout& layout, bool int4, int8_t* q_parts,
-                                int32_t* offsets, float* q_scale) {
+// gets a NaN scale and zero codes. 16 columns at a time (a scalar loop with a division per column took 3-4% of an
+// int8 decode's samples in perf, at bench_ops' layer B=4 x 2K).
+FDC_AVX512 inline void split_queries_int14(const float* q, const checks::HostLayout& layout, bool int4, int8_t* q_parts,
+                                           int32_t* offsets, float* q_scale) {
   constexpr int32_t kLargest = 127 * 128;  // a code's largest magnitude: a stays within int8 after rounding
+  // int4: lanes 0-7 of a 16-column group's evens and odds (permutex2var over two groups: 32 columns)
+  alignas(64) static constexpr int32_t kEven[avx512::kLanes] = {0,  2,  4,  6,  8,  10, 12, 14,
+                                                                16, 18, 20, 22, 24, 26, 28, 30};
+  alignas(64) static constexpr int32_t kOdd[avx512::kLanes] = {1,  3,  5,  7,  9,  11, 13, 15,
+                                                               17, 19, 21, 23, 25, 27, 29, 31};
+  const __m512i even = _mm512_load_si512(kEven), odd = _mm512_load_si512(kOdd);
   const int64_t group = layout.group;
   for (int64_t j = 0; j < layout.num_kv_heads(); ++j) {
     const int64_t dim = layout.qk_offsets[j + 1] - layout.qk_offsets[j];
@@ -170,18 +200,30 @@ inline void split_queries_int14(const float* q, const checks::HostLayout& layout
       q_scale[h] = scale;
       int8_t* parts = q_parts + h * 2 * kMaxHeadDim;
       std::fill(parts, parts + 2 * kMaxHeadDim, int8_t(0));
-      int32_t sum = 0;
-      for (int64_t c = 0; c < dim; ++c) {
-        const int32_t code =
-            scale > 0.f ? std::clamp(static_cast<int32_t>(std::nearbyint(qh[c] / scale)), -kLargest, kLargest) : 0;
-        const int32_t upper = (code + 64) >> 7;  // arithmetic shift: floor
-        const int64_t at = int4 ? (c % 2) * 32 + (c % 64) / 2 : c % 64;
+      offsets[h] = 0;
+      if (!(scale > 0.f)) continue;
+      __m512i sum = _mm512_setzero_si512(), previous = _mm512_setzero_si512();
+      // The a- and b-parts of 16 codes (their columns' lanes) to bytes at `at` of the 64-column block holding c.
+      const auto store = [&](int64_t c, int64_t at, __m512i code, __mmask16 mask) FDC_AVX512 {
+        const __m512i upper = _mm512_srai_epi32(_mm512_add_epi32(code, _mm512_set1_epi32(64)), 7);  // floor
         int8_t* block = parts + (c / 64) * 128;
-        block[at] = static_cast<int8_t>(upper);
-        block[64 + at] = static_cast<int8_t>(code - 128 * upper);
-        sum += code;
-      }
-      offsets[h] = (int4 ? 8 : 128) * sum;
+        _mm512_mask_cvtepi32_storeu_epi8(block + at, mask, upper);
+        _mm512_mask_cvtepi32_storeu_epi8(block + 64 + at, mask, _mm512_sub_epi32(code, _mm512_slli_epi32(upper, 7)));
+      };
+      for_query_codes(qh, dim, scale, kLargest, [&](int64_t c, __m512i code, __mmask16 mask) FDC_AVX512 {
+        sum = _mm512_add_epi32(sum, code);
+        if (!int4) return store(c, c % 64, code, mask);
+        // int4: columns 2m and 2m + 1 of a 64-column block at m and 32 + m; taken 32 columns (two groups) at a time
+        if (c % 32 == 0 && c + avx512::kLanes < dim) {
+          previous = code;
+          return;
+        }
+        const __m512i first = c % 32 == 0 ? code : previous, second = c % 32 == 0 ? _mm512_setzero_si512() : code;
+        const int64_t c0 = c - c % 32, half = (c0 % 64) / 2;
+        store(c0, half, _mm512_permutex2var_epi32(first, even, second), 0xFFFF);
+        store(c0, 32 + half, _mm512_permutex2var_epi32(first, odd, second), 0xFFFF);
+      });
+      offsets[h] = (int4 ? 8 : 128) * _mm512_reduce_add_epi32(sum);
     }
   }
 }
