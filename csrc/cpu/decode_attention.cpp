@@ -274,7 +274,8 @@ at::Tensor decode_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, 
     const T* qp = qc.data_ptr<T>();
     if (by_pieces) {
       at::parallel_for(0, int64_t(pieces.size()), 1, [&](int64_t p0, int64_t p1) {
-        RowScratch ws(group, layout.qk_offsets[hkv], layout.v_offsets[hkv], hkv, std::is_same_v<C, Int4Pair>);
+        RowScratch ws(group, layout.qk_offsets[hkv], layout.v_offsets[hkv], hkv, kQuantized<C>,
+                      std::is_same_v<C, Int4Pair>);
         for (int64_t p = p0; p < p1; ++p) {
           run_piece_avx512(pieces[p], pb, qp, qc.stride(0), kview, vview, op_out, out.stride(0), ws,
                            isa == CpuIsa::kAvx512Bf16, way, p + 1 < p1 ? &pieces[p + 1] : nullptr);

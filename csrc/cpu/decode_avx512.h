@@ -26,8 +26,8 @@ namespace {
 // Per-thread state of run_piece_avx512: queries as float (G * W_qk, q's own order), the unnormalised outputs
 // (G * W_v, the output's order), one online softmax per query head, the scores of one block for one KV head, a
 // quantized cache's scales of one block (H_kv runs of kMaxBlockKeys: every KV head's for contiguous rows, gathered
-// once per block; the first run only for pages), and an int4 cache's codes of one block for one KV head unpacked to
-// int8.
+// once per block; the first run only for pages; none for a float cache), and an int4 cache's codes of one block for one
+// KV head unpacked to int8.
 struct RowScratch {
   std::vector<float> q, acc, scores, key_scales, value_scales;
   std::vector<uint16_t> weights_bf16;  // scores' probabilities rounded to bf16, for axpy_rows_bf16
@@ -39,13 +39,14 @@ struct RowScratch {
   std::vector<float> w_scale;          // (G)
   std::vector<OnlineSoftmax> softmax;
   std::unique_ptr<int8_t[]> key_codes, value_codes;  // int4 caches: (kMaxBlockKeys * kMaxHeadDim), written first
-  RowScratch(int64_t group, int64_t qk_width, int64_t v_width, int64_t kv_heads, bool int4)
-      : q(group * qk_width), acc(group * v_width), scores(group * kMaxBlockKeys), key_scales(kv_heads * kMaxBlockKeys),
+  RowScratch(int64_t group, int64_t qk_width, int64_t v_width, int64_t kv_heads, bool quantized, bool int4)
+      : q(group * qk_width), acc(group * v_width), scores(group * kMaxBlockKeys),
+        key_scales(quantized ? kv_heads * kMaxBlockKeys : 0),
         // q_int16: two codes spare, since a head of odd width's last pair load reads one code past it (multiplied by 0)
-        value_scales(kv_heads * kMaxBlockKeys), weights_bf16(group * kMaxBlockKeys), q_int16(group * qk_width + 2),
-        q_scale(kv_heads * group), q_parts(kv_heads * group * 2 * kMaxHeadDim), q_offsets(kv_heads * group),
-        weights_int16(group * (kMaxBlockKeys + 1)), w_scale(group), softmax(kv_heads * group),
-        key_codes(int4 ? new int8_t[kMaxBlockKeys * kMaxHeadDim] : nullptr),
+        value_scales(quantized ? kv_heads * kMaxBlockKeys : 0), weights_bf16(group * kMaxBlockKeys),
+        q_int16(group * qk_width + 2), q_scale(kv_heads * group), q_parts(kv_heads * group * 2 * kMaxHeadDim),
+        q_offsets(kv_heads * group), weights_int16(group * (kMaxBlockKeys + 1)), w_scale(group),
+        softmax(kv_heads * group), key_codes(int4 ? new int8_t[kMaxBlockKeys * kMaxHeadDim] : nullptr),
         value_codes(int4 ? new int8_t[kMaxBlockKeys * kMaxHeadDim] : nullptr) {}
 };
 
@@ -89,26 +90,30 @@ FDC_AVX512 inline void scale_columns(float* rows, int64_t ld, int64_t count, con
   }
 }
 
+// The largest magnitude of x[0 .. n) (0 when n is 0), or NaN where a value is not finite.
+FDC_AVX512 inline float largest_magnitude(const float* x, int64_t n) {
+  constexpr int kNonFinite = 0x99;  // vfpclassps: quiet or signalling NaN, +inf or -inf
+  __m512 largest = _mm512_setzero_ps();
+  __mmask16 non_finite = 0;
+  for (int64_t c = 0; c < n; c += avx512::kLanes) {
+    const __m512 v = _mm512_maskz_loadu_ps(avx512::lanes_mask(n - c), x + c);
+    non_finite |= _mm512_fpclass_ps_mask(v, kNonFinite);
+    largest = _mm512_max_ps(largest, _mm512_abs_ps(v));
+  }
+  return non_finite != 0 ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(largest);
+}
+
 // The weights of one block (count rows of n, ld apart; non-negative: probabilities times value scales) as int16 codes,
 // w = code * w_scale[i], w_scale[i] = row i's largest / 32767 (15 bits of the largest weight; the products are exact
 // in axpy_rows_s8), each row zero-padded to an even length; a row holding a non-finite weight (a NaN value scale)
 // gets a NaN scale, so its output is NaN as the float products would make it.
 FDC_AVX512 inline void quantize_weights_int16(const float* w, int64_t ld, int64_t count, int64_t n, int16_t* codes,
                                               int64_t codes_ld, float* w_scale) {
-  constexpr int kNonFinite = 0x99;  // vfpclassps: quiet or signalling NaN, +inf or -inf
   for (int64_t i = 0; i < count; ++i) {
     const float* row = w + i * ld;
-    __m512 largest = _mm512_setzero_ps();
-    __mmask16 non_finite = 0;
-    for (int64_t t = 0; t < n; t += avx512::kLanes) {
-      const __m512 v = _mm512_maskz_loadu_ps(avx512::lanes_mask(n - t), row + t);
-      non_finite |= _mm512_fpclass_ps_mask(v, kNonFinite);
-      largest = _mm512_max_ps(largest, v);
-    }
-    const float top = _mm512_reduce_max_ps(largest);
-    const bool usable = non_finite == 0 && top > 0.f;
-    w_scale[i] = non_finite != 0 ? std::numeric_limits<float>::quiet_NaN() : top / 32767.f;
-    const __m512 inverse = _mm512_set1_ps(usable ? 32767.f / top : 0.f);
+    const float top = largest_magnitude(row, n);  // NaN where a weight is not finite
+    w_scale[i] = top / 32767.f;
+    const __m512 inverse = _mm512_set1_ps(top > 0.f ? 32767.f / top : 0.f);
     int16_t* out = codes + i * codes_ld;
     for (int64_t t = 0; t < n; t += avx512::kLanes) {  // round to nearest even (MXCSR's default), saturated
       const __mmask16 mask = avx512::lanes_mask(n - t);
@@ -122,15 +127,7 @@ FDC_AVX512 inline void quantize_weights_int16(const float* w, int64_t ld, int64_
 // The scale of a query head's dim values x for integer codes of at most largest_code in magnitude: the largest
 // magnitude / largest_code (0 for an all-zero head), NaN where a value is not finite.
 FDC_AVX512 inline float query_scale(const float* x, int64_t dim, float largest_code) {
-  constexpr int kNonFinite = 0x99;  // vfpclassps: quiet or signalling NaN, +inf or -inf
-  __m512 largest = _mm512_setzero_ps();
-  __mmask16 non_finite = 0;
-  for (int64_t c = 0; c < dim; c += avx512::kLanes) {
-    const __m512 v = _mm512_maskz_loadu_ps(avx512::lanes_mask(dim - c), x + c);
-    non_finite |= _mm512_fpclass_ps_mask(v, kNonFinite);
-    largest = _mm512_max_ps(largest, _mm512_abs_ps(v));
-  }
-  return non_finite != 0 ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(largest) / largest_code;
+  return largest_magnitude(x, dim) / largest_code;
 }
 
 // A query head's codes round(x / scale) (to nearest even, MXCSR's default, as std::nearbyint), clamped to
@@ -466,8 +463,9 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
         }
       }
       // A quantized cache's scales of this KV head in this block: gathered above for contiguous rows.
-      float* const key_scales = ws.key_scales.data() + (kc.paged() ? 0 : j * kMaxBlockKeys);
-      float* const value_scales = ws.value_scales.data() + (vc.paged() ? 0 : j * kMaxBlockKeys);
+      float* const key_scales = kQuantized<C> ? ws.key_scales.data() + (kc.paged() ? 0 : j * kMaxBlockKeys) : nullptr;
+      float* const value_scales =
+          kQuantized<C> ? ws.value_scales.data() + (vc.paged() ? 0 : j * kMaxBlockKeys) : nullptr;
       if constexpr (kQuantized<C>) {
         if (kc.paged()) page_scales(kc, here, b, t0, j, key_scales);
         scale_columns(scores, kMaxBlockKeys, group, key_scales, n,
