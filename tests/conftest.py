@@ -31,6 +31,22 @@ def pytest_report_header(config):
     return f"fdc_ops test seed: FDC_TEST_SEED={BASE_SEED}"
 
 
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true",
+                     help="also run the real-model tier (tests marked slow: real checkpoints, minutes each)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked slow (the real-model tier) run only with --slow; otherwise they are reported as skipped, saying
+    how to run them."""
+    if config.getoption("--slow"):
+        return
+    skip = pytest.mark.skip(reason="real-model tier (marked slow): run with pytest --slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 def case_generator(test_name: str, case: int) -> tuple[torch.Generator, random.Random, str]:
     """A torch generator and a Python RNG for one randomized case, and the text that replays it."""
     seed = zlib.crc32(f"{BASE_SEED}:{test_name}:{case}".encode())
