@@ -263,15 +263,16 @@ def dequantize_cache_ref(cache: torch.Tensor, offsets: torch.Tensor, paged: bool
 
 
 def window_scores_ref(q, cu_seqlens_q, k_cache, cache_seqlens, qk_offsets, group, scale, policy, softcap=0.0,
-                      seed=None):
-    """fdc_ops.eviction.window_scores, request by request and query head by query head. Keyformer's noise is drawn
-    as the function draws it (per request, fdc_ops.eviction.noise_stream(seed) draws a (G, window, length) float32
-    uniform tensor u per KV head, in head order; Gumbel noise is -log(-log u)), then used in float64."""
+                      seed=None, compute_dtype: torch.dtype = torch.float64):
+    """fdc_ops.eviction.window_scores, request by request and query head by query head, in compute_dtype. Keyformer's
+    noise is drawn as the function draws it (per request, fdc_ops.eviction.noise_stream(seed) draws a (G, window,
+    length) float32 uniform tensor u per KV head, in head order; Gumbel noise is -log(-log u)), then used in
+    compute_dtype."""
     B, S = k_cache.shape[0], k_cache.shape[1]
     bounds, dims = qk_offsets.tolist(), _dims(qk_offsets)
     window = policy.window
     keyformer = policy.method == "keyformer"
-    scores = torch.zeros(B, len(dims), S, dtype=torch.float64)
+    scores = torch.zeros(B, len(dims), S, dtype=compute_dtype)
     for b in range(B):
         end, length = int(cu_seqlens_q[b + 1]), int(cache_seqlens[b])
         stream = noise_stream(policy.seed if seed is None else seed)
@@ -282,16 +283,17 @@ def window_scores_ref(q, cu_seqlens_q, k_cache, cache_seqlens, qk_offsets, group
         positions = torch.arange(length - taken, length)
         visible = torch.arange(length)[None, :] <= positions[:, None]  # (taken, length)
         for j, dim in enumerate(dims):
-            rows = q[end - taken: end, group * bounds[j]: group * bounds[j + 1]].double().view(taken, group, dim)
-            keys = k_cache[b, :length, bounds[j]: bounds[j + 1]].double()
-            total = torch.zeros(length, dtype=torch.float64)
+            rows = q[end - taken: end, group * bounds[j]: group * bounds[j + 1]].to(compute_dtype)
+            rows = rows.view(taken, group, dim)
+            keys = k_cache[b, :length, bounds[j]: bounds[j + 1]].to(compute_dtype)
+            total = torch.zeros(length, dtype=compute_dtype)
             for g in range(group):
                 logits = scale * (rows[:, g] @ keys.T)
                 if softcap > 0:
                     logits = softcap * torch.tanh(logits / softcap)
                 logits = logits.masked_fill(~visible, float("-inf"))
                 if keyformer:
-                    uniform = noise[j][g, window - taken:].double().clamp(1e-20, 1.0 - 1e-7)
+                    uniform = noise[j][g, window - taken:].to(compute_dtype).clamp(1e-20, 1.0 - 1e-7)
                     logits = (logits - torch.log(-torch.log(uniform))) / policy.temperature
                 total += torch.softmax(logits, dim=1).sum(0)
             if keyformer:

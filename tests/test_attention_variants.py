@@ -12,6 +12,7 @@ import torch
 
 from conftest import (
     DTYPES,
+    Layout,
     assert_close_to_reference,
     case_generator,
     offsets,
@@ -186,6 +187,83 @@ def test_decode_attention_variants(case, paged, isa, monkeypatch):
     torch_lowp = reference.decode_attention_ref(*args, block_table=block_table, **variant, compute_dtype=dtype)
     shown = {name: (value if name != "sinks" else "on") for name, value in variant.items()}
     assert_close_to_reference(out, expected, torch_lowp, f"decode_attention paged={paged} {shown} {replay}")
+
+
+SOFT_CAPS = (1.0, 30.0, 50.0, 500.0, 5000.0)
+
+
+def _on(device: torch.device, *tensors):
+    """The tensors on device (None stays None); the layouts (offsets) stay on the CPU on every device."""
+    return [None if t is None else t.to(device) for t in tensors]
+
+
+def check_soft_cap(op: str, softcap: float, dtype: torch.dtype, case: int, device: torch.device) -> None:
+    """One soft-capped prefill (rows or pages) or decode (contiguous or paged) on ``device`` against the float64
+    reference under FlashAttention's rule (tests/conftest.py), with scaled scores from near zero (scale 1e-3, and keys
+    shrunk by 1e-4 now and then) to tens: far below a large cap a capped score is nearly the score itself, and its
+    error must stay a few ulps of it, not of the cap."""
+    gen, rng, replay = case_generator(f"soft cap {op} {softcap} {dtype}", case)
+    layout = random_layout(rng, max_kv_heads=4, max_group=4) if case else Layout([8], [8], 1)
+    scale = rng.choice([1e-3, 0.05, 0.3])
+    batch = rng.randint(1, 3) if case else 1
+    lengths = [rng.choice([1, 2, 17, 130]) for _ in range(batch)] if case else [2]
+    shrink = torch.where(torch.rand(sum(lengths), 1, generator=gen) < 0.3, 1e-4, 1.0)
+    k = (randn((sum(lengths), layout.qk_width), torch.float32, gen) * shrink).to(dtype)
+    v = randn((sum(lengths), layout.v_width), dtype, gen)
+    cu_k = offsets(lengths)
+    common = (layout.qk_offsets, layout.v_offsets, layout.group, scale)
+    block_table = None
+    if op.startswith("prefill"):
+        q_lengths = [rng.randint(1, n) for n in lengths] if case else [1]
+        cu_q = offsets(q_lengths)
+        q = randn((int(cu_q[-1]), layout.group * layout.qk_width), dtype, gen)
+        causal = case > 0 and rng.random() < 0.5
+        if op == "prefill_paged":
+            page_size = rng.choice([1, 3, 16])
+            block_table, num_pages = random_block_table(lengths, max(lengths), page_size, rng)
+            k_rows, v_rows = torch.zeros(batch, max(lengths), k.shape[1], dtype=dtype), \
+                torch.zeros(batch, max(lengths), v.shape[1], dtype=dtype)
+            for b, n in enumerate(lengths):
+                k_rows[b, :n], v_rows[b, :n] = k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]]
+            k = to_pages(k_rows, lengths, block_table, num_pages, page_size)
+            v = to_pages(v_rows, lengths, block_table, num_pages, page_size)
+        args = (q, k, v, cu_q, cu_k, *common, causal)
+        out = ops.prefill_attention(*_on(device, q, k, v, cu_q, cu_k), *common, causal, softcap=softcap,
+                                    block_table=_on(device, block_table)[0]).cpu()
+        expected = reference.prefill_attention_ref(*args, softcap=softcap, block_table=block_table)
+        torch_lowp = reference.prefill_attention_ref(*args, softcap=softcap, block_table=block_table,
+                                                     compute_dtype=dtype)
+    else:
+        k_cache = torch.full((batch, max(lengths), layout.qk_width), float("nan"), dtype=dtype)
+        v_cache = torch.full((batch, max(lengths), layout.v_width), float("nan"), dtype=dtype)
+        for b, n in enumerate(lengths):
+            k_cache[b, :n], v_cache[b, :n] = k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]]
+        if op == "decode_paged":
+            page_size = rng.choice([1, 3, 16])
+            block_table, num_pages = random_block_table(lengths, max(lengths), page_size, rng)
+            k_cache = to_pages(k_cache, lengths, block_table, num_pages, page_size)
+            v_cache = to_pages(v_cache, lengths, block_table, num_pages, page_size)
+        q = randn((batch, layout.group * layout.qk_width), dtype, gen)
+        seqlens = torch.tensor(lengths, dtype=torch.int32)
+        args = (q, k_cache, v_cache, seqlens, *common)
+        out = ops.decode_attention(*_on(device, q, k_cache, v_cache, seqlens), *common, softcap=softcap,
+                                   block_table=_on(device, block_table)[0]).cpu()
+        expected = reference.decode_attention_ref(*args, softcap=softcap, block_table=block_table)
+        torch_lowp = reference.decode_attention_ref(*args, softcap=softcap, block_table=block_table,
+                                                    compute_dtype=dtype)
+    assert_close_to_reference(out, expected, torch_lowp, f"{op} softcap={softcap} scale={scale} {dtype} {replay}")
+
+
+@pytest.mark.parametrize("isa", ("", "avx512", "portable"))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("softcap", SOFT_CAPS)
+@pytest.mark.parametrize("op", ("prefill", "prefill_paged", "decode", "decode_paged"))
+def test_soft_cap_error_stays_torch_s_at_every_cap(op, softcap, dtype, isa, monkeypatch):
+    """Every capping op on every ISA path within FlashAttention's rule at caps from 1 to 5000 (tests/conftest.py);
+    the first case is the smallest one that showed the old cancellation (1 query, 2 keys, D = 8)."""
+    monkeypatch.setenv("FDC_CPU_ISA", isa)
+    for case in range(8):
+        check_soft_cap(op, softcap, dtype, case, torch.device("cpu"))
 
 
 def test_decode_plan_from_another_window_is_refused():

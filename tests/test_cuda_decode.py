@@ -37,6 +37,7 @@ from conftest import (
 )
 from fdc_ops import ops, reference
 from fdc_ops.plans import DecodePlan
+from test_attention_variants import SOFT_CAPS, check_soft_cap
 
 skip_without_cuda_kernels("decode_plan", "decode_attention")
 
@@ -656,3 +657,13 @@ def test_cuda_graph_replay_windowed(paged):
         torch.cuda.synchronize()
         _check_variant(inputs, out.clone(), variant,
                        f"cuda graph windowed replay {replay_index} lengths={lengths} paged={paged} {dtype} {replay}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("softcap", SOFT_CAPS)
+@pytest.mark.parametrize("op", ("decode", "decode_paged"))
+def test_soft_cap_error_stays_torch_s_at_every_cap_cuda(op, softcap, dtype):
+    """fdc::soft_cap on the GPU as on the CPU: within FlashAttention's rule at caps from 1 to 5000, scores from near
+    zero on (test_attention_variants.check_soft_cap)."""
+    for case in range(8):
+        check_soft_cap(op, softcap, dtype, case, DEVICE)

@@ -41,6 +41,7 @@ from conftest import (
 )
 from fdc_ops import ops, reference
 from fdc_ops.plans import PrefillPlan, concat_workers, visible_keys
+from test_attention_variants import SOFT_CAPS, check_soft_cap
 
 skip_without_cuda_kernels("prefill_plan", "prefill_attention")
 
@@ -821,3 +822,13 @@ def test_paged_bad_input_on_cuda():
                                                                               device=DEVICE))
     with _raises("prefill_attention", "k must have 3 dimensions"):
         _attention(inputs, None, block_table=table.to(DEVICE))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("softcap", SOFT_CAPS)
+@pytest.mark.parametrize("op", ("prefill", "prefill_paged"))
+def test_soft_cap_error_stays_torch_s_at_every_cap_cuda(op, softcap, dtype):
+    """fdc::soft_cap on the GPU as on the CPU: within FlashAttention's rule at caps from 1 to 5000, scores from near
+    zero on (test_attention_variants.check_soft_cap)."""
+    for case in range(8):
+        check_soft_cap(op, softcap, dtype, case, DEVICE)

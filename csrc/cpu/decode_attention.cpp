@@ -70,19 +70,28 @@ void run_task(const int32_t* record, const Problem& pb, const T* q, int64_t q_ld
   std::vector<OnlineSoftmax> softmax(group);
   float* scores = ws.scores.get();
 
-  for (int64_t t0 = kv_start; t0 < kv_end;) {
-    const int64_t t1 = kc.block_end(t0, kv_end, kTaskKeyBlock), n = t1 - t0;
-    if (t1 < kv_end) {
-      const int64_t t2 = kc.block_end(t1, kv_end, kTaskKeyBlock);
-      kc.prefetch(b, t1, t2, layout.qk_offsets[j], dq);
-      vc.prefetch(b, t1, t2, layout.v_offsets[j], dv);
+  // Blocks of kTaskKeyBlock keys whatever the page size, each a run of keys per page it spans: every block's softmax
+  // takes its exps in one pass, and short pages add to the scores and the accumulator run by run in the block's order.
+  // (One page per block made the softmax's running sum and its rescaling a step per key with 1-token pages: 2.7x
+  // torch's float32 error.)
+  for (int64_t t0 = kv_start, t1; t0 < kv_end; t0 = t1) {
+    t1 = std::min(kv_end, t0 + kTaskKeyBlock);
+    const int64_t n = t1 - t0;
+    const int64_t next_end = std::min(kv_end, t1 + kTaskKeyBlock);
+    for (int64_t r0 = t1, r1; r0 < next_end; r0 = r1) {
+      r1 = kc.run_end(r0, next_end);
+      kc.prefetch(b, r0, r1, layout.qk_offsets[j], dq);
+      vc.prefetch(b, r0, r1, layout.v_offsets[j], dv);
     }
-    const FloatRows keys = kc.block(b, t0, t1, j, layout.qk_offsets[j], dq, ws.k.get());
-    if (kc.paged()) {  // keys are dq rows of n tokens: scores = Q K, a weighted sum of key rows
-      std::fill(scores, scores + group * kTaskKeyBlock, 0.f);
-      axpy_rows(ws.q.get(), dq, group, keys.data, keys.stride, dq, n, scores, kTaskKeyBlock);
-    } else {  // keys are n rows of dq: one dot product per (query head, key)
-      dot_rows(ws.q.get(), dq, group, keys.data, keys.stride, n, dq, scores, kTaskKeyBlock, false);
+    if (kc.paged()) std::fill(scores, scores + group * kTaskKeyBlock, 0.f);
+    for (int64_t r0 = t0, r1; r0 < t1; r0 = r1) {
+      r1 = kc.run_end(r0, t1);
+      const FloatRows keys = kc.block(b, r0, r1, j, layout.qk_offsets[j], dq, ws.k.get());
+      if (kc.paged()) {  // keys are dq rows of the run's tokens: scores = Q K, a weighted sum of key rows
+        axpy_rows(ws.q.get(), dq, group, keys.data, keys.stride, dq, r1 - r0, scores + (r0 - t0), kTaskKeyBlock);
+      } else {  // keys are the run's rows of dq: one dot product per (query head, key)
+        dot_rows(ws.q.get(), dq, group, keys.data, keys.stride, r1 - r0, dq, scores + (r0 - t0), kTaskKeyBlock, false);
+      }
     }
     for (int64_t i = 0; i < group; ++i) {
       float* si = scores + i * kTaskKeyBlock;
@@ -91,13 +100,16 @@ void run_task(const int32_t* record, const Problem& pb, const T* q, int64_t q_ld
       if (factor != 1.f) scale_in_place(ws.acc.get() + i * dv, dv, factor);
       softmax[i].sum += exp_and_sum(si, n, 1.f, softmax[i].max);
     }
-    const FloatRows values = vc.block(b, t0, t1, j, layout.v_offsets[j], dv, ws.v.get());
-    if (vc.paged()) {  // values are dv rows of n tokens: acc[i][c] += p_i . V[c]
-      dot_rows(scores, kTaskKeyBlock, group, values.data, values.stride, dv, n, ws.acc.get(), dv, true);
-    } else {  // values are n rows of dv: acc_i += sum_t p_i[t] V[t]
-      axpy_rows(scores, kTaskKeyBlock, group, values.data, values.stride, n, dv, ws.acc.get(), dv);
+    for (int64_t r0 = t0, r1; r0 < t1; r0 = r1) {
+      r1 = vc.run_end(r0, t1);
+      const FloatRows values = vc.block(b, r0, r1, j, layout.v_offsets[j], dv, ws.v.get());
+      const float* p = scores + (r0 - t0);
+      if (vc.paged()) {  // values are dv rows of the run's tokens: acc[i][c] += p_i . V[c]
+        dot_rows(p, kTaskKeyBlock, group, values.data, values.stride, dv, r1 - r0, ws.acc.get(), dv, true);
+      } else {  // values are the run's rows of dv: acc_i += sum_t p_i[t] V[t]
+        axpy_rows(p, kTaskKeyBlock, group, values.data, values.stride, r1 - r0, dv, ws.acc.get(), dv);
+      }
     }
-    t0 = t1;
   }
 
   finish_task(record, pb, ws.acc.get(), softmax.data(), out, out_ld);

@@ -478,21 +478,22 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
         std::fill(value_scales, value_scales + masked, 0.f);
         if (bf16_weights) weight_factors = value_scales;
       }
+      // The scores are divided by pb.scale, which the exps multiply in, unless capped: soft_cap_scores scales them.
+      const float score_scale = pb.softcap > 0.f ? 1.f : pb.scale;
       for (int64_t i = 0; i < group; ++i) {
         float* si = scores + i * kMaxBlockKeys;
-        // The scores stay divided by pb.scale, which the exps multiply in.
         if (pb.softcap > 0.f) soft_cap_scores(si + masked, n - masked, pb.scale, pb.softcap);
         if (masked > 0) std::fill(si, si + masked, -INFINITY);
-        const float factor = softmax[i].rescale_for(avx512::max_of(si, n) * pb.scale);
+        const float factor = softmax[i].rescale_for(avx512::max_of(si, n) * score_scale);
         if (factor != 1.f) avx512::scale_in_place(acc + i * dv, dv, factor);
         // Where the value products take bf16 weights, the exps are rounded as they are made (exp2_for_bf16, one
         // pass, not a pass of their own: measured in bench/results/ops/README.md, "CPU decode").
         if (bf16_weights) {
-          softmax[i].sum += avx512::exp_sum_to_bf16<true>(si, n, pb.scale, softmax[i].max,
+          softmax[i].sum += avx512::exp_sum_to_bf16<true>(si, n, score_scale, softmax[i].max,
                                                           reinterpret_cast<c10::BFloat16*>(weights + i * kMaxBlockKeys),
                                                           weight_factors);
         } else {
-          softmax[i].sum += avx512::exp_and_sum<kExpDegree<T>>(si, n, pb.scale, softmax[i].max);
+          softmax[i].sum += avx512::exp_and_sum<kExpDegree<T>>(si, n, score_scale, softmax[i].max);
         }
       }
       if (kQuantized<C> && !bf16_weights) {  // weights of the codes

@@ -73,16 +73,15 @@ struct CacheView {
     for (int64_t t = 0; t < t1 - t0; ++t) out[t] = s[t * step];
   }
 
-  // End of the block starting at t0: at most `keys` keys, cut at the chunk end and, when paged, at the page end.
-  int64_t block_end(int64_t t0, int64_t chunk_end, int64_t keys) const {
-    int64_t end = std::min(chunk_end, t0 + keys);
-    if (paged()) end = std::min(end, (t0 / page_size + 1) * page_size);
-    return end;
+  // End of the run of keys [t0, run_end) of a block [t0, t1) that lies in one page: the page's end or t1 when paged,
+  // t1 when contiguous (the block is one run).
+  int64_t run_end(int64_t t0, int64_t t1) const {
+    return paged() ? std::min(t1, (t0 / page_size + 1) * page_size) : t1;
   }
 
-  // Asks for the memory of keys [t0, t1), columns [col, col + dim), ahead of use. Contiguous caches put every row
-  // of a wide layer on its own 4 KiB page, where hardware prefetchers stop, so without this each row of a block
-  // waits on DRAM in turn.
+  // Asks for the memory of keys [t0, t1) (a run: within one page when paged), columns [col, col + dim), ahead of use.
+  // Contiguous caches put every row of a wide layer on its own 4 KiB page, where hardware prefetchers stop, so without
+  // this each row of a block waits on DRAM in turn.
   void prefetch(int64_t b, int64_t t0, int64_t t1, int64_t col, int64_t dim) const {
     constexpr int64_t kLine = 64;  // bytes per cache line
     col /= kColumnsPer<T>, dim /= kColumnsPer<T>;
@@ -107,8 +106,8 @@ struct CacheView {
 
   // Keys [t0, t1) of request b, columns [col, col + dim) (KV head j's), as float: token-major (t1 - t0 rows of dim)
   // when contiguous, column-major (dim rows of t1 - t0 tokens) when paged, the page's own order. Float caches are
-  // read in place; half-precision ones are widened into `scratch`, quantized ones widened and scaled. The block lies
-  // within one page when paged (block_end).
+  // read in place; half-precision ones are widened into `scratch`, quantized ones widened and scaled. The keys are a
+  // run (run_end): within one page when paged.
   FloatRows block(int64_t b, int64_t t0, int64_t t1, int64_t j, int64_t col, int64_t dim, float* scratch) const {
     const T* src = at(b, t0, col);
     int64_t src_stride, rows, cols;

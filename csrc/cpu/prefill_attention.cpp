@@ -74,6 +74,14 @@ int32_t cpu_row_block(const std::vector<int32_t>& cu_q) {
 constexpr int64_t kRowQuantum = 16;
 constexpr int64_t kKeyQuantum = 64;
 static_assert(kKeyBlock % kKeyQuantum == 0 && kRowTile % kRowQuantum == 0);
+// The ukernel adds a score's dq products one after another in one register, so its float32 rounding error grows with
+// dq; torch's own float32 matmul (the tests' measure, tests/conftest.py) adds them in short runs. For float32 queries
+// the scores are therefore made kScoreChunk dims at a time, each product added to the last: at dq = 232 that took the
+// op's error from 2.9x torch's to 1.0x (error of the scores alone, emulated in float64: 2.3x with chunks of 64). Half-
+// precision queries keep one product: their outputs' rounding is far coarser than what the order of the sums costs.
+constexpr int64_t kScoreChunk = 32;
+template <typename O>
+constexpr bool kChunkedScores = std::is_same_v<O, float>;
 // bf16 rows exponentiate a key block against their running softmax reference (not necessarily the largest score
 // seen) in one pass, and move the reference (a second pass) only when the block's exps sum to more than this,
 // exp(16) = 8.9e6. Below that every exp is too, so probabilities, their sum over any sequence and the accumulator stay
@@ -308,16 +316,6 @@ PackedKV<T> pack_kv_paged(const at::Tensor& k, const at::Tensor& v, const checks
   return packed;
 }
 
-// Logit soft-capping of n scores in place: s[i] = soft_cap(scale * s[i], softcap), computed as
-// softcap * (1 - 2 / (1 + exp(2y))) = softcap * tanh(y) for y = scale * s[i] / softcap, so that the exponentials run
-// vectorised (exp_and_sum; its sum is not needed). exp(2y) saturating gives tanh = +-1 as it should; the absolute error
-// is a few float32 ulps of softcap, as std::tanh's would be after rounding.
-void soft_cap_scores(float* s, int64_t n, float scale, float softcap, bool avx512) {
-  const float exp_scale = 2.f * scale / softcap;
-  avx512 ? avx512::exp_and_sum(s, n, exp_scale, 0.f) : exp_and_sum(s, n, exp_scale, 0.f);
-  for (int64_t i = 0; i < n; ++i) s[i] = softcap - 2.f * softcap / (1.f + s[i]);
-}
-
 // One worker's scratch: the tile's queries (when its rows are padded with zeros), fp32 scores, probabilities (a
 // separate bf16 buffer, or the scores themselves for float), fp32 accumulator, and the rows' softmax state.
 template <typename T>
@@ -371,7 +369,7 @@ void run_row_tile(const TileTask& t, const T* q, int64_t q_ld, const PackedKV<T>
   std::fill(ws.softmax.begin(), ws.softmax.begin() + t.m, OnlineSoftmax{});
   if constexpr (!kFloat) std::fill(ws.probs.begin() + t.m * kKeyBlock, ws.probs.begin() + rows * kKeyBlock, T(0));
   T* probs = kFloat ? reinterpret_cast<T*>(ws.scores.data()) : ws.probs.data();
-  // Capped scores are rewritten already scaled, so the softmax then takes them with scale 1.
+  // Capped scores are rewritten already scaled (vec_math.h), so the softmax then takes them with scale 1.
   const bool capped = variant.softcap > 0.f;
   const float score_scale = capped ? 1.f : scale;
 
@@ -379,8 +377,14 @@ void run_row_tile(const TileTask& t, const T* q, int64_t q_ld, const PackedKV<T>
   for (int64_t block = first_block, c0 = first_block * kKeyBlock; c0 < keys_end; c0 += kKeyBlock, ++block) {
     const int64_t n = std::min(kKeyBlock, keys_end - c0);
     const int64_t cols = round_up(n, kKeyQuantum);
-    cpublas::brgemm(rows, cols, dq, q_tile_ld, kKeyBlock, kKeyBlock, false, q_tile,
-                    kv.k_block(t.b, j, num_kv, block, dq), ws.scores.data(), !kFloat);
+    const T* k_block = kv.k_block(t.b, j, num_kv, block, dq);
+    // float32 queries: the product over dq in chunks of kScoreChunk dims, each added to the scores (kScoreChunk says
+    // why); otherwise one product.
+    const int64_t depth = kChunkedScores<O> ? std::min<int64_t>(dq, kScoreChunk) : dq;
+    for (int64_t c = 0; c < dq; c += depth) {
+      cpublas::brgemm(rows, cols, std::min(depth, dq - c), q_tile_ld, kKeyBlock, kKeyBlock, c > 0, q_tile + c,
+                      k_block + c * kKeyBlock, ws.scores.data(), !kFloat);
+    }
     for (int64_t r = 0; r < t.m; ++r) {
       T* p_row = probs + r * kKeyBlock;
       // The row's visible keys of this block are [c0 + lo, c0 + hi).
@@ -396,7 +400,7 @@ void run_row_tile(const TileTask& t, const T* q, int64_t q_ld, const PackedKV<T>
       std::fill(p_row, p_row + lo, T(0));  // for float, p_row holds the scores: those before lo are never read
       T* p = p_row + lo;
       float* acc = ws.acc.data() + r * dvp;
-      if (capped) soft_cap_scores(s, visible, scale, variant.softcap, avx512);
+      if (capped) soft_cap_scores(s, visible, scale, variant.softcap);
       OnlineSoftmax& sm = ws.softmax[r];
       if constexpr (!kFloat) {
         // A row's first keys get a provisional reference, the largest of their first 16 scores.

@@ -4,42 +4,49 @@
 #pragma once
 
 #include "cpu/vec_avx512.h"
+#include "cpu/vec_math.h"
 
 namespace fdc::cpu::avx512 {
 
 // acc[i * acc_ld + x] += sum_r w[i * w_ld + r] * rows[r * row_stride + x] for kHeads heads and kVecs registers of
-// columns (the last one masked by `last`): all kHeads x kVecs accumulators stay in registers over the n rows, and
-// each row's slice is loaded and widened once for all kHeads heads.
+// columns (the last one masked by `last`): all kHeads x kVecs accumulators stay in registers over a chunk of rows
+// (kSumChunk), and each row's slice is loaded and widened once for all kHeads heads; each chunk's sums start from zero
+// and are added to acc after it (cpu/vec_math.h, kSumChunk, says why).
 template <typename T, int kHeads, int kVecs>
 FDC_AVX512 void axpy_tile(const float* w, int64_t w_ld, const T* rows, int64_t row_stride, int64_t n, __mmask16 last,
                           float* acc, int64_t acc_ld, PrefetchStream& stream) {
   PrefetchStream ahead = stream;
   __m512 sums[kHeads][kVecs];
+  for (int64_t r0 = 0; r0 < n; r0 += kSumChunk) {
 #pragma GCC unroll 4
-  for (int h = 0; h < kHeads; ++h)
+    for (int h = 0; h < kHeads; ++h)
 #pragma GCC unroll 4
-    for (int v = 0; v < kVecs; ++v)
-      sums[h][v] = _mm512_maskz_loadu_ps(v + 1 == kVecs ? last : __mmask16(0xFFFF), acc + h * acc_ld + v * kLanes);
-  for (int64_t r = 0; r < n; ++r) {
-    const T* row = rows + r * row_stride;
-    __m512 x[kVecs];
+      for (int v = 0; v < kVecs; ++v) sums[h][v] = _mm512_setzero_ps();
+    const int64_t r1 = std::min(n, r0 + kSumChunk);
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* row = rows + r * row_stride;
+      __m512 x[kVecs];
 #pragma GCC unroll 4
-    for (int v = 0; v < kVecs; ++v) {
-      x[v] = load16(row + v * kLanes, v + 1 == kVecs ? last : __mmask16(0xFFFF));
-      ahead.step();
+      for (int v = 0; v < kVecs; ++v) {
+        x[v] = load16(row + v * kLanes, v + 1 == kVecs ? last : __mmask16(0xFFFF));
+        ahead.step();
+      }
+#pragma GCC unroll 4
+      for (int h = 0; h < kHeads; ++h) {
+        const __m512 weight = _mm512_set1_ps(w[h * w_ld + r]);
+#pragma GCC unroll 4
+        for (int v = 0; v < kVecs; ++v) sums[h][v] = _mm512_fmadd_ps(weight, x[v], sums[h][v]);
+      }
     }
 #pragma GCC unroll 4
-    for (int h = 0; h < kHeads; ++h) {
-      const __m512 weight = _mm512_set1_ps(w[h * w_ld + r]);
+    for (int h = 0; h < kHeads; ++h)
 #pragma GCC unroll 4
-      for (int v = 0; v < kVecs; ++v) sums[h][v] = _mm512_fmadd_ps(weight, x[v], sums[h][v]);
-    }
+      for (int v = 0; v < kVecs; ++v) {
+        const __mmask16 mask = v + 1 == kVecs ? last : __mmask16(0xFFFF);
+        float* a = acc + h * acc_ld + v * kLanes;
+        _mm512_mask_storeu_ps(a, mask, _mm512_add_ps(_mm512_maskz_loadu_ps(mask, a), sums[h][v]));
+      }
   }
-#pragma GCC unroll 4
-  for (int h = 0; h < kHeads; ++h)
-#pragma GCC unroll 4
-    for (int v = 0; v < kVecs; ++v)
-      _mm512_mask_storeu_ps(acc + h * acc_ld + v * kLanes, v + 1 == kVecs ? last : __mmask16(0xFFFF), sums[h][v]);
   stream = ahead;
 }
 

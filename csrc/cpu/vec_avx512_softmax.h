@@ -3,26 +3,28 @@
 #pragma once
 
 #include "cpu/vec_avx512.h"
+#include "fdc/float_math.h"
 
 namespace fdc::cpu::avx512 {
 
-// exp(x), 16 lanes: x = n ln2 + r (Cody-Waite split of ln2), exp(r) by its Taylor polynomial of degree kDegree, times
-// 2^n by vscalefps (exact, no exponent-field arithmetic). Degree 6 is within about 2 ulp of float32; degree 4 within
-// 5e-5 relative (|r| <= ln2 / 2), for results rounded to bfloat16 right after (a rounding step of 3.9e-3). Arguments
-// below log(FLT_MIN) give 0, so a -inf score contributes nothing; NaN stays NaN.
+// exp(x), 16 lanes: x = n ln2 + r (Cody-Waite split of ln2), exp(r) by a polynomial of degree kDegree, times 2^n by
+// vscalefps (exact, no exponent-field arithmetic). Degree 6 is fdc/float_math.h's (within 0.9 ulp of float32); degree
+// 4 is Taylor's, within 5e-5 relative (|r| <= ln2 / 2), for results rounded to bfloat16 right after (a rounding step of
+// 3.9e-3). Arguments below log(FLT_MIN) give 0, so a -inf score contributes nothing; NaN stays NaN.
 template <int kDegree = 6>
 FDC_AVX512 inline __m512 exp16(__m512 x) {
-  constexpr float kInverseFactorial[] = {1.f, 1.f, 1.f / 2, 1.f / 6, 1.f / 24, 1.f / 120, 1.f / 720};
-  static_assert(kDegree >= 2 && kDegree <= 6);
+  static_assert(kDegree == 4 || kDegree == 6);
+  constexpr float kTaylor[] = {1.f, 1.f, 1.f / 2, 1.f / 6, 1.f / 24};
+  auto coefficient = [&](int k) { return kDegree == 6 ? fdc::exp_polynomial_coefficient(k) : kTaylor[k]; };
   const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3365447f), _CMP_LT_OQ);
   x = _mm512_min_ps(_mm512_set1_ps(88.7228391f), x);  // min/max return their second operand on NaN
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
   r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(kInverseFactorial[kDegree]);
+  __m512 p = _mm512_set1_ps(coefficient(kDegree));
 #pragma GCC unroll 6
-  for (int k = kDegree - 1; k >= 0; --k) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kInverseFactorial[k]));
+  for (int k = kDegree - 1; k >= 0; --k) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(coefficient(k)));
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_scalef_ps(p, n));
 }
 

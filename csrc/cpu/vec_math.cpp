@@ -6,6 +6,8 @@
 #include <string_view>
 
 #include "cpu/cpu_common.h"
+#include "fdc/attention_variant.h"
+#include "fdc/float_math.h"
 
 namespace fdc::cpu {
 namespace {
@@ -13,56 +15,6 @@ namespace {
 // Reductions keep kLanes independent partial results, which the compiler maps to vector lanes without having to
 // reassociate a single running sum (it may not, without -ffast-math); 16 covers two AVX2 registers.
 constexpr int64_t kLanes = 16;
-
-// exp(x) to about 2 ulp: x = n ln2 + r with |r| <= ln2/2 (Cody-Waite split of ln2), exp(r) by its degree-6 Taylor
-// polynomial (error below 2^-24 on that interval), times 2^n built in the exponent bits. Branch-free, so a loop
-// over it vectorises. Always inlined: otherwise GCC calls one baseline copy from the AVX2 clones, unvectorised.
-[[gnu::always_inline]] inline float exp_approx(float x) {
-  constexpr float kLog2e = 1.44269504088896341f;
-  constexpr float kLn2Hi = 0.693359375f;     // ln2 rounded to 10 bits: n * kLn2Hi is exact
-  constexpr float kLn2Lo = -2.12194440e-4f;  // ln2 - kLn2Hi
-  constexpr float kMinArg = -87.3365447f;    // log(FLT_MIN): below it the result is flushed to 0
-  constexpr float kMaxArg = 88.7228391f;     // log(FLT_MAX)
-  const bool underflow = x < kMinArg;
-  // Comparisons, not fmin/fmax, so a NaN argument stays NaN and poisons the result as it should.
-  x = x < kMinArg ? kMinArg : x;
-  x = x > kMaxArg ? kMaxArg : x;
-  // Round to nearest by the 1.5 * 2^23 trick (|x * log2e| < 2^22 here): plain arithmetic, unlike nearbyint.
-  constexpr float kRound = 12582912.f;
-  const float n = (x * kLog2e + kRound) - kRound;
-  const float r = (x - n * kLn2Hi) - n * kLn2Lo;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const float scale = __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
-  return underflow ? 0.f : p * scale;
-}
-
-// tanh(y) to about 3 ulp, branch-free so that a loop over it vectorises. Below |y| = 0.55 its Taylor series to y^15
-// (the next term is under 2^-24 relative there); above, 1 - 2 / (exp(2|y|) + 1), whose subtraction loses little
-// once tanh >= 0.5. 0.55 gave the smallest worst-case error of the thresholds tried (0.3 to 0.625: 2.7 ulp against
-// tanh in double). Infinite y gives +-1 (exp_approx saturates), NaN stays NaN (it fails the comparison and reaches
-// exp_approx).
-[[gnu::always_inline]] inline float tanh_approx(float y) {
-  constexpr float kSeriesBelow = 0.55f;
-  const float a = y < 0.f ? -y : y;
-  const float a2 = a * a;
-  float p = -929569.f / 638512875.f;
-  p = p * a2 + 21844.f / 6081075.f;
-  p = p * a2 - 1382.f / 155925.f;
-  p = p * a2 + 62.f / 2835.f;
-  p = p * a2 - 17.f / 315.f;
-  p = p * a2 + 2.f / 15.f;
-  p = p * a2 - 1.f / 3.f;
-  const float series = a + a * a2 * p;
-  const float exponential = 1.f - 2.f / (exp_approx(2.f * a) + 1.f);
-  const float t = a < kSeriesBelow ? series : exponential;
-  return y < 0.f ? -t : t;
-}
 
 // log(x) for positive normal x, to about 1 ulp: x = 2^e m with m in [sqrt(1/2), sqrt(2)), so t = m - 1 is exact and
 // small; log(1 + t) = t - t^2 / 2 + t^3 P(t) with P the degree-8 minimax polynomial of Cephes' logf, and e ln2 added
@@ -150,9 +102,8 @@ FDC_CPU_SIMD float exp_and_sum(float* x, int64_t n, float scale, float shift) {
   return sum;
 }
 
-FDC_CPU_SIMD void soft_cap_scores(float* x, int64_t n, float scale, float softcap) {
-  const float into = scale / softcap, back = softcap / scale;
-  for (int64_t i = 0; i < n; ++i) x[i] = back * tanh_approx(x[i] * into);
+FDC_CPU_SIMD_WIDE void soft_cap_scores(float* x, int64_t n, float scale, float softcap) {
+  for (int64_t i = 0; i < n; ++i) x[i] = soft_cap(x[i] * scale, softcap);
 }
 
 FDC_CPU_SIMD void scale_in_place(float* x, int64_t n, float factor) {
@@ -283,21 +234,23 @@ template <int kRows>
 [[gnu::always_inline]] inline f32x8 splat8(float x) { return f32x8{x, x, x, x, x, x, x, x}; }
 
 // acc[0, 8 * kVecs) += sum_r w[r] * rows[r * row_stride + (0, 8 * kVecs)]: kVecs accumulators held in registers
-// across all n rows, so the accumulator is loaded and stored once, and kVecs independent FMA chains hide latency.
+// across a chunk of rows (kSumChunk), so kVecs independent FMA chains hide latency; each chunk's sums start from zero
+// and are added to acc after it (vec_math.h, kSumChunk, says why).
 template <int kVecs>
 [[gnu::always_inline]] inline void axpy_slice(const float* w, const float* rows, int64_t row_stride, int64_t n,
                                               float* acc) {
-  f32x8 slice[kVecs];
+  for (int64_t r0 = 0; r0 < n; r0 += kSumChunk) {
+    f32x8 slice[kVecs] = {};
+    const int64_t r1 = std::min(n, r0 + kSumChunk);
+    for (int64_t r = r0; r < r1; ++r) {
+      const f32x8 weight = splat8(w[r]);
+      const float* row = rows + r * row_stride;
 #pragma GCC unroll 8
-  for (int v = 0; v < kVecs; ++v) slice[v] = load8(acc + v * kVec);
-  for (int64_t r = 0; r < n; ++r) {
-    const f32x8 weight = splat8(w[r]);
-    const float* row = rows + r * row_stride;
+      for (int v = 0; v < kVecs; ++v) slice[v] += weight * load8(row + v * kVec);
+    }
 #pragma GCC unroll 8
-    for (int v = 0; v < kVecs; ++v) slice[v] += weight * load8(row + v * kVec);
+    for (int v = 0; v < kVecs; ++v) store8(acc + v * kVec, load8(acc + v * kVec) + slice[v]);
   }
-#pragma GCC unroll 8
-  for (int v = 0; v < kVecs; ++v) store8(acc + v * kVec, slice[v]);
 }
 
 }  // namespace
@@ -370,10 +323,14 @@ FDC_CPU_SIMD void axpy_rows(const float* w, int64_t w_ld, int64_t group, const f
       case 7: axpy_slice<7>(wi, rows + c0, row_stride, n, ai + c0); break;
       default: TORCH_CHECK(false, "fdc: axpy_rows has ", rest_vecs, " leftover vectors, at most 7 are possible");
     }
-    for (c0 += rest_vecs * kVec; c0 < dim; ++c0) {
-      float part = ai[c0];
-      for (int64_t r = 0; r < n; ++r) part += wi[r] * rows[r * row_stride + c0];
-      ai[c0] = part;
+    for (c0 += rest_vecs * kVec; c0 < dim; ++c0) {  // in chunks of rows too, as axpy_slice
+      float total = ai[c0];
+      for (int64_t r0 = 0; r0 < n; r0 += kSumChunk) {
+        float part = 0.f;
+        for (int64_t r = r0; r < std::min(n, r0 + kSumChunk); ++r) part += wi[r] * rows[r * row_stride + c0];
+        total += part;
+      }
+      ai[c0] = total;
     }
   }
 }

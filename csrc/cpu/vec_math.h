@@ -9,6 +9,14 @@
 
 namespace fdc::cpu {
 
+// Rows a weighted row sum (axpy_rows, here and in vec_avx512_axpy.h) adds in registers before it adds them to the
+// accumulator in memory. A float sum of n products in one running register rounds n times at the size of the partial
+// sum; in chunks of 16 its error grows with 16 + n / 16 roundings (32 for the 256 dims of a paged cache's key scores,
+// where one running sum per score left the float32 paged decode at 3-7x torch's own error, whose products sum in short
+// vectorised runs; the rule of tests/conftest.py allows 2x). 16 = sqrt(256) is the chunk that minimises the bound at
+// the widest head; every chunk costs one load and store of the accumulators, against 16 rows of FMAs.
+constexpr int64_t kSumChunk = 16;
+
 // Largest of x[0, n); -inf when n == 0, NaN when any is NaN (so a NaN score reaches the output, as in the reference).
 float max_of(const float* x, int64_t n);
 
@@ -16,9 +24,11 @@ float max_of(const float* x, int64_t n);
 // normal float's log give exactly 0 (so a -inf score contributes nothing).
 float exp_and_sum(float* x, int64_t n, float scale, float shift);
 
-// Logit soft-capping (fdc/attention_variant.h) of scores stored divided by the softmax scale: x[i] = softcap *
-// tanh(x[i] * scale / softcap) / scale for i < n (scale = 1 for scores already scaled). tanh to about 3 ulp; a NaN
-// score stays NaN. softcap > 0.
+// Logit soft-capping (fdc/attention_variant.h) of scores not yet scaled: x[i] = soft_cap(x[i] * scale, softcap) for
+// i < n (scale = 1 for scores already scaled), so the results are scaled scores. Divided by softcap, not multiplied by
+// a rounded 1 / softcap and its inverse: such a pair of factors is off 1 by a rounding that every score of a row then
+// shares, which moves the whole softmax where independent roundings average out (the float32 capped decode measured up
+// to 3.3x torch's error that way). tanh to a few ulp; a NaN score stays NaN. softcap > 0.
 void soft_cap_scores(float* x, int64_t n, float scale, float softcap);
 
 // x[i] *= factor for i < n.

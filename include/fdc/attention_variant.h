@@ -12,6 +12,7 @@
 #include <math.h>
 
 #include "fdc/common.h"
+#include "fdc/float_math.h"
 
 namespace fdc {
 
@@ -28,9 +29,18 @@ FDC_HOST_DEVICE inline int64_t decode_window_start(int64_t length, int64_t windo
   return length <= 0 ? 0 : window_start(length - 1, window_left);
 }
 
-// A scaled score after soft-capping (softcap > 0), or as it is (softcap == 0).
+// A scaled score after soft-capping (softcap > 0), or as it is (softcap == 0), with a tanh accurate to a few ulps of
+// its result at every argument, so scores far below the cap come back nearly unchanged, not rounded to ulps of the
+// cap: on the CPU tanh_approx (fdc/float_math.h, branch-free for the vectorised loops), on a GPU CUDA's tanhf (within
+// 2 ulp over its whole range, CUDA Math API), which the 256-wide prefill kernel fits in its registers where
+// tanh_approx spilled 24 bytes.
 FDC_HOST_DEVICE inline float soft_cap(float scaled_score, float softcap) {
-  return softcap > 0.f ? softcap * tanhf(scaled_score / softcap) : scaled_score;
+  if (softcap <= 0.f) return scaled_score;
+#if defined(__CUDA_ARCH__)
+  return softcap * tanhf(scaled_score / softcap);
+#else
+  return softcap * tanh_approx(scaled_score / softcap);
+#endif
 }
 
 // What a sink logit does to a row's output: the output normalised over the visible keys' scores (whose log-sum-exp
