@@ -31,6 +31,7 @@ from bench_results import ROOT, percentile
 
 sys.path.insert(0, str(ROOT / "tests"))
 from conftest import (  # noqa: E402  (the tests' own case generators, so these cases are the tests' kind)
+    nan_padded_caches,
     offsets,
     randn,
     random_block_table,
@@ -57,11 +58,7 @@ def decode_case(rng: random.Random, gen: torch.Generator, dtype: torch.dtype, pa
     if rng.random() < 0.2:
         lengths[0] = 3000  # split into chunks or pieces
     capacity = max(lengths) + 3
-    k_cache = torch.full((batch, capacity, layout.qk_width), float("nan"), dtype=dtype)
-    v_cache = torch.full((batch, capacity, layout.v_width), float("nan"), dtype=dtype)
-    for b, length in enumerate(lengths):
-        k_cache[b, :length] = randn((length, layout.qk_width), dtype, gen)
-        v_cache[b, :length] = randn((length, layout.v_width), dtype, gen)
+    k_cache, v_cache = nan_padded_caches(layout, lengths, capacity, dtype, gen)
     q = randn((batch, layout.group * layout.qk_width), dtype, gen)
     scale = rng.uniform(0.05, 0.5)
     softcap = rng.choice(SOFT_CAPS) if capped else 0.0

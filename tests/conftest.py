@@ -163,6 +163,18 @@ def random_rope_inputs(rng, gen, layout, dtype, group, device="cpu"):
     return x, cos.to(device), sin.to(device), rot.to(device)
 
 
+def nan_padded_caches(layout, lengths: list[int], capacity: int, dtype: torch.dtype, gen: torch.Generator):
+    """Contiguous K and V caches (B, capacity, width) of the layout: each request's first lengths[b] rows random
+    (keys then values, request by request), every other slot NaN, so that a kernel reading past a length poisons its
+    output."""
+    k_cache = torch.full((len(lengths), capacity, layout.qk_width), float("nan"), dtype=dtype)
+    v_cache = torch.full((len(lengths), capacity, layout.v_width), float("nan"), dtype=dtype)
+    for b, length in enumerate(lengths):
+        k_cache[b, :length] = randn((length, layout.qk_width), dtype, gen)
+        v_cache[b, :length] = randn((length, layout.v_width), dtype, gen)
+    return k_cache, v_cache
+
+
 def random_block_table(lengths: list[int], capacity: int, page_size: int, rng) -> tuple[torch.Tensor, int]:
     """A shuffled page assignment for requests of these lengths; unused entries are -1 (never read)."""
     pages_needed = [-(-length // page_size) for length in lengths]

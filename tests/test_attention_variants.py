@@ -15,6 +15,7 @@ from conftest import (
     Layout,
     assert_close_to_reference,
     case_generator,
+    nan_padded_caches,
     offsets,
     randn,
     random_block_table,
@@ -158,11 +159,7 @@ def test_decode_attention_variants(case, paged, isa, monkeypatch):
         lengths[0] = 3000  # split into several chunks or pieces, the window's edge inside one of them
     capacity = max(lengths) + rng.randint(0, 20)
     seqlens = torch.tensor(lengths, dtype=torch.int32)
-    k_cache = torch.full((batch, capacity, layout.qk_width), float("nan"), dtype=dtype)
-    v_cache = torch.full((batch, capacity, layout.v_width), float("nan"), dtype=dtype)
-    for b, length in enumerate(lengths):
-        k_cache[b, :length] = randn((length, layout.qk_width), dtype, gen)
-        v_cache[b, :length] = randn((length, layout.v_width), dtype, gen)
+    k_cache, v_cache = nan_padded_caches(layout, lengths, capacity, dtype, gen)
     variant = _random_variant(rng, gen, layout, max(lengths))
     window_left = variant.get("window_left", -1)
     if window_left >= 0:  # keys outside the window are never read: poison them

@@ -26,6 +26,7 @@ from conftest import (
     assert_close_to_reference,
     capture_graph,
     case_generator,
+    nan_padded_caches,
     offsets,
     randn,
     random_block_table,
@@ -57,11 +58,7 @@ class DecodeInputs:
         batch = len(lengths)
         capacity = max(max(lengths), 1) + extra_capacity
         self.seqlens = torch.tensor(lengths, dtype=torch.int32)
-        k_cache = torch.full((batch, capacity, layout.qk_width), float("nan"), dtype=dtype)
-        v_cache = torch.full((batch, capacity, layout.v_width), float("nan"), dtype=dtype)
-        for b, length in enumerate(lengths):
-            k_cache[b, :length] = randn((length, layout.qk_width), dtype, gen)
-            v_cache[b, :length] = randn((length, layout.v_width), dtype, gen)
+        k_cache, v_cache = nan_padded_caches(layout, lengths, capacity, dtype, gen)
         self.block_table = None
         if paged:
             self.block_table, num_pages = random_block_table(lengths, capacity, page_size, rng)

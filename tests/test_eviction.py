@@ -9,7 +9,15 @@ import random
 import pytest
 import torch
 
-from conftest import assert_close_to_reference, case_generator, randn, random_block_table, random_layout, to_pages
+from conftest import (
+    assert_close_to_reference,
+    case_generator,
+    nan_padded_caches,
+    randn,
+    random_block_table,
+    random_layout,
+    to_pages,
+)
 from fdc_ops import eviction, ops, reference
 
 CASES = 24
@@ -155,11 +163,7 @@ def test_compaction_matches_the_reference(paged, per_head):
         batch = rng.randint(1, 4)
         lengths = [rng.choice([0, 1, 6, 16, 45, 70]) for _ in range(batch)]
         capacity = max(lengths) + rng.randint(0, 7)
-        k_cache = torch.full((batch, capacity, layout.qk_width), float("nan"), dtype=dtype)
-        v_cache = torch.full((batch, capacity, layout.v_width), float("nan"), dtype=dtype)
-        for b, length in enumerate(lengths):
-            k_cache[b, :length] = randn((length, layout.qk_width), dtype, gen)
-            v_cache[b, :length] = randn((length, layout.v_width), dtype, gen)
+        k_cache, v_cache = nan_padded_caches(layout, lengths, capacity, dtype, gen)
         policy = _policy(rng, "snapkv")
         offsets, columns = None, {}
         if per_head:

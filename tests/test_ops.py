@@ -14,6 +14,7 @@ from conftest import (
     DTYPES,
     assert_close_to_reference,
     case_generator,
+    nan_padded_caches,
     offsets,
     randn,
     random_block_table,
@@ -275,11 +276,7 @@ def test_decode_attention(case, paged, isa, monkeypatch):
         lengths[0] = 3000  # long enough to be split into chunks with several workers
     capacity = max(lengths) + rng.randint(0, 20)
     seqlens = torch.tensor(lengths, dtype=torch.int32)
-    k_cache = torch.full((batch, capacity, layout.qk_width), float("nan"), dtype=dtype)
-    v_cache = torch.full((batch, capacity, layout.v_width), float("nan"), dtype=dtype)
-    for b, length in enumerate(lengths):
-        k_cache[b, :length] = randn((length, layout.qk_width), dtype, gen)
-        v_cache[b, :length] = randn((length, layout.v_width), dtype, gen)
+    k_cache, v_cache = nan_padded_caches(layout, lengths, capacity, dtype, gen)
     q = strided_rows(randn((batch, layout.group * layout.qk_width), dtype, gen), rng)
     scale = rng.uniform(0.05, 0.5)
     block_table = None

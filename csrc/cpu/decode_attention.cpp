@@ -78,21 +78,19 @@ void run_task(const int32_t* record, const Problem& pb, const T* q, int64_t q_ld
     t1 = std::min(kv_end, t0 + kTaskKeyBlock);
     const int64_t n = t1 - t0;
     const int64_t next_end = std::min(kv_end, t1 + kTaskKeyBlock);
-    for (int64_t r0 = t1, r1; r0 < next_end; r0 = r1) {
-      r1 = kc.run_end(r0, next_end);
+    kc.for_each_run(t1, next_end, [&](int64_t r0, int64_t r1) {
       kc.prefetch(b, r0, r1, layout.qk_offsets[j], dq);
       vc.prefetch(b, r0, r1, layout.v_offsets[j], dv);
-    }
+    });
     if (kc.paged()) std::fill(scores, scores + group * kTaskKeyBlock, 0.f);
-    for (int64_t r0 = t0, r1; r0 < t1; r0 = r1) {
-      r1 = kc.run_end(r0, t1);
+    kc.for_each_run(t0, t1, [&](int64_t r0, int64_t r1) {
       const FloatRows keys = kc.block(b, r0, r1, j, layout.qk_offsets[j], dq, ws.k.get());
       if (kc.paged()) {  // keys are dq rows of the run's tokens: scores = Q K, a weighted sum of key rows
         axpy_rows(ws.q.get(), dq, group, keys.data, keys.stride, dq, r1 - r0, scores + (r0 - t0), kTaskKeyBlock);
       } else {  // keys are the run's rows of dq: one dot product per (query head, key)
         dot_rows(ws.q.get(), dq, group, keys.data, keys.stride, r1 - r0, dq, scores + (r0 - t0), kTaskKeyBlock, false);
       }
-    }
+    });
     for (int64_t i = 0; i < group; ++i) {
       float* si = scores + i * kTaskKeyBlock;
       if (pb.softcap > 0.f) soft_cap_scores(si, n, 1.f, pb.softcap);  // the queries carry the scale
@@ -100,8 +98,7 @@ void run_task(const int32_t* record, const Problem& pb, const T* q, int64_t q_ld
       if (factor != 1.f) scale_in_place(ws.acc.get() + i * dv, dv, factor);
       softmax[i].sum += exp_and_sum(si, n, 1.f, softmax[i].max);
     }
-    for (int64_t r0 = t0, r1; r0 < t1; r0 = r1) {
-      r1 = vc.run_end(r0, t1);
+    vc.for_each_run(t0, t1, [&](int64_t r0, int64_t r1) {
       const FloatRows values = vc.block(b, r0, r1, j, layout.v_offsets[j], dv, ws.v.get());
       const float* p = scores + (r0 - t0);
       if (vc.paged()) {  // values are dv rows of the run's tokens: acc[i][c] += p_i . V[c]
@@ -109,7 +106,7 @@ void run_task(const int32_t* record, const Problem& pb, const T* q, int64_t q_ld
       } else {  // values are the run's rows of dv: acc_i += sum_t p_i[t] V[t]
         axpy_rows(p, kTaskKeyBlock, group, values.data, values.stride, r1 - r0, dv, ws.acc.get(), dv);
       }
-    }
+    });
   }
 
   finish_task(record, pb, ws.acc.get(), softmax.data(), out, out_ld);

@@ -73,10 +73,14 @@ struct CacheView {
     for (int64_t t = 0; t < t1 - t0; ++t) out[t] = s[t * step];
   }
 
-  // End of the run of keys [t0, run_end) of a block [t0, t1) that lies in one page: the page's end or t1 when paged,
-  // t1 when contiguous (the block is one run).
-  int64_t run_end(int64_t t0, int64_t t1) const {
-    return paged() ? std::min(t1, (t0 / page_size + 1) * page_size) : t1;
+  // Calls f(r0, r1) for each run [r0, r1) of keys [t0, t1) that lies in one page, in order: one call for the whole
+  // range when contiguous.
+  template <typename F>
+  void for_each_run(int64_t t0, int64_t t1, F&& f) const {
+    for (int64_t r0 = t0, r1; r0 < t1; r0 = r1) {
+      r1 = paged() ? std::min(t1, (r0 / page_size + 1) * page_size) : t1;
+      f(r0, r1);
+    }
   }
 
   // Asks for the memory of keys [t0, t1) (a run: within one page when paged), columns [col, col + dim), ahead of use.
@@ -107,7 +111,7 @@ struct CacheView {
   // Keys [t0, t1) of request b, columns [col, col + dim) (KV head j's), as float: token-major (t1 - t0 rows of dim)
   // when contiguous, column-major (dim rows of t1 - t0 tokens) when paged, the page's own order. Float caches are
   // read in place; half-precision ones are widened into `scratch`, quantized ones widened and scaled. The keys are a
-  // run (run_end): within one page when paged.
+  // run (for_each_run): within one page when paged.
   FloatRows block(int64_t b, int64_t t0, int64_t t1, int64_t j, int64_t col, int64_t dim, float* scratch) const {
     const T* src = at(b, t0, col);
     int64_t src_stride, rows, cols;
