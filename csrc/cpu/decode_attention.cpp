@@ -85,9 +85,16 @@ void run_task(const int32_t* record, const Problem& pb, const T* q, int64_t q_ld
     if (kc.paged()) std::fill(scores, scores + group * kTaskKeyBlock, 0.f);
     kc.for_each_run(t0, t1, [&](int64_t r0, int64_t r1) {
       const FloatRows keys = kc.block(b, r0, r1, j, layout.qk_offsets[j], dq, ws.k.get());
+      constexpr bool kFloat64Scores = std::is_same_v<T, float>;  // vec_math.h, dot_rows_f64, says why
       if (kc.paged()) {  // keys are dq rows of the run's tokens: scores = Q K, a weighted sum of key rows
-        axpy_rows(ws.q.get(), dq, group, keys.data, keys.stride, dq, r1 - r0, scores + (r0 - t0), kTaskKeyBlock);
-      } else {  // keys are the run's rows of dq: one dot product per (query head, key)
+        if constexpr (kFloat64Scores) {
+          axpy_rows_f64(ws.q.get(), dq, group, keys.data, keys.stride, dq, r1 - r0, scores + (r0 - t0), kTaskKeyBlock);
+        } else {
+          axpy_rows(ws.q.get(), dq, group, keys.data, keys.stride, dq, r1 - r0, scores + (r0 - t0), kTaskKeyBlock);
+        }
+      } else if constexpr (kFloat64Scores) {  // keys are the run's rows of dq: a dot product per (head, key)
+        dot_rows_f64(ws.q.get(), dq, group, keys.data, keys.stride, r1 - r0, dq, scores + (r0 - t0), kTaskKeyBlock);
+      } else {
         dot_rows(ws.q.get(), dq, group, keys.data, keys.stride, r1 - r0, dq, scores + (r0 - t0), kTaskKeyBlock, false);
       }
     });

@@ -283,7 +283,15 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
   // Columns of a row (contiguous) or rows of a page (paged), with a quantized cache's scales: what is read ahead.
   const int64_t k_stored = kc.stored, v_stored = vc.stored;
   const T* qb = q + b * q_ld;
-  for (int64_t c = 0; c < group * qk_width; ++c) ws.q[c] = to_float(qb[c]);
+  // float32 queries: the key scores come out scaled, so each is rounded about once, not as a sum and again as it is
+  // scaled: a paged score is summed in float64 and scaled there (avx512::axpy_tile_f64 says why), a contiguous float32
+  // row's takes the queries scaled, as the portable kernel does (not a quantized row's, whose scores are scaled by
+  // the keys' scales after them: there scaled queries, rounded once more, cost accuracy).
+  constexpr bool kFloat64Scores = std::is_same_v<T, float>;
+  const bool scaled_queries = kFloat64Scores && !kc.paged() && std::is_same_v<C, float>;
+  const bool scaled = kFloat64Scores && (kc.paged() || scaled_queries);
+  const float query_scale = scaled_queries ? pb.scale : 1.f;
+  for (int64_t c = 0; c < group * qk_width; ++c) ws.q[c] = to_float(qb[c]) * query_scale;
   // Integer rows of a contiguous cache with half-precision queries: the scores by vpdpbusd, four exact products per
   // lane and instruction, on the codes made unsigned as they are loaded (never widened) against the queries as 14-bit
   // codes split in two int8 parts (dot_rows_busd); the value sums by vpdpwssd against the weights as int16 codes
@@ -405,9 +413,10 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
                                        int_bytes(here.k[s] + (k_col / 2) * col_stride), col_stride, dq, here.len[s],
                                        scores + here.first[s], kMaxBlockKeys, stream);
             }
-          } else {  // float32 queries: the block's codes as dq rows of n, one product over all runs
+          } else {  // float32 queries: the block's codes as dq rows of n, one product over all runs, in float64 sums
             unpack_int4_runs(here, here.k, k_col, kc.page_size, n, dq, ws.key_codes.get());
-            avx512::axpy_rows(qj, dq, group, ws.key_codes.get(), n, dq, n, scores, kMaxBlockKeys, stream);
+            avx512::axpy_rows<kFloat64Scores>(qj, dq, group, ws.key_codes.get(), n, dq, n, scores, kMaxBlockKeys,
+                                              stream, pb.scale);
           }
         } else {
           for (int64_t s = 0; s < here.count; ++s) {
@@ -432,7 +441,9 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
                 continue;
               }
             }
-            avx512::axpy_rows(qj, dq, group, keys, col_stride, dq, here.len[s], run_scores, kMaxBlockKeys, stream);
+            // float32 queries: the scores summed in float64 (axpy_tile_f64 says why)
+            avx512::axpy_rows<kFloat64Scores>(qj, dq, group, keys, col_stride, dq, here.len[s], run_scores,
+                                              kMaxBlockKeys, stream, pb.scale);
           }
         }
       } else {  // keys are n rows of dq: one dot product per (query head, key)
@@ -478,11 +489,12 @@ FDC_AVX512 void run_piece_avx512(const RowPiece& piece, const Problem& pb, const
         std::fill(value_scales, value_scales + masked, 0.f);
         if (bf16_weights) weight_factors = value_scales;
       }
-      // The scores are divided by pb.scale, which the exps multiply in, unless capped: soft_cap_scores scales them.
-      const float score_scale = pb.softcap > 0.f ? 1.f : pb.scale;
+      // The scores are divided by pb.scale, which the exps multiply in, unless capped (soft_cap_scores scales them) or
+      // scaled already (float32 queries, above).
+      const float score_scale = pb.softcap > 0.f || scaled ? 1.f : pb.scale;
       for (int64_t i = 0; i < group; ++i) {
         float* si = scores + i * kMaxBlockKeys;
-        if (pb.softcap > 0.f) soft_cap_scores(si + masked, n - masked, pb.scale, pb.softcap);
+        if (pb.softcap > 0.f) soft_cap_scores(si + masked, n - masked, scaled ? 1.f : pb.scale, pb.softcap);
         if (masked > 0) std::fill(si, si + masked, -INFINITY);
         const float factor = softmax[i].rescale_for(avx512::max_of(si, n) * score_scale);
         if (factor != 1.f) avx512::scale_in_place(acc + i * dv, dv, factor);

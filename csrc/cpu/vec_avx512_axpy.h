@@ -66,24 +66,126 @@ FDC_AVX512 void axpy_tile_vecs(int vecs, const float* w, int64_t w_ld, const T* 
   }
 }
 
+// The low and high 8 of 16 floats as doubles.
+FDC_AVX512 inline __m512d widen_low(__m512 x) { return _mm512_cvtps_pd(_mm512_castps512_ps256(x)); }
+FDC_AVX512 inline __m512d widen_high(__m512 x) {
+  return _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+}
+
+// axpy_tile with float64 sums: the key scores of dim-major pages of float32 (or of int4 codes unpacked for float32
+// queries), where a score is a sum over a head's dims in rows of tokens. In float every chunk of dims rounded the
+// partial score, and the scores' errors, times the values, put the paged float32 decode up to 4.2 float32 ulps over
+// twice torch's own error (whose matmul sums each score over more, shorter runs; 1 of 2400 soft-capped cases past the
+// rule of tests/conftest.py); now 1.9 at most, in the time of the float sums (memory-bound; bench/results/ops/
+// README.md, "Accuracy against torch"). Runs of kFloat64Chunk rows are summed in float, each run widened to two
+// registers of 8 doubles per 16 columns and added to float64 sums, scaled and rounded once as acc is stored; so a tile
+// has at most 2 registers of columns (8 float and 16 double accumulators for 4 heads).
+template <typename T, int kHeads, int kVecs>
+FDC_AVX512 void axpy_tile_f64(const float* w, int64_t w_ld, const T* rows, int64_t row_stride, int64_t n,
+                              __mmask16 last, float* acc, int64_t acc_ld, PrefetchStream& stream, double scale) {
+  PrefetchStream ahead = stream;
+  const __m512d factor = _mm512_set1_pd(scale);
+  __m512d low[kHeads][kVecs], high[kHeads][kVecs];
+#pragma GCC unroll 4
+  for (int h = 0; h < kHeads; ++h)
+#pragma GCC unroll 2
+    for (int v = 0; v < kVecs; ++v) low[h][v] = high[h][v] = _mm512_setzero_pd();
+  for (int64_t r0 = 0; r0 < n; r0 += kFloat64Chunk) {
+    __m512 part[kHeads][kVecs];
+#pragma GCC unroll 4
+    for (int h = 0; h < kHeads; ++h)
+#pragma GCC unroll 2
+      for (int v = 0; v < kVecs; ++v) part[h][v] = _mm512_setzero_ps();
+    const int64_t r1 = std::min(n, r0 + kFloat64Chunk);
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* row = rows + r * row_stride;
+      __m512 x[kVecs];
+#pragma GCC unroll 2
+      for (int v = 0; v < kVecs; ++v) {
+        x[v] = load16(row + v * kLanes, v + 1 == kVecs ? last : __mmask16(0xFFFF));
+        ahead.step();
+      }
+#pragma GCC unroll 4
+      for (int h = 0; h < kHeads; ++h) {
+        const __m512 weight = _mm512_set1_ps(w[h * w_ld + r]);
+#pragma GCC unroll 2
+        for (int v = 0; v < kVecs; ++v) part[h][v] = _mm512_fmadd_ps(weight, x[v], part[h][v]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < kHeads; ++h)
+#pragma GCC unroll 2
+      for (int v = 0; v < kVecs; ++v) {
+        low[h][v] = _mm512_add_pd(low[h][v], widen_low(part[h][v]));
+        high[h][v] = _mm512_add_pd(high[h][v], widen_high(part[h][v]));
+      }
+  }
+#pragma GCC unroll 4
+  for (int h = 0; h < kHeads; ++h)
+#pragma GCC unroll 2
+    for (int v = 0; v < kVecs; ++v) {
+      const __mmask16 mask = v + 1 == kVecs ? last : __mmask16(0xFFFF);
+      float* a = acc + h * acc_ld + v * kLanes;
+      const __m512 before = _mm512_maskz_loadu_ps(mask, a);
+      const __m256 sum_low = _mm512_cvtpd_ps(_mm512_fmadd_pd(low[h][v], factor, widen_low(before)));
+      const __m256 sum_high = _mm512_cvtpd_ps(_mm512_fmadd_pd(high[h][v], factor, widen_high(before)));
+      const __m512 sums = _mm512_castpd_ps(
+          _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(sum_low)), _mm256_castps_pd(sum_high), 1));
+      _mm512_mask_storeu_ps(a, mask, sums);
+    }
+  stream = ahead;
+}
+
+template <typename T, int kHeads>
+FDC_AVX512 void axpy_tile_f64_vecs(int vecs, const float* w, int64_t w_ld, const T* rows, int64_t row_stride, int64_t n,
+                                   __mmask16 last, float* acc, int64_t acc_ld, PrefetchStream& ahead, double scale) {
+  switch (vecs) {
+    case 1: return axpy_tile_f64<T, kHeads, 1>(w, w_ld, rows, row_stride, n, last, acc, acc_ld, ahead, scale);
+    case 2: return axpy_tile_f64<T, kHeads, 2>(w, w_ld, rows, row_stride, n, last, acc, acc_ld, ahead, scale);
+    default: TORCH_CHECK(false, "fdc: float64 axpy tile of ", vecs, " registers, expected 1 or 2");
+  }
+}
+
 // Weighted row sums: acc[i * acc_ld + x] += sum_r w[i * w_ld + r] * rows[r * row_stride + x] for i < group, r < n,
-// x < len; in tiles of up to 4 heads x 64 columns.
-template <typename T>
+// x < len; in tiles of up to 4 heads x 64 columns, or, with kFloat64Sums, 4 heads x 32 columns summed in float64
+// (axpy_tile_f64 says where) and multiplied by `scale` before they are rounded (the softmax scale: so a score is
+// rounded once, not once as a sum and again as it is scaled).
+template <bool kFloat64Sums = false, typename T>
 FDC_AVX512 void axpy_rows(const float* w, int64_t w_ld, int64_t group, const T* rows, int64_t row_stride, int64_t n,
-                          int64_t len, float* acc, int64_t acc_ld, PrefetchStream& ahead) {
-  for (int64_t x0 = 0; x0 < len; x0 += kTileVecs * kLanes) {
-    const int64_t cols = std::min<int64_t>(kTileVecs * kLanes, len - x0);
+                          int64_t len, float* acc, int64_t acc_ld, PrefetchStream& ahead, double scale = 1.0) {
+  constexpr int64_t kTileColumns = (kFloat64Sums ? 2 : kTileVecs) * kLanes;
+  for (int64_t x0 = 0; x0 < len; x0 += kTileColumns) {
+    const int64_t cols = std::min<int64_t>(kTileColumns, len - x0);
     const int vecs = static_cast<int>((cols + kLanes - 1) / kLanes);
     const __mmask16 last = lanes_mask(cols - (vecs - 1) * kLanes);
     for (int64_t h0 = 0; h0 < group; h0 += kTileHeads) {
       const int heads = static_cast<int>(std::min<int64_t>(kTileHeads, group - h0));
       const float* wh = w + h0 * w_ld;
       float* ah = acc + h0 * acc_ld + x0;
+      const T* tile_rows = rows + x0;
+      if constexpr (kFloat64Sums) {
+        switch (heads) {
+          case 1:
+            axpy_tile_f64_vecs<T, 1>(vecs, wh, w_ld, tile_rows, row_stride, n, last, ah, acc_ld, ahead, scale);
+            break;
+          case 2:
+            axpy_tile_f64_vecs<T, 2>(vecs, wh, w_ld, tile_rows, row_stride, n, last, ah, acc_ld, ahead, scale);
+            break;
+          case 3:
+            axpy_tile_f64_vecs<T, 3>(vecs, wh, w_ld, tile_rows, row_stride, n, last, ah, acc_ld, ahead, scale);
+            break;
+          case 4:
+            axpy_tile_f64_vecs<T, 4>(vecs, wh, w_ld, tile_rows, row_stride, n, last, ah, acc_ld, ahead, scale);
+            break;
+          default: TORCH_CHECK(false, "fdc: axpy tile of ", heads, " heads, expected 1 to ", kTileHeads);
+        }
+        continue;
+      }
       switch (heads) {
-        case 1: axpy_tile_vecs<T, 1>(vecs, wh, w_ld, rows + x0, row_stride, n, last, ah, acc_ld, ahead); break;
-        case 2: axpy_tile_vecs<T, 2>(vecs, wh, w_ld, rows + x0, row_stride, n, last, ah, acc_ld, ahead); break;
-        case 3: axpy_tile_vecs<T, 3>(vecs, wh, w_ld, rows + x0, row_stride, n, last, ah, acc_ld, ahead); break;
-        case 4: axpy_tile_vecs<T, 4>(vecs, wh, w_ld, rows + x0, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 1: axpy_tile_vecs<T, 1>(vecs, wh, w_ld, tile_rows, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 2: axpy_tile_vecs<T, 2>(vecs, wh, w_ld, tile_rows, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 3: axpy_tile_vecs<T, 3>(vecs, wh, w_ld, tile_rows, row_stride, n, last, ah, acc_ld, ahead); break;
+        case 4: axpy_tile_vecs<T, 4>(vecs, wh, w_ld, tile_rows, row_stride, n, last, ah, acc_ld, ahead); break;
         default: TORCH_CHECK(false, "fdc: axpy tile of ", heads, " heads, expected 1 to ", kTileHeads);
       }
     }

@@ -253,6 +253,90 @@ template <int kVecs>
   }
 }
 
+// Four doubles, one AVX2 register: the float64 sums of dot_rows_f64 and axpy_rows_f64.
+using f64x4 = double __attribute__((vector_size(32)));
+
+[[gnu::always_inline]] inline f64x4 low4(f32x8 v) {
+  return __builtin_convertvector(__builtin_shufflevector(v, v, 0, 1, 2, 3), f64x4);
+}
+[[gnu::always_inline]] inline f64x4 high4(f32x8 v) {
+  return __builtin_convertvector(__builtin_shufflevector(v, v, 4, 5, 6, 7), f64x4);
+}
+
+// out[k] = a . rows[k] for kRows rows (8 or 1) as dot_block computes it, 8 columns at a time in a float accumulator
+// per row, but the 8 lanes (and the columns after the last 8) added in float64 and rounded once (dot_rows_f64 says
+// why).
+template <int kRows>
+[[gnu::always_inline]] inline void dot_block_f64(const float* a, const float* row, int64_t row_stride, int64_t dim,
+                                                 float* out) {
+  f32x8 acc[kRows] = {};
+  const int64_t dim8 = dim / kVec * kVec;
+  for (int64_t c = 0; c < dim8; c += kVec) {
+    const f32x8 av = load8(a + c);
+#pragma GCC unroll 8
+    for (int k = 0; k < kRows; ++k) acc[k] += av * load8(row + k * row_stride + c);
+  }
+  f64x4 total[kRows];
+  double tails[kRows] = {};
+#pragma GCC unroll 8
+  for (int k = 0; k < kRows; ++k) total[k] = low4(acc[k]) + high4(acc[k]);
+  for (int64_t c = dim8; c < dim; ++c) {
+#pragma GCC unroll 8
+    for (int k = 0; k < kRows; ++k) tails[k] += double(a[c]) * double(row[k * row_stride + c]);
+  }
+  if constexpr (kRows % 4 == 0) {  // each four horizontal sums as one vector, as sum8x8 does for floats
+#pragma GCC unroll 2
+    for (int k = 0; k < kRows; k += 4) {
+      const f64x4 halves01 = __builtin_shufflevector(total[k], total[k + 1], 0, 4, 2, 6) +
+                             __builtin_shufflevector(total[k], total[k + 1], 1, 5, 3, 7);
+      const f64x4 halves23 = __builtin_shufflevector(total[k + 2], total[k + 3], 0, 4, 2, 6) +
+                             __builtin_shufflevector(total[k + 2], total[k + 3], 1, 5, 3, 7);
+      f64x4 tail;
+      __builtin_memcpy(&tail, tails + k, sizeof(tail));
+      const f64x4 sums = __builtin_shufflevector(halves01, halves23, 0, 1, 4, 5) +
+                         __builtin_shufflevector(halves01, halves23, 2, 3, 6, 7) + tail;
+      using f32x4 = float __attribute__((vector_size(16)));
+      const f32x4 rounded = __builtin_convertvector(sums, f32x4);
+      __builtin_memcpy(out + k, &rounded, sizeof(rounded));
+    }
+  } else {
+    for (int k = 0; k < kRows; ++k)
+      out[k] = static_cast<float>((total[k][0] + total[k][2]) + (total[k][1] + total[k][3]) + tails[k]);
+  }
+}
+
+// acc[0, 8 * kVecs) += sum_r w[r] * rows[r * row_stride + (0, 8 * kVecs)] in float64 (axpy_rows_f64 says why): float
+// sums over runs of kFloat64Chunk rows, each widened and added to the float64 sums, which are added to acc and
+// rounded once.
+template <int kVecs>
+[[gnu::always_inline]] inline void axpy_slice_f64(const float* w, const float* rows, int64_t row_stride, int64_t n,
+                                                  float* acc) {
+  f64x4 low[kVecs] = {}, high[kVecs] = {};
+  for (int64_t r0 = 0; r0 < n; r0 += kFloat64Chunk) {
+    f32x8 part[kVecs] = {};
+    const int64_t r1 = std::min(n, r0 + kFloat64Chunk);
+    for (int64_t r = r0; r < r1; ++r) {
+      const f32x8 weight = splat8(w[r]);
+      const float* row = rows + r * row_stride;
+#pragma GCC unroll 4
+      for (int v = 0; v < kVecs; ++v) part[v] += weight * load8(row + v * kVec);
+    }
+#pragma GCC unroll 4
+    for (int v = 0; v < kVecs; ++v) low[v] += low4(part[v]), high[v] += high4(part[v]);
+  }
+#pragma GCC unroll 4
+  for (int v = 0; v < kVecs; ++v) {
+    const f32x8 before = load8(acc + v * kVec);
+    const f64x4 sum_low = low4(before) + low[v], sum_high = high4(before) + high[v];
+    f32x8 after;
+    for (int l = 0; l < 4; ++l) {
+      after[l] = static_cast<float>(sum_low[l]);
+      after[l + 4] = static_cast<float>(sum_high[l]);
+    }
+    store8(acc + v * kVec, after);
+  }
+}
+
 }  // namespace
 
 // Two registers' maxima by selects (vmaxps) and NaNs by a separate flag register: written per element, the select
@@ -331,6 +415,49 @@ FDC_CPU_SIMD void axpy_rows(const float* w, int64_t w_ld, int64_t group, const f
         total += part;
       }
       ai[c0] = total;
+    }
+  }
+}
+
+FDC_CPU_SIMD void dot_rows_f64(const float* a, int64_t a_ld, int64_t group, const float* rows, int64_t row_stride,
+                               int64_t n, int64_t dim, float* out, int64_t out_ld) {
+  constexpr int64_t kRowBlock = 8;  // as dot_rows
+  for (int64_t r = 0; r < n; r += kRowBlock) {
+    const int64_t count = std::min(kRowBlock, n - r);
+    for (int64_t i = 0; i < group; ++i) {
+      float* o = out + i * out_ld + r;
+      if (count == kRowBlock) {
+        dot_block_f64<kRowBlock>(a + i * a_ld, rows + r * row_stride, row_stride, dim, o);
+      } else {
+        for (int64_t k = 0; k < count; ++k)
+          dot_block_f64<1>(a + i * a_ld, rows + (r + k) * row_stride, row_stride, dim, o + k);
+      }
+    }
+  }
+}
+
+FDC_CPU_SIMD void axpy_rows_f64(const float* w, int64_t w_ld, int64_t group, const float* rows, int64_t row_stride,
+                                int64_t n, int64_t dim, float* acc, int64_t acc_ld) {
+  // Columns go in slices of 32 (eight registers of doubles), the rest as one narrower slice, then one by one.
+  constexpr int kSliceVecs = 4;
+  for (int64_t i = 0; i < group; ++i) {
+    const float* wi = w + i * w_ld;
+    float* ai = acc + i * acc_ld;
+    int64_t c0 = 0;
+    for (; c0 + kSliceVecs * kVec <= dim; c0 += kSliceVecs * kVec)
+      axpy_slice_f64<kSliceVecs>(wi, rows + c0, row_stride, n, ai + c0);
+    const int64_t rest_vecs = (dim - c0) / kVec;
+    switch (rest_vecs) {
+      case 0: break;
+      case 1: axpy_slice_f64<1>(wi, rows + c0, row_stride, n, ai + c0); break;
+      case 2: axpy_slice_f64<2>(wi, rows + c0, row_stride, n, ai + c0); break;
+      case 3: axpy_slice_f64<3>(wi, rows + c0, row_stride, n, ai + c0); break;
+      default: TORCH_CHECK(false, "fdc: axpy_rows_f64 has ", rest_vecs, " leftover vectors, at most 3 are possible");
+    }
+    for (c0 += rest_vecs * kVec; c0 < dim; ++c0) {
+      double total = ai[c0];
+      for (int64_t r = 0; r < n; ++r) total += double(wi[r]) * double(rows[r * row_stride + c0]);
+      ai[c0] = static_cast<float>(total);
     }
   }
 }

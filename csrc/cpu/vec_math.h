@@ -13,9 +13,16 @@ namespace fdc::cpu {
 // accumulator in memory. A float sum of n products in one running register rounds n times at the size of the partial
 // sum; in chunks of 16 its error grows with 16 + n / 16 roundings (32 for the 256 dims of a paged cache's key scores,
 // where one running sum per score left the float32 paged decode at 3-7x torch's own error, whose products sum in short
-// vectorised runs; the rule of tests/conftest.py allows 2x). 16 = sqrt(256) is the chunk that minimises the bound at
-// the widest head; every chunk costs one load and store of the accumulators, against 16 rows of FMAs.
+// vectorised runs; the rule of tests/conftest.py allows 2x; on AVX-512 those scores take float64 sums now,
+// avx512::axpy_tile_f64). 16 = sqrt(256) is the chunk that minimises the bound at the widest head; every chunk costs
+// one load and store of the accumulators, against 16 rows of FMAs.
 constexpr int64_t kSumChunk = 16;
+
+// Rows avx512::axpy_tile_f64 (the float32 key scores of dim-major pages) adds in float before it widens the run's sums
+// and adds them to its float64 sums: a run of 4 rounds 4 times at the size of a few products rather than of the
+// score (on the portable kernel runs of 8 and 16 left the error where float chunks of 16 had it), and the widening
+// costs a quarter of a conversion per product (measured in bench/results/ops/README.md, "Accuracy against torch").
+constexpr int64_t kFloat64Chunk = 4;
 
 // Largest of x[0, n); -inf when n == 0, NaN when any is NaN (so a NaN score reaches the output, as in the reference).
 float max_of(const float* x, int64_t n);
@@ -57,5 +64,18 @@ void dot_rows(const float* a, int64_t a_ld, int64_t group, const float* rows, in
 // c < dim.
 void axpy_rows(const float* w, int64_t w_ld, int64_t group, const float* rows, int64_t row_stride, int64_t n,
                int64_t dim, float* acc, int64_t acc_ld);
+
+// dot_rows (not accumulating) for the key scores of float32 caches, each dot product's 8 lanes added in float64 and
+// rounded once: the float tree rounded three times at about the score's size, and the scores' errors, times the
+// values, put the float32 decode up to 3.1 float32 ulps over twice torch's own error (whose matmul sums each score
+// over more, shorter runs), past the rule of tests/conftest.py in 1 of 2400 soft-capped cases; now 1.1 at most, in
+// the time of the float tree (bench/results/ops/README.md, "Accuracy against torch").
+void dot_rows_f64(const float* a, int64_t a_ld, int64_t group, const float* rows, int64_t row_stride, int64_t n,
+                  int64_t dim, float* out, int64_t out_ld);
+
+// axpy_rows for the key scores of float32 dim-major pages, in float64 as avx512::axpy_tile_f64 (it says why): from
+// 2.7 to 1.0 ulps over twice torch's error at most, for 1.0-1.5x the time of the float sums.
+void axpy_rows_f64(const float* w, int64_t w_ld, int64_t group, const float* rows, int64_t row_stride, int64_t n,
+                   int64_t dim, float* acc, int64_t acc_ld);
 
 }  // namespace fdc::cpu
