@@ -31,13 +31,13 @@ DECODE_QUANTIZED_DTYPES = ("fp16", "bf16")
 
 
 def prefill_declaration(cpp_type: str, width: int) -> str:
-    return (f"template void launch_mma<{cpp_type}, {width}>(\n    const PrefillArgs<{cpp_type}>& args, int workers, "
-            "cudaStream_t stream);")
+    return (f"template LaunchStatus launch_mma<{cpp_type}, {width}>(\n    const PrefillArgs<{cpp_type}>& args, "
+            "int workers, cudaStream_t stream);")
 
 
 def decode_declaration(cpp_type: str, cache_type: str, heads: int) -> str:
-    return (f"template void launch_layout<{cpp_type}, {cache_type}, {heads}>(\n    const DecodeArgs<{cpp_type}, "
-            f"{cache_type}>& args, bool paged, int64_t smem_bytes, cudaStream_t stream);")
+    return (f"template LaunchStatus launch_layout<{cpp_type}, {cache_type}, {heads}>(\n    const DecodeArgs<"
+            f"{cpp_type}, {cache_type}>& args, bool paged, int64_t smem_bytes, cudaStream_t stream);")
 
 
 def unit(kernel_header: str, namespace: str, declaration: str) -> str:

@@ -1,89 +1,30 @@
-// Helpers shared by the CUDA kernels: element conversions, 16-byte packets, device properties, and the plan entry
-// points (each plan op also runs inside its attention op when no plan is passed).
+// The ATen-facing half of the CUDA helpers: the ops' checks of what a kernel's launcher reports, device properties,
+// and the plan entry points (each plan op also runs inside its attention op when no plan is passed). The torch-free
+// half, which the kernel headers include alone, is device_common.cuh.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-#include <cuda_fp8.h>
 
 #include <optional>
 
 #include "checks.h"
+#include "cuda/device_common.cuh"
 #include "dispatch.h"
 #include "fdc/kv_format.h"
 
 namespace fdc::cuda {
 
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(c10::Half x) { return static_cast<float>(x); }
-__device__ __forceinline__ float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+// Raises the CUDA error a launcher reported, as torch reports one (C10_CUDA_CHECK).
+inline void check_launch(const LaunchStatus& status) { C10_CUDA_CHECK(status.error); }
 
-template <typename T>
-__device__ __forceinline__ T from_float(float x) {
-  return static_cast<T>(x);
-}
-
-// A quantized cache's code (fdc/kv_format.h) as a float, before its scale: a one-byte code of an int8 cache (two's
-// complement) or a float8 e4m3fn one (cuda_fp8.h's conversion: exact, NaN for the NaN codes). format is uniform over a
-// launch, so the branch costs every thread the same.
-__device__ __forceinline__ float code_to_float(uint8_t code, KvFormat format) {
-  if (format == KvFormat::kInt8) return static_cast<float>(static_cast<int8_t>(code));
-  __nv_fp8_e4m3 e4m3;
-  e4m3.__x = code;
-  return static_cast<float>(e4m3);
-}
-
-// The code of q = x / scale (fdc/kv_format.h), as append_kv's CPU kernel computes it: int8 rounds to the nearest
-// integer, ties to even, within [-127, 127]; e4m3fn rounds to the nearest e4m3 value, ties to even, within [-448, 448].
-// q is finite.
-__device__ __forceinline__ uint8_t float_to_code(float q, KvFormat format) {
-  if (format == KvFormat::kInt8)
-    return static_cast<uint8_t>(static_cast<int8_t>(rintf(fminf(fmaxf(q, -127.f), 127.f))));
-  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(fminf(fmaxf(q, -448.f), 448.f), __NV_SATFINITE, __NV_E4M3));
-}
-
-// Elements of T in one 16-byte packet (the unit of ld.global.v4 / cp.async.cg): 8 halves, 4 floats or 16 one-byte
-// codes. Every packed width is a multiple of 8 elements, so a head's row segment of a float cache is a whole number of
-// packets; a quantized cache's is a whole number of 8-byte halves only.
-template <typename T>
-constexpr int kPacket = 16 / static_cast<int>(sizeof(T));
-
-// Whether p may be read or written in 16-byte packets.
-inline bool is_aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-// cp.async: 16-byte copies from global to shared memory that do not hold up the issuing thread; commit_group closes
-// a batch, wait<N> blocks until at most N batches are still in flight (a __syncthreads must follow before other
-// threads read the data).
-__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* global_src) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(global_src));
-}
-// The same for one aligned 4-byte word: a quantized cache's row segments (whose rows are 4-byte multiples: codes,
-// then 4 bytes of scale per KV head) and its scales. cp.async.ca: 4-byte copies go through L1, which .cg refuses.
-__device__ __forceinline__ void cp_async_4(void* smem_dst, const void* global_src) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(global_src));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
-
-// Lets `kernel` use all the dynamic shared memory the current device gives a block (its opt-in maximum less the
-// kernel's static shared memory) and returns that many bytes. The attribute is the same value on every call: a host
-// thread launching with a smaller size cannot lower it between another thread's set and launch.
-template <typename Kernel>
-int64_t allow_all_shared_memory(Kernel kernel) {
-  cudaFuncAttributes attributes;
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-  const int64_t limit =
-      int64_t(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin) - int64_t(attributes.sharedSizeBytes);
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(limit)));
-  return limit;
+// The same, then refuses a launch that needed more dynamic shared memory per CTA (smem_bytes) than the device let the
+// kernel have (the launcher did not launch it), naming the op.
+inline void check_launch(const LaunchStatus& status, const char* op, int64_t smem_bytes) {
+  check_launch(status);
+  FDC_CHECK(smem_bytes <= status.smem_limit, op, "the kernel needs ", smem_bytes,
+            " bytes of shared memory per CTA but the device allows ", status.smem_limit);
 }
 
 // Streaming multiprocessors of the current device: the default worker count of the device planners.

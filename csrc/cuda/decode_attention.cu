@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cuda/cuda_common.cuh"
 #include "cuda/decode_kernels.cuh"
 #include "cuda/generated/decode_instantiations.h"
 
@@ -204,9 +205,9 @@ at::Tensor decode_attention_cuda(const at::Tensor& q, const at::Tensor& k_cache,
     args.stage_elems = smem.stage_elems;
     args.compute_elems = smem.compute_elems;
     switch (smem.heads) {
-      case 4: launch_layout<T, C, 4>(args, paged, smem.bytes, stream); break;
-      case 8: launch_layout<T, C, 8>(args, paged, smem.bytes, stream); break;
-      case 16: launch_layout<T, C, 16>(args, paged, smem.bytes, stream); break;
+      case 4: check_launch(launch_layout<T, C, 4>(args, paged, smem.bytes, stream), op, smem.bytes); break;
+      case 8: check_launch(launch_layout<T, C, 8>(args, paged, smem.bytes, stream), op, smem.bytes); break;
+      case 16: check_launch(launch_layout<T, C, 16>(args, paged, smem.bytes, stream), op, smem.bytes); break;
       default: FDC_CHECK(false, op, "no kernel for ", smem.heads, " query heads per pass");
     }
     decode_combine_kernel<T, C><<<static_cast<unsigned>(batch * hkv), kThreads, 0, stream>>>(args);

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "cuda/cuda_common.cuh"
+#include "cuda/device_common.cuh"
 #include "fdc/attention_variant.h"
 #include "fdc/decode_plan.h"
 #include "fdc/decode_tiles.h"
@@ -507,23 +507,22 @@ __global__ void __launch_bounds__(kThreads, 1) decode_attention_kernel(const __g
   }
 }
 
+// Launches the kernel unless it needs more dynamic shared memory than the device lets it have; the caller raises the
+// op's error from the status (cuda_common.cuh's check_launch).
 template <typename T, typename C, int kHeads, bool kPaged>
-void launch(const DecodeArgs<T, C>& args, int64_t smem_bytes, cudaStream_t stream) {
+LaunchStatus launch(const DecodeArgs<T, C>& args, int64_t smem_bytes, cudaStream_t stream) {
   auto kernel = decode_attention_kernel<T, C, kHeads, kPaged>;
-  const int64_t limit = allow_all_shared_memory(kernel);
-  FDC_CHECK(smem_bytes <= limit, "decode_attention", "the kernel needs ", smem_bytes,
-            " bytes of shared memory per CTA but ", "the device allows ", limit);
+  LaunchStatus status = allow_all_shared_memory(kernel);
+  if (status.error != cudaSuccess || smem_bytes > status.smem_limit) return status;
   kernel<<<args.num_workers, kThreads, smem_bytes, stream>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  status.error = cudaGetLastError();
+  return status;
 }
 
 template <typename T, typename C, int kHeads>
-void launch_layout(const DecodeArgs<T, C>& args, bool paged, int64_t smem_bytes, cudaStream_t stream) {
-  if (paged) {
-    launch<T, C, kHeads, true>(args, smem_bytes, stream);
-  } else {
-    launch<T, C, kHeads, false>(args, smem_bytes, stream);
-  }
+LaunchStatus launch_layout(const DecodeArgs<T, C>& args, bool paged, int64_t smem_bytes, cudaStream_t stream) {
+  return paged ? launch<T, C, kHeads, true>(args, smem_bytes, stream)
+               : launch<T, C, kHeads, false>(args, smem_bytes, stream);
 }
 
 }  // namespace fdc::cuda::decode

@@ -318,7 +318,9 @@ void launch_decode_plan(DecodePlanParams params, int64_t scratch_bytes, const at
   const auto kernel = decode_plan_kernel<kKeysPerLane>;
   int64_t dynamic_bytes = 0;
   at::Tensor workspace;
-  if (scratch_bytes <= allow_all_shared_memory(kernel)) {
+  const LaunchStatus shared = allow_all_shared_memory(kernel);
+  check_launch(shared);
+  if (scratch_bytes <= shared.smem_limit) {
     dynamic_bytes = scratch_bytes;
   } else {
     // The caching allocator keeps this valid past the launch (it is stream-ordered) and inside graph captures.

@@ -39,6 +39,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "cuda/cuda_common.cuh"
 #include "cuda/generated/prefill_instantiations.h"
 #include "cuda/prefill_kernels.cuh"
 
@@ -147,11 +148,11 @@ void launch_prefill(const PrefillArgs<T>& args, int workers, int max_dim, cudaSt
     prefill_fp32_kernel<<<workers, kThreads, 0, stream>>>(args);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   } else if (max_dim <= 64) {
-    launch_mma<T, 64>(args, workers, stream);
+    check_launch(launch_mma<T, 64>(args, workers, stream));
   } else if (max_dim <= 128) {
-    launch_mma<T, 128>(args, workers, stream);
+    check_launch(launch_mma<T, 128>(args, workers, stream));
   } else if (max_dim <= 256) {
-    launch_mma<T, 256>(args, workers, stream);
+    check_launch(launch_mma<T, 256>(args, workers, stream));
   } else {
     FDC_CHECK(false, "prefill_attention", "no CUDA kernel for heads ", max_dim, " wide (at most ", kMaxHeadDim, ")");
   }

@@ -11,7 +11,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "cuda/cuda_common.cuh"
+#include "cuda/device_common.cuh"
 #include "fdc/attention_variant.h"
 #include "fdc/kv_format.h"
 #include "fdc/prefill_plan.h"
@@ -464,12 +464,16 @@ __global__ void __launch_bounds__(kThreads) prefill_mma_kernel(const __grid_cons
   }
 }
 
+// The caller raises a CUDA error from the status (cuda_common.cuh's check_launch).
 template <typename T, int kDim>
-void launch_mma(const PrefillArgs<T>& args, int workers, cudaStream_t stream) {
+LaunchStatus launch_mma(const PrefillArgs<T>& args, int workers, cudaStream_t stream) {
   auto kernel = prefill_mma_kernel<T, kDim>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Bucket<kDim>::kSharedBytes));
+  LaunchStatus status;
+  status.error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Bucket<kDim>::kSharedBytes);
+  if (status.error != cudaSuccess) return status;
   kernel<<<workers, kThreads, Bucket<kDim>::kSharedBytes, stream>>>(args);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  status.error = cudaGetLastError();
+  return status;
 }
 
 }  // namespace fdc::cuda::prefill

@@ -2,6 +2,6 @@
 #include "cuda/decode_kernels.cuh"
 
 namespace fdc::cuda::decode {
-template void launch_layout<c10::BFloat16, uint8_t, 4>(
+template LaunchStatus launch_layout<c10::BFloat16, uint8_t, 4>(
     const DecodeArgs<c10::BFloat16, uint8_t>& args, bool paged, int64_t smem_bytes, cudaStream_t stream);
 }  // namespace fdc::cuda::decode

@@ -2,6 +2,6 @@
 #include "cuda/decode_kernels.cuh"
 
 namespace fdc::cuda::decode {
-template void launch_layout<c10::BFloat16, c10::BFloat16, 8>(
+template LaunchStatus launch_layout<c10::BFloat16, c10::BFloat16, 8>(
     const DecodeArgs<c10::BFloat16, c10::BFloat16>& args, bool paged, int64_t smem_bytes, cudaStream_t stream);
 }  // namespace fdc::cuda::decode

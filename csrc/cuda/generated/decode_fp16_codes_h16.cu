@@ -2,6 +2,6 @@
 #include "cuda/decode_kernels.cuh"
 
 namespace fdc::cuda::decode {
-template void launch_layout<c10::Half, uint8_t, 16>(
+template LaunchStatus launch_layout<c10::Half, uint8_t, 16>(
     const DecodeArgs<c10::Half, uint8_t>& args, bool paged, int64_t smem_bytes, cudaStream_t stream);
 }  // namespace fdc::cuda::decode

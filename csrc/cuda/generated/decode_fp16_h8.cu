@@ -2,6 +2,6 @@
 #include "cuda/decode_kernels.cuh"
 
 namespace fdc::cuda::decode {
-template void launch_layout<c10::Half, c10::Half, 8>(
+template LaunchStatus launch_layout<c10::Half, c10::Half, 8>(
     const DecodeArgs<c10::Half, c10::Half>& args, bool paged, int64_t smem_bytes, cudaStream_t stream);
 }  // namespace fdc::cuda::decode

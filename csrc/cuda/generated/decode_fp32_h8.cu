@@ -2,6 +2,6 @@
 #include "cuda/decode_kernels.cuh"
 
 namespace fdc::cuda::decode {
-template void launch_layout<float, float, 8>(
+template LaunchStatus launch_layout<float, float, 8>(
     const DecodeArgs<float, float>& args, bool paged, int64_t smem_bytes, cudaStream_t stream);
 }  // namespace fdc::cuda::decode

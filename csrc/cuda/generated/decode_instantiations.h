@@ -5,34 +5,34 @@
 #include "cuda/decode_kernels.cuh"
 
 namespace fdc::cuda::decode {
-extern template void launch_layout<float, float, 4>(
+extern template LaunchStatus launch_layout<float, float, 4>(
     const DecodeArgs<float, float>& args, bool paged, int64_t smem_bytes, cudaStream_t stream);
-extern template void launch_layout<float, float, 8>(
+extern template LaunchStatus launch_layout<float, float, 8>(
     const DecodeArgs<float, float>& args, bool paged, int64_t smem_bytes, cudaStream_t stream);
-extern template void launch_layout<float, float, 16>(
+extern template LaunchStatus launch_layout<float, float, 16>(
     const DecodeArgs<float, float>& args, bool paged, int64_t smem_bytes, cudaStream_t stream);
-extern template void launch_layout<c10::Half, c10::Half, 4>(
+extern template LaunchStatus launch_layout<c10::Half, c10::Half, 4>(
     const DecodeArgs<c10::Half, c10::Half>& args, bool paged, int64_t smem_bytes, cudaStream_t stream);
-extern template void launch_layout<c10::Half, c10::Half, 8>(
+extern template LaunchStatus launch_layout<c10::Half, c10::Half, 8>(
     const DecodeArgs<c10::Half, c10::Half>& args, bool paged, int64_t smem_bytes, cudaStream_t stream);
-extern template void launch_layout<c10::Half, c10::Half, 16>(
+extern template LaunchStatus launch_layout<c10::Half, c10::Half, 16>(
     const DecodeArgs<c10::Half, c10::Half>& args, bool paged, int64_t smem_bytes, cudaStream_t stream);
-extern template void launch_layout<c10::Half, uint8_t, 4>(
+extern template LaunchStatus launch_layout<c10::Half, uint8_t, 4>(
     const DecodeArgs<c10::Half, uint8_t>& args, bool paged, int64_t smem_bytes, cudaStream_t stream);
-extern template void launch_layout<c10::Half, uint8_t, 8>(
+extern template LaunchStatus launch_layout<c10::Half, uint8_t, 8>(
     const DecodeArgs<c10::Half, uint8_t>& args, bool paged, int64_t smem_bytes, cudaStream_t stream);
-extern template void launch_layout<c10::Half, uint8_t, 16>(
+extern template LaunchStatus launch_layout<c10::Half, uint8_t, 16>(
     const DecodeArgs<c10::Half, uint8_t>& args, bool paged, int64_t smem_bytes, cudaStream_t stream);
-extern template void launch_layout<c10::BFloat16, c10::BFloat16, 4>(
+extern template LaunchStatus launch_layout<c10::BFloat16, c10::BFloat16, 4>(
     const DecodeArgs<c10::BFloat16, c10::BFloat16>& args, bool paged, int64_t smem_bytes, cudaStream_t stream);
-extern template void launch_layout<c10::BFloat16, c10::BFloat16, 8>(
+extern template LaunchStatus launch_layout<c10::BFloat16, c10::BFloat16, 8>(
     const DecodeArgs<c10::BFloat16, c10::BFloat16>& args, bool paged, int64_t smem_bytes, cudaStream_t stream);
-extern template void launch_layout<c10::BFloat16, c10::BFloat16, 16>(
+extern template LaunchStatus launch_layout<c10::BFloat16, c10::BFloat16, 16>(
     const DecodeArgs<c10::BFloat16, c10::BFloat16>& args, bool paged, int64_t smem_bytes, cudaStream_t stream);
-extern template void launch_layout<c10::BFloat16, uint8_t, 4>(
+extern template LaunchStatus launch_layout<c10::BFloat16, uint8_t, 4>(
     const DecodeArgs<c10::BFloat16, uint8_t>& args, bool paged, int64_t smem_bytes, cudaStream_t stream);
-extern template void launch_layout<c10::BFloat16, uint8_t, 8>(
+extern template LaunchStatus launch_layout<c10::BFloat16, uint8_t, 8>(
     const DecodeArgs<c10::BFloat16, uint8_t>& args, bool paged, int64_t smem_bytes, cudaStream_t stream);
-extern template void launch_layout<c10::BFloat16, uint8_t, 16>(
+extern template LaunchStatus launch_layout<c10::BFloat16, uint8_t, 16>(
     const DecodeArgs<c10::BFloat16, uint8_t>& args, bool paged, int64_t smem_bytes, cudaStream_t stream);
 }  // namespace fdc::cuda::decode

@@ -2,6 +2,6 @@
 #include "cuda/prefill_kernels.cuh"
 
 namespace fdc::cuda::prefill {
-template void launch_mma<c10::BFloat16, 128>(
+template LaunchStatus launch_mma<c10::BFloat16, 128>(
     const PrefillArgs<c10::BFloat16>& args, int workers, cudaStream_t stream);
 }  // namespace fdc::cuda::prefill

@@ -2,6 +2,6 @@
 #include "cuda/prefill_kernels.cuh"
 
 namespace fdc::cuda::prefill {
-template void launch_mma<c10::Half, 64>(
+template LaunchStatus launch_mma<c10::Half, 64>(
     const PrefillArgs<c10::Half>& args, int workers, cudaStream_t stream);
 }  // namespace fdc::cuda::prefill

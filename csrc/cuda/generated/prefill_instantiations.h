@@ -5,16 +5,16 @@
 #include "cuda/prefill_kernels.cuh"
 
 namespace fdc::cuda::prefill {
-extern template void launch_mma<c10::Half, 64>(
+extern template LaunchStatus launch_mma<c10::Half, 64>(
     const PrefillArgs<c10::Half>& args, int workers, cudaStream_t stream);
-extern template void launch_mma<c10::Half, 128>(
+extern template LaunchStatus launch_mma<c10::Half, 128>(
     const PrefillArgs<c10::Half>& args, int workers, cudaStream_t stream);
-extern template void launch_mma<c10::Half, 256>(
+extern template LaunchStatus launch_mma<c10::Half, 256>(
     const PrefillArgs<c10::Half>& args, int workers, cudaStream_t stream);
-extern template void launch_mma<c10::BFloat16, 64>(
+extern template LaunchStatus launch_mma<c10::BFloat16, 64>(
     const PrefillArgs<c10::BFloat16>& args, int workers, cudaStream_t stream);
-extern template void launch_mma<c10::BFloat16, 128>(
+extern template LaunchStatus launch_mma<c10::BFloat16, 128>(
     const PrefillArgs<c10::BFloat16>& args, int workers, cudaStream_t stream);
-extern template void launch_mma<c10::BFloat16, 256>(
+extern template LaunchStatus launch_mma<c10::BFloat16, 256>(
     const PrefillArgs<c10::BFloat16>& args, int workers, cudaStream_t stream);
 }  // namespace fdc::cuda::prefill
