@@ -341,7 +341,7 @@ def balance_ablation(shapes: list[tuple[str, list[int], bool]], dtype, device, t
     out = []
     for name, lengths, causal in shapes:
         inputs = FdcInputs(lengths, causal, qk_dims, v_dims, dtype, device)
-        cu = inputs.cu.cpu()  # the host planner: the device planner's plans equal it (tests/test_cuda_prefill.py)
+        cu = inputs.cu.cpu()  # the host planner: the device planner's plans equal it (tests/cuda/test_cuda_prefill.py)
         op_plan = ops.prefill_plan(cu, cu, inputs.qk_offsets, inputs.v_offsets, GROUP, causal, workers)
         entry = dict(case=name, lengths=lengths, causal=causal, dtype=dtype_name(dtype),
                      qk_dims=qk_dims, v_dims=v_dims, workers=workers, row_block=ops.DEFAULT_ROW_BLOCK, policies={})

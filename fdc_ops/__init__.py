@@ -2,7 +2,7 @@
 compressed Hugging Face models.
 
 The package is layered. ``import fdc_ops`` registers the operators and loads nothing else: operator users never pay
-for importing transformers (tests/test_package.py checks it). The rest is imported on first use:
+for importing transformers (tests/meta/test_package.py checks it). The rest is imported on first use:
 
 - the library: :mod:`fdc_ops.ops` (typed wrappers of the ops), :mod:`fdc_ops.plans` (the plan formats, decoded and
   built; loaded with the ops), :mod:`fdc_ops.reference` (float64 references),

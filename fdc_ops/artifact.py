@@ -720,8 +720,8 @@ def _sha256(path: Path) -> str:
 
 # Artifacts shipped with the package, for the bundled SmolLM2 at load_or_calibrate's defaults: calibrating it takes
 # 80 s on 2 cores (bench/results/eval/README.md), a large share of the newcomer's first run (README). The key carries
-# the format version and the model's fingerprint, so a stale one is never used; tests/test_calibration.py checks it is
-# current.
+# the format version and the model's fingerprint, so a stale one is never used; tests/hf/test_calibration.py checks it
+# is current.
 BUNDLED_ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 #: The name that stands for the bundled SmolLM2's artifact where a directory is asked for (fdc_ops.hf.compress,
 #: fdc_ops.vllm.hf_overrides and its command line), so nobody has to dig it out of site-packages.

@@ -2,7 +2,7 @@
 caller that reads, builds or sizes a plan (the op wrappers, the ops demo, the tests, the benchmarks).
 
 The formats are defined in include/fdc/decode_plan.h and include/fdc/prefill_plan.h (the source of truth; this module
-mirrors them field for field, and tests/test_plans.py decodes plans the ops produce):
+mirrors them field for field, and tests/ops/test_plans.py decodes plans the ops produce):
 
 - decode: ``[tag, B, H_kv, N, capacity, num_tasks, group, status]``, then ``split_offsets[B*H_kv + 1]``,
   ``worker_offsets[N + 1]`` and ``records[capacity][4]`` = ``(b*H_kv + j, chunk, kv_start, kv_end)``, entries past

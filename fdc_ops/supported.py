@@ -1,7 +1,7 @@
 """The releases of fdc_ops' dependencies that it is tested with, each bound with its reason: the one source for
 setup.py (install_requires and extras, read from this file before anything is built, so it imports nothing), the
 runtime guards of the model side and the vLLM plugin (:func:`check`), and the test environments (requirements.txt
-and scripts/setup_vllm.sh; tests/test_package.py checks that they agree with it).
+and scripts/setup_vllm.sh; tests/meta/test_package.py checks that they agree with it).
 
 A bound on a library whose internals fdc_ops reads (torch's C++ ABI, transformers' attention modules and caches,
 vLLM's plugin interfaces) is the tested release range: a release past it may rename what fdc_ops reads, which once

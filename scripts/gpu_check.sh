@@ -100,9 +100,9 @@ if wants build; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-cuda_tests=(tests/test_cuda_*.py)
-shared_memory_tests=(tests/test_cuda_decode.py tests/test_cuda_prefill.py tests/test_cuda_plan.py
-  tests/test_cuda_quantized.py)
+cuda_tests=(tests/cuda/test_cuda_*.py)
+shared_memory_tests=(tests/cuda/test_cuda_decode.py tests/cuda/test_cuda_prefill.py tests/cuda/test_cuda_plan.py
+  tests/cuda/test_cuda_quantized.py)
 selection="not long and not among_many and not graph and not hf"
 quick=(-v -p no:cacheprovider -k "$selection")
 fewest=(-v -p no:cacheprovider -k "$selection and not group_sizes and not widest")
@@ -118,7 +118,7 @@ if "$python" -c "import xdist" 2> /dev/null; then
 fi
 # shellcheck disable=SC2086
 wants tests && step tests 100 env OMP_NUM_THREADS=$threads "$python" -m pytest "${cuda_tests[@]}" \
-  tests/test_bad_input.py tests/test_opcheck.py -q -rs -p no:cacheprovider --durations=10 "${parallel[@]}" \
+  tests/ops/test_bad_input.py tests/ops/test_opcheck.py -q -rs -p no:cacheprovider --durations=10 "${parallel[@]}" \
   ${PYTEST_ARGS:-}
 # The four sanitizer tools run at once, each over its own pytest-xdist processes (compute-sanitizer follows a
 # command's child processes and prints one error summary per process): one tool and one process at a time, memcheck

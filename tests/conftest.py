@@ -22,18 +22,35 @@ from __future__ import annotations
 import math
 import os
 import random
+import sys
 import zlib
 from dataclasses import dataclass
 
 import pytest
 import torch
 
+# The test layers: each test file lives in the folder of one (tests/meta/test_tiers.py checks), and its tests carry
+# the layer's marker (pyproject.toml registers them), so `pytest -m "ops or hf"` selects by layer.
+LAYERS = {"ops": "ops", "cuda": "cuda", "hf": "hf", "apps": "apps", "meta": "meta", "vllm_plugin": "vllm"}
+TESTS = os.path.dirname(os.path.abspath(__file__))
+# A test file may reuse the checks of another layer's (tests/cuda runs tests/ops' on the GPU), so the layers' folders
+# are importable whichever pytest collects first; tests/vllm_plugin is a package, imported as one.
+sys.path[:0] = [os.path.join(TESTS, folder) for folder in LAYERS if folder != "vllm_plugin"]
+
 BASE_SEED = int(os.environ.get("FDC_TEST_SEED", random.randrange(2**31)))
+# FDC_TEST_CASES: the share of each random sweep's cases a run draws (default 1: all of them). CI's leg on the newest
+# torch release draws a quarter (scripts/test_torch_release.sh): the CPU kernels call no ATen math (only
+# at::parallel_for), so their numerics do not change with torch's release, and what a release can break (the op
+# registrations, opcheck, the references' torch ops, threading) shows in a few cases of each sweep.
+CASE_SHARE = float(os.environ.get("FDC_TEST_CASES", "1"))
+if not 0 < CASE_SHARE <= 1:
+    raise ValueError(f"FDC_TEST_CASES must be a share in (0, 1], got {os.environ['FDC_TEST_CASES']!r}")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def pytest_report_header(config):
-    return f"fdc_ops test seed: FDC_TEST_SEED={BASE_SEED}"
+    share = "" if CASE_SHARE == 1 else f"; FDC_TEST_CASES={CASE_SHARE} of each random sweep's cases"
+    return f"fdc_ops test seed: FDC_TEST_SEED={BASE_SEED}{share}"
 
 
 def pytest_addoption(parser):
@@ -42,14 +59,23 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked slow (the real-model tier) run only with --slow; otherwise they are reported as skipped, saying
-    how to run them."""
-    if config.getoption("--slow"):
-        return
-    skip = pytest.mark.skip(reason="real-model tier (marked slow): run with pytest --slow")
+    """Every test gets its layer's marker; tests marked slow (the real-model tier) run only with --slow (otherwise
+    they are reported as skipped, saying how to run them)."""
+    skip = None if config.getoption("--slow") else pytest.mark.skip(
+        reason="real-model tier (marked slow): run with pytest --slow")
     for item in items:
-        if "slow" in item.keywords:
+        folder = os.path.relpath(str(item.path), TESTS).split(os.sep)[0]
+        if folder not in LAYERS:
+            raise pytest.UsageError(f"{item.path}: a test file outside the layer folders of tests/ "
+                                    f"({', '.join(sorted(LAYERS))}); move it into the layer it tests")
+        item.add_marker(LAYERS[folder])
+        if skip is not None and "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def cases(count: int) -> range:
+    """The cases of a random sweep of `count`: all of them, or FDC_TEST_CASES's share of them (at least one)."""
+    return range(max(1, round(count * CASE_SHARE)))
 
 
 def case_generator(test_name: str, case: int) -> tuple[torch.Generator, random.Random, str]:

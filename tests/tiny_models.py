@@ -31,11 +31,11 @@ def tiny_model(family: str, seed: int = 0, **overrides):
         # Phi-3: fused qkv_proj, and rotary on the first half of each head only
         "phi3": (transformers.Phi3Config, {"partial_rotary_factor": 0.5, "pad_token_id": 0, "bos_token_id": 1,
                                            "eos_token_id": 2}),
-        # Gemma 2 (tests/test_hf_windows.py): windowed and full layers by turns, logits soft-capped at a value the
+        # Gemma 2 (tests/hf/test_hf_windows.py): windowed and full layers by turns, logits soft-capped at a value the
         # tiny model's scores reach, a query scale that is not 1 / sqrt(head_dim)
         "gemma2": (transformers.Gemma2Config, {"attn_logit_softcapping": 2.0, "query_pre_attn_scalar": 24,
                                                "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
-        # Gemma 3's text model (tests/test_hf_windows.py): a windowed layer then a full one, per-head q/k norms, the
+        # Gemma 3's text model (tests/hf/test_hf_windows.py): a windowed layer then a full one, per-head q/k norms, the
         # windowed layers' RoPE on a base of its own, a query scale that is not 1 / sqrt(head_dim)
         "gemma3": (transformers.Gemma3TextConfig, {"query_pre_attn_scalar": 24, "pad_token_id": 0, "bos_token_id": 1,
                                                    "eos_token_id": 2,

@@ -1,7 +1,7 @@
 """bench/bench_serving.py's helpers that need no vLLM: the servers' max_model_len in whole blocks, the KV blocks of
-a shared memory budget, the scheduler's figures read from /metrics (its lock and
-percentiles are bench_results', tests/test_bench_results.py). The benchmark itself runs vLLM servers for minutes; its
-figures are in bench/results/serving/README.md."""
+a shared memory budget, the scheduler's figures read from /metrics (its lock and percentiles are bench_results',
+tests/apps/test_bench_results.py). The benchmark itself runs vLLM servers for minutes; its figures are in
+bench/results/serving/README.md."""
 
 import importlib.util
 import os
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")

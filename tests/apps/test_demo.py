@@ -8,6 +8,8 @@ import pytest
 from fdc_ops import progress
 from fdc_ops.apps import demo
 
+pytestmark = pytest.mark.model
+
 
 def test_curve_counts_a_compression_only_when_every_smaller_one_keeps_the_target():
     rng = random.Random()

@@ -7,6 +7,8 @@ import pytest
 from fdc_ops.apps import eval as eval_app
 from fdc_ops.identity import AttentionShape
 
+pytestmark = pytest.mark.model
+
 
 def test_best_compression_stops_at_the_first_failure_of_a_non_monotone_score():
     points = [(0.1, 0.995), (0.05, 1.01), (0.2, 0.98), (0.3, 0.992), (0.4, 0.97)]

@@ -20,7 +20,7 @@ from fdc_ops.apps import cli
 from fdc_ops.calibration import FDCArtifact
 from tiny_models import tiny_model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def small_artifact(seed: int) -> FDCArtifact:

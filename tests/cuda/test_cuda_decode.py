@@ -4,7 +4,7 @@ every slot and page that must not be read, non-contiguous queries, sequences of 
 request among many short ones, G from 1 to 8 and 16, explicit plans for 1, 3 and 132 workers, a decode step captured
 in a CUDA graph and replayed over changed lengths and cache contents (one layer, and a whole SmolLM2-shaped model:
 append_kv, decode_plan and decode_attention in 30 layers), a negative length (NaN output, status in the plan)
-(opcheck on CUDA inputs: tests/test_opcheck.py); and the attention variants (sliding windows, soft-capping, sinks):
+(opcheck on CUDA inputs: tests/ops/test_opcheck.py); and the attention variants (sliding windows, soft-capping, sinks):
 split and unsplit requests, NaN keys and unmapped pages before the window, windowed plans equal to the host
 planner's, a plan for another window (NaN), and a windowed step captured in a CUDA graph.
 

@@ -98,7 +98,7 @@ def test_a_static_cache_on_the_gpu_gives_the_cpu_tokens(compile_mode):
 def test_a_quantized_cache_on_the_gpu_stays_near_its_float_cache(kv_dtype):
     """hf.compress(kv_dtype=...) on a bfloat16 model on the GPU (the CUDA append_kv quantizing, decode_attention
     reading the codes; a several-token call dequantizing the cached rows for prefill_attention): every call after the
-    prompt within the CPU test's bound of the same model with a bfloat16 cache (tests/test_hf_quantized.py), and the
+    prompt within the CPU test's bound of the same model with a bfloat16 cache (tests/hf/test_hf_quantized.py), and the
     cache holding codes and scales."""
     from fdc_ops.hf.modules import CompressedKVLayer
     from test_hf import calibrated, left_padded

@@ -1,7 +1,7 @@
 """The CUDA kernels of rotate_compress, rope_rotate_compress and append_kv against the float64 reference and
 against the CPU kernels, on freshly drawn random configurations each run (conftest's seeds and tolerance rule);
 append_kv into NaN-poisoned caches, where every slot not written must stay bit-identical; device-side handling of
-bad lengths and page indices; CUDA-graph capture (opcheck on CUDA inputs: tests/test_opcheck.py).
+bad lengths and page indices; CUDA-graph capture (opcheck on CUDA inputs: tests/ops/test_opcheck.py).
 
 The whole module is skipped without a GPU, or when fdc_ops was built without its CUDA kernels."""
 

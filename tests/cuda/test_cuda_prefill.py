@@ -5,7 +5,7 @@ sequences (and rows of q outside them must come back zero), non-contiguous q/k/v
 8 up to 256 (layouts mixing 8- and 256-wide heads), one 16K causal sequence per dtype, explicit plans for 1, 5 and 132
 workers and row blocks of 16, 64 and 128 (equal integer for integer to the CPU planner's), hand-built unbalanced
 plans (no row-block rescaling, no last-round split, everything on one worker, one record per head) giving the same
-result (opcheck on CUDA inputs: tests/test_opcheck.py), bad input on CUDA raising errors that name the op and
+result (opcheck on CUDA inputs: tests/ops/test_opcheck.py), bad input on CUDA raising errors that name the op and
 argument, and the attention variants (sliding windows, soft-capping, sinks) over random configurations, extreme
 widths, a windowed 16K sequence, and windowed plans equal to the CPU planner's. Keys and values read from a paged
 cache (block_table) against the reference reading the same pages, and bit for bit equal to the same keys given as
@@ -154,7 +154,7 @@ def assert_same_plan(cpu: torch.Tensor, cuda: torch.Tensor, what: str):
 
 
 def _random_problem(gen, rng, layout: Layout, dtype, causal: bool, batch: int | None = None) -> PrefillInputs:
-    """Varlen lengths as in tests/test_ops.py, longer: keys equal to, more than, or fewer than the queries."""
+    """Varlen lengths as in tests/ops/test_ops.py, longer: keys equal to, more than, or fewer than the queries."""
     lengths_q = random_lengths(rng, batch or rng.randint(1, 5), choices=LENGTHS)
     lengths_k = [s + rng.choice([0, 0, 1, 9, 40, 300]) if rng.random() < 0.5 else s for s in lengths_q]
     if rng.random() < 0.3:  # queries that see fewer keys than there are queries (causal rows that see nothing)

@@ -1,11 +1,11 @@
 """Quantized KV caches on a GPU (int8 and float8_e4m3fn codes with a float32 scale per token and KV head;
 include/fdc/kv_format.h): append_kv quantizes on the device into exactly the bytes the CPU op writes (which
-tests/test_quantized_cache.py holds to the float64 reference), decode_attention reads the codes in place, contiguous
+tests/ops/test_quantized_cache.py holds to the float64 reference), decode_attention reads the codes in place, contiguous
 and paged, with NaN-poisoned unused slots and pages, windows, soft-capping, sinks and explicit plans, and
 prefill_attention the pages behind a cached prefix, each giving the reference's attention over the dequantized cache;
 every e4m3 code is read as its value; a quantized decode step replays from a CUDA graph; opcheck on CUDA inputs; and
 what has no CUDA kernel (int4 caches, float32 activations over codes) or breaks its alignment is refused by name. The
-CPU-only float64 checks of the formats are in tests/test_quantized_cache.py, whose helpers this reuses."""
+CPU-only float64 checks of the formats are in tests/ops/test_quantized_cache.py, whose helpers this reuses."""
 
 from __future__ import annotations
 
@@ -144,7 +144,7 @@ def test_prefill_attention_reads_quantized_pages(case):
 
 def test_decode_attention_reads_every_e4m3_code():
     """Each of e4m3fn's 254 finite codes as one key's dim and one value's, stored by the GPU's append_kv and read by its
-    decode, contiguous and paged (tests/test_quantized_cache.py's check on the GPU)."""
+    decode, contiguous and paged (tests/ops/test_quantized_cache.py's check on the GPU)."""
     check_every_e4m3_code(DEVICE, "cuda")
 
 

@@ -20,6 +20,7 @@ from fdc_ops.hf import families, loading
 from tiny_models import FAMILIES, HEAD_DIM, hand_key_projection, hand_qkv, layer_inputs, tiny_model
 
 pytest.importorskip("transformers", reason="calibration needs transformers (scripts/setup.sh installs it)")
+pytestmark = pytest.mark.model
 
 
 def random_ids(model, generator: torch.Generator, batch: int, length: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ from fdc_ops.hf.modules import CompressedKVLayer, FDCAttention, PaluAttention
 from tiny_models import FAMILIES, TINY_MODELS, tiny_model
 
 transformers = pytest.importorskip("transformers", reason="the model side needs transformers")
+pytestmark = pytest.mark.model
 METHODS = ("fdc", "palu")
 #: Tests that draw their family: a random one of FAMILIES, and always the Qwen2.5-Coder shape besides.
 DRAWN = ("any family", "qwen2_coder")

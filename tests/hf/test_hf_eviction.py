@@ -18,6 +18,7 @@ from test_hf import calibrated, generate, left_padded
 from tiny_models import FAMILIES
 
 transformers = pytest.importorskip("transformers", reason="the model side needs transformers")
+pytestmark = pytest.mark.model
 METHODS = ("fdc", "palu")
 
 

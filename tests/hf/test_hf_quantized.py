@@ -17,6 +17,7 @@ from fdc_ops.hf.modules import CompressedKVLayer
 from test_hf import calibrated, left_padded
 
 transformers = pytest.importorskip("transformers", reason="the model side needs transformers")
+pytestmark = pytest.mark.model
 
 FORMATS = (torch.int8, torch.float8_e4m3fn, torch.uint8)  # uint8: int4 codes, two per byte
 # Largest logit error of a quantized cache against the float cache, as a share of the logits' largest magnitude:

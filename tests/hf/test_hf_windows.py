@@ -15,6 +15,7 @@ from fdc_ops.hf.modules import INITIAL_CAPACITY, CompressedKVLayer, StaticWindow
 from tiny_models import tiny_model
 
 transformers = pytest.importorskip("transformers", reason="the model side needs transformers")
+pytestmark = pytest.mark.model
 METHODS = ("fdc", "palu")
 WINDOW = 6  # positions a query sees, its own included: far shorter than the prompts and generations below
 WINDOWED = {

@@ -66,7 +66,7 @@ def test_a_missing_part_package_names_the_package_and_the_extra(tmp_path, monkey
 
 
 def test_the_qwen_coder_parts_are_the_extras_packages():
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     extra = runpy.run_path(str(root / "fdc_ops" / "supported.py"))["QWEN_CODER_EXTRA"]
     assert [part.requirement for part in loading.QWEN_CODER.parts] == [name + pin for name, pin in extra.items()]
     assert sum(part.size for part in loading.QWEN_CODER.parts) == loading.QWEN_CODER.size == 1_117_320_768

@@ -1,6 +1,6 @@
 """The model side on every supported transformers release: compressed models decode from their cache exactly as they
 recompute without one, whatever name the release passes the cache under, and a release outside the tested range is
-refused. scripts/test_release_range.sh runs this file and tests/test_hf.py on the oldest and the newest
+refused. scripts/test_release_range.sh runs this file and tests/hf/test_hf.py on the oldest and the newest
 supported releases; transformers 5.24.0 passes the cache to attention modules as ``cache=``, which the modules once
 missed without an error (every decode step attended to its own token alone)."""
 
@@ -20,6 +20,7 @@ from fdc_ops.hf import compat
 from tiny_models import FAMILIES, tiny_model
 
 transformers = pytest.importorskip("transformers", reason="the model side needs transformers")
+pytestmark = pytest.mark.model
 METHODS = ("fdc", "palu")
 
 

@@ -34,7 +34,7 @@ def _runpy_supported() -> dict:
     import runpy
     from pathlib import Path
 
-    return runpy.run_path(str(Path(__file__).resolve().parents[1] / "fdc_ops" / "supported.py"))
+    return runpy.run_path(str(Path(__file__).resolve().parents[2] / "fdc_ops" / "supported.py"))
 
 
 def test_declared_ranges_have_one_source():
@@ -42,7 +42,7 @@ def test_declared_ranges_have_one_source():
     it directly): the test environments are the ends of the ranges the package declares."""
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     supported = _runpy_supported()
     within = supported["within"]
     requirements = {line.split("#")[0].strip() for line in (root / "requirements.txt").read_text().splitlines()}

@@ -15,6 +15,7 @@ from conftest import (
     Layout,
     assert_close_to_reference,
     case_generator,
+    cases,
     nan_padded_caches,
     offsets,
     randn,
@@ -112,7 +113,7 @@ def _random_variant(rng, gen, layout, longest: int) -> dict:
 
 
 @pytest.mark.parametrize("isa", ("", "portable"))
-@pytest.mark.parametrize("case", range(CASES))
+@pytest.mark.parametrize("case", cases(CASES))
 def test_prefill_attention_variants(case, isa, monkeypatch):
     monkeypatch.setenv("FDC_CPU_ISA", isa)
     gen, rng, replay = case_generator("prefill_attention variants", case)
@@ -147,7 +148,7 @@ def test_prefill_attention_variants(case, isa, monkeypatch):
 
 @pytest.mark.parametrize("isa", ("", "portable"))
 @pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("case", range(CASES))
+@pytest.mark.parametrize("case", cases(CASES))
 def test_decode_attention_variants(case, paged, isa, monkeypatch):
     monkeypatch.setenv("FDC_CPU_ISA", isa)
     gen, rng, replay = case_generator(f"decode_attention variants paged={paged}", case)

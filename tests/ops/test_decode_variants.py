@@ -18,6 +18,7 @@ from conftest import (
     DTYPES,
     assert_close_to_reference,
     case_generator,
+    cases,
     offsets,
     randn,
     random_block_table,
@@ -85,7 +86,7 @@ def check(out, args, block_table, window_left, softcap, sinks, dtype, what):
 
 @pytest.mark.parametrize("isa", CPU_ISAS)
 @pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("case", range(CASES))
+@pytest.mark.parametrize("case", cases(CASES))
 def test_decode_variants_random(case, paged, isa, monkeypatch):
     monkeypatch.setenv("FDC_CPU_ISA", isa)
     gen, rng, replay = case_generator(f"decode_variants paged={paged}", case)

@@ -12,6 +12,7 @@ import torch
 from conftest import (
     assert_close_to_reference,
     case_generator,
+    cases,
     nan_padded_caches,
     randn,
     random_block_table,
@@ -46,7 +47,7 @@ def _cache_case(rng, gen, dtype, max_dim=64):
 
 @pytest.mark.parametrize("method", eviction.METHODS)
 def test_window_scores_match_the_reference(method):
-    for case in range(CASES):
+    for case in cases(CASES):
         gen, rng, replay = case_generator(f"window_scores_{method}", case)
         dtype = rng.choice([torch.float32, torch.bfloat16])
         layout, lengths, k_cache, q, cu = _cache_case(rng, gen, dtype)
@@ -76,7 +77,7 @@ def test_window_scores_match_the_reference(method):
 def test_window_scores_op_equals_the_torch_path(keyformer):
     """ops.window_scores (the CPU kernel) against the torch operations eviction uses on other devices, with queries
     and keys of different dtypes, NaN-poisoned slots past each length, and odd windows."""
-    for case in range(CASES):
+    for case in cases(CASES):
         gen, rng, replay = case_generator(f"window_scores_op_{keyformer}", case)
         layout, lengths, k_cache, q, cu = _cache_case(rng, gen, rng.choice([torch.float32, torch.float16]))
         q = q.to(rng.choice([torch.float32, torch.bfloat16, torch.float16]))
@@ -121,7 +122,7 @@ def test_keyformer_noise_is_seeded_and_a_request_scores_the_same_in_any_batch():
 
 
 def test_selection_matches_the_reference():
-    for case in range(CASES):
+    for case in cases(CASES):
         gen, rng, replay = case_generator("select_tokens", case)
         batch = rng.randint(1, 5)
         lengths = [rng.choice([0, 1, 2, 9, 33, 64]) for _ in range(batch)]
@@ -156,7 +157,7 @@ def _per_head_selection(gen, lengths, heads, capacity, policy):
 def test_compaction_matches_the_reference(paged, per_head):
     """Kept tokens move to the front, every other slot keeps what it held (NaN-poisoned); per KV head (index (B,
     H_kv, max kept)) each head's tokens move within its own columns. Float caches, contiguous and paged."""
-    for case in range(CASES):
+    for case in cases(CASES):
         gen, rng, replay = case_generator(f"compact_kv_{paged}_{per_head}", case)
         dtype = rng.choice([torch.float32, torch.float16, torch.bfloat16])
         layout = random_layout(rng, max_kv_heads=4, max_group=1, max_dim=40)

@@ -12,14 +12,15 @@ from conftest import SAMPLE_CASES, cuda_skip_reason, sample_inputs
 
 OPS = ("rotate_compress", "rope_rotate_compress", "prefill_plan", "prefill_attention", "decode_plan",
        "decode_attention", "append_kv", "window_scores")
-CUDA_OPS = OPS[:-1]  # window_scores refuses CUDA tensors (tests/test_bad_input.py): eviction scores them with torch ops
+# window_scores refuses CUDA tensors (tests/ops/test_bad_input.py): eviction scores them with torch ops
+CUDA_OPS = OPS[:-1]
 
 
 @pytest.mark.parametrize("name", SAMPLE_CASES)
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_opcheck(device, name):
     if device == "cuda" and name.startswith("window_scores"):
-        pytest.skip("window_scores has no CUDA kernel: on CUDA it raises, which tests/test_bad_input.py checks")
+        pytest.skip("window_scores has no CUDA kernel: on CUDA it raises, which tests/ops/test_bad_input.py checks")
     if device == "cuda" and (reason := cuda_skip_reason(*CUDA_OPS)) is not None:
         pytest.skip(reason)  # the CUDA samples are built with the CUDA planners
     cases = sample_inputs(device)

@@ -1,6 +1,6 @@
 """Every op on the CPU against the float64 reference, over freshly drawn random configurations each run (opcheck:
-tests/test_opcheck.py). Configurations: G in 1..8, H_kv in 1..8, widths multiples of 8 up to 256, varlen batches with
-empty and length-1 sequences, causal and not, float32/float16/bfloat16, non-contiguous inputs, NaN in every cache
+tests/ops/test_opcheck.py). Configurations: G in 1..8, H_kv in 1..8, widths multiples of 8 up to 256, varlen batches
+with empty and length-1 sequences, causal and not, float32/float16/bfloat16, non-contiguous inputs, NaN in every cache
 slot and page that must not be read."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from conftest import (
     DTYPES,
     assert_close_to_reference,
     case_generator,
+    cases,
     nan_padded_caches,
     offsets,
     randn,
@@ -32,7 +33,7 @@ CASES = 60  # per op and run: enough fresh configurations that every branch (dty
 
 
 @pytest.mark.parametrize("isa", ("", "portable"))  # the default picks the AVX-512 tiles where the CPU has them
-@pytest.mark.parametrize("case", range(CASES))
+@pytest.mark.parametrize("case", cases(CASES))
 def test_rotate_compress(case, isa, monkeypatch):
     monkeypatch.setenv("FDC_CPU_ISA", isa)
     gen, rng, replay = case_generator("rotate_compress", case)
@@ -50,7 +51,7 @@ def test_rotate_compress(case, isa, monkeypatch):
     assert_close_to_reference(out, expected, torch_lowp, f"rotate_compress {replay}")
 
 
-@pytest.mark.parametrize("case", range(CASES))
+@pytest.mark.parametrize("case", cases(CASES))
 def test_rope_rotate_compress(case):
     gen, rng, replay = case_generator("rope_rotate_compress", case)
     layout = random_layout(rng)
@@ -106,7 +107,7 @@ PREFILL_ISAS = ("", "avx512", "portable")
 
 
 @pytest.mark.parametrize("isa", PREFILL_ISAS)
-@pytest.mark.parametrize("case", range(CASES))
+@pytest.mark.parametrize("case", cases(CASES))
 def test_prefill_attention(case, isa, monkeypatch):
     monkeypatch.setenv("FDC_CPU_ISA", isa)
     gen, rng, replay = case_generator(f"prefill_attention isa={isa!r}", case)
@@ -262,7 +263,7 @@ READ_AHEADS = ("", "stream", "loads", "prefetch_l2")
 
 @pytest.mark.parametrize("isa", CPU_ISAS)
 @pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("case", range(CASES))
+@pytest.mark.parametrize("case", cases(CASES))
 def test_decode_attention(case, paged, isa, monkeypatch):
     monkeypatch.setenv("FDC_CPU_ISA", isa)
     gen, rng, replay = case_generator(f"decode_attention paged={paged}", case)
@@ -345,7 +346,7 @@ def test_cpu_switches_reject_unknown_names(variable, value, monkeypatch):
 
 
 @pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("case", range(CASES // 2))
+@pytest.mark.parametrize("case", cases(CASES // 2))
 def test_append_kv_then_decode(case, paged):
     """Appending a prompt and then one token per step builds the cache the reference builds; rows outside the
     appended ones stay bit-identical, and decode over the result matches the reference."""

@@ -13,7 +13,7 @@ import expecttest
 import pytest
 import torch
 
-from conftest import Layout, case_generator, offsets, random_layout
+from conftest import Layout, case_generator, cases, offsets, random_layout
 from fdc_ops import ops, plans
 from fdc_ops.plans import DecodePlan, PrefillPlan, Status, prefill_plan_size
 
@@ -43,7 +43,7 @@ def check_lpt_bounds(costs: list[int], makespan: int, workers: int, replay: str)
         assert makespan <= 4 / 3 * lower + 1e-9, f"makespan {makespan} > 4/3 * {lower} {replay}"
 
 
-@pytest.mark.parametrize("case", range(CASES))
+@pytest.mark.parametrize("case", cases(CASES))
 def test_decode_plan_covers_each_key_once_and_matches_plain_lpt(case):
     gen, rng, replay = case_generator("decode_plan", case)
     layout = random_layout(rng)
@@ -68,7 +68,7 @@ def test_decode_plan_covers_each_key_once_and_matches_plain_lpt(case):
     check_lpt_bounds(costs, max(loads, default=0), workers, replay)
 
 
-@pytest.mark.parametrize("case", range(CASES))
+@pytest.mark.parametrize("case", cases(CASES))
 def test_prefill_plan_covers_each_row_once(case):
     gen, rng, replay = case_generator("prefill_plan", case)
     layout = random_layout(rng)
@@ -91,7 +91,7 @@ def test_prefill_plan_covers_each_row_once(case):
     assert sum(len(r) for r in plan.records_by_worker()) <= heads * (sum(lengths_q) // 16 + batch), replay
 
 
-@pytest.mark.parametrize("case", range(40))
+@pytest.mark.parametrize("case", cases(40))
 def test_lpt_within_its_bound_of_the_optimum(case):
     """Graham's bound, (4/3 - 1/(3N)) x optimal, on task sets small enough to search exhaustively."""
     _, rng, replay = case_generator("lpt_optimum", case)
@@ -139,7 +139,7 @@ worker 2: s0q2[32:64], s0q3[32:64], s0q0[0:64], s0q3[0:32], s1q3[0:32], s1q0[0:3
 
 # ------------------------------------------------------------------------------------------------------- the codec
 
-INCLUDE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "include", "fdc")
+INCLUDE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "include", "fdc")
 
 
 def _header_constants(name: str) -> dict[str, int]:
@@ -186,7 +186,7 @@ def _op_prefill_plan(rng, window_left: int = -1) -> tuple[torch.Tensor, list[int
     return plan, lengths_q, lengths_k, layout
 
 
-@pytest.mark.parametrize("case", range(20))
+@pytest.mark.parametrize("case", cases(20))
 def test_decode_codec_round_trips_op_plans(case):
     """from_tensor reads every header field of an op's plan; to_tensor gives back the same integers; the loads are
     the plan's whole work (every key of every (request, KV head) once, at d_sum per key)."""
@@ -203,7 +203,7 @@ def test_decode_codec_round_trips_op_plans(case):
     assert sum(plan.worker_loads(layout.qk_dims, layout.v_dims)) == sum(s * sum(d_sum) for s in lengths), replay
 
 
-@pytest.mark.parametrize("case", range(20))
+@pytest.mark.parametrize("case", cases(20))
 def test_prefill_codec_round_trips_op_plans(case):
     """As for decode; the loads sum to d_sum(h) x every row's visible keys, over every (sequence, head)."""
     _, rng, replay = case_generator("prefill_codec", case)
@@ -221,7 +221,7 @@ def test_prefill_codec_round_trips_op_plans(case):
     assert sum(plan.worker_loads(layout.qk_dims, layout.v_dims, lengths_q, lengths_k)) == expected, replay
 
 
-@pytest.mark.parametrize("case", range(20))
+@pytest.mark.parametrize("case", cases(20))
 def test_visible_keys_counts_each_rows_keys(case):
     """The closed form against a count row by row, causal or not, with and without a window (include/fdc's
     attention_variant.h: row r at position r + s_k - s_q sees [max(0, p - window_left), min(p + 1, s_k)))."""
@@ -240,7 +240,7 @@ def test_visible_keys_counts_each_rows_keys(case):
     assert plans.visible_keys(r0, r1, s_q, s_k, causal, window_left) == sum(map(seen, range(r0, r1))), replay
 
 
-@pytest.mark.parametrize("case", range(10))
+@pytest.mark.parametrize("case", cases(10))
 def test_windowed_prefill_plans_cost_the_visible_keys(case):
     """A plan made with a sliding window: the loads the codec computes for that window sum to every row's visible keys
     at d_sum each (what the planner's LPT balanced)."""

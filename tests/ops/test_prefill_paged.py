@@ -12,6 +12,7 @@ from conftest import (
     DTYPES,
     assert_close_to_reference,
     case_generator,
+    cases,
     offsets,
     randn,
     random_layout,
@@ -67,7 +68,7 @@ def _inputs(rng, gen, dtype, page_size, window_left):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("case", range(CASES))
+@pytest.mark.parametrize("case", cases(CASES))
 def test_prefill_paged_random(case, isa, monkeypatch):
     monkeypatch.setenv("FDC_CPU_ISA", isa)
     gen, rng, replay = case_generator(f"prefill_paged isa={isa!r}", case)

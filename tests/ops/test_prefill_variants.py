@@ -12,6 +12,7 @@ from conftest import (
     DTYPES,
     assert_close_to_reference,
     case_generator,
+    cases,
     offsets,
     randn,
     random_layout,
@@ -38,7 +39,7 @@ def _check(args, what, plan=None, **variant):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("case", range(CASES))
+@pytest.mark.parametrize("case", cases(CASES))
 def test_prefill_variants_random(case, isa, monkeypatch):
     monkeypatch.setenv("FDC_CPU_ISA", isa)
     gen, rng, replay = case_generator(f"prefill_variants isa={isa!r}", case)

@@ -14,6 +14,7 @@ from conftest import (
     assert_close_to_cpu,
     assert_close_to_reference,
     case_generator,
+    cases,
     offsets,
     randn,
     random_block_table,
@@ -71,7 +72,7 @@ def appended_rows(gen, rng, layout, rows: int, dtype: torch.dtype) -> tuple[torc
 
 
 @pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("case", range(CASES // 2))
+@pytest.mark.parametrize("case", cases(CASES // 2))
 def test_append_kv_quantizes_like_the_reference(case, paged):
     """Two appends (a prompt, then a step) into a poisoned cache: the written rows hold exactly the reference's scales
     and codes (all-zero heads and heads holding a NaN included), and every byte outside them is untouched."""
@@ -130,7 +131,7 @@ def test_append_kv_quantizes_like_the_reference(case, paged):
 
 @pytest.mark.parametrize("isa", CPU_ISAS)
 @pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("case", range(CASES // 2))
+@pytest.mark.parametrize("case", cases(CASES // 2))
 def test_decode_attention_reads_quantized_caches(case, paged, isa, monkeypatch):
     """Caches filled by append_kv (unused slots poisoned: NaN scales, e4m3 NaN codes), read by every CPU path and
     read-ahead, sometimes with a window (contiguous), soft-capping or sinks: the float64 reference's attention over
@@ -140,7 +141,7 @@ def test_decode_attention_reads_quantized_caches(case, paged, isa, monkeypatch):
 
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("case", range(2))
+@pytest.mark.parametrize("case", cases(2))
 def test_decode_attention_reads_quantized_caches_of_many_kv_heads(case, fmt, paged, monkeypatch):
     """17 to 40 KV heads (multi-head models: Llama-2-7B's 32), the default CPU path: a contiguous row's scales of 16
     heads fill one register, so the decode gathers a block's scales for the rest in a second one."""
@@ -151,7 +152,7 @@ def test_decode_attention_reads_quantized_caches_of_many_kv_heads(case, fmt, pag
 @pytest.mark.parametrize("isa", CPU_ISAS)
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("fmt", [torch.int8, torch.uint8])
-@pytest.mark.parametrize("case", range(CASES // 4))
+@pytest.mark.parametrize("case", cases(CASES // 4))
 def test_decode_attention_reads_integer_caches_with_half_precision_queries(case, fmt, paged, isa, monkeypatch):
     """The integer caches' own paths with half-precision queries, every case, where the CPU has AVX-512-BF16 and
     VNNI: int8 rows and pages by int16 queries and weights and vpdpwssd (a page's columns as rows for the scores, its
@@ -164,7 +165,7 @@ def test_decode_attention_reads_integer_caches_with_half_precision_queries(case,
 
 @pytest.mark.parametrize("isa", CPU_ISAS)
 @pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("case", range(CASES // 4))
+@pytest.mark.parametrize("case", cases(CASES // 4))
 def test_decode_attention_reads_e4m3_with_bf16_queries(case, paged, isa, monkeypatch):
     """e4m3 caches with bf16 queries, every case: where the CPU has AVX-512-BF16 the codes are converted to bf16 as
     they are loaded and go through the bf16 cache's kernels (rows, 16-token pages, wider pages, and the float value
@@ -267,7 +268,7 @@ def check_quantized_decode(name: str, case: int, paged: bool, isa: str, monkeypa
 
 
 @pytest.mark.parametrize("isa", CPU_ISAS)
-@pytest.mark.parametrize("case", range(CASES // 3))
+@pytest.mark.parametrize("case", cases(CASES // 3))
 def test_prefill_attention_reads_quantized_pages(case, isa, monkeypatch):
     """New tokens after a cached prefix, every key and value in a quantized paged cache (append_kv wrote them all,
     prefix and new rows, as a chunked prefill does), causal, sometimes windowed, soft-capped or with sinks: the
@@ -415,7 +416,7 @@ def test_quantized_cache_errors():
 
 
 @pytest.mark.parametrize("paged", [False, True])
-@pytest.mark.parametrize("case", range(CASES // 4))
+@pytest.mark.parametrize("case", cases(CASES // 4))
 def test_eviction_moves_quantized_rows_with_their_scales(case, paged):
     """compact_kv on a quantized cache (poisoned, filled by append_kv) is compact_kv of its dequantized cache: each kept
     token's codes travel with its scales (a contiguous row's, or a page's scale rows), for all KV heads at once or per
