@@ -75,6 +75,10 @@ class VllmPaged:
         from vllm import envs
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
+        # vLLM takes its AMX kernels wherever the CPU has AMX tiles, and Linux lets a process use them only once it
+        # asked (arch_prctl): its engine does, this direct call must too, or the first tile instruction is SIGILL.
+        if torch.cpu._is_amx_tile_supported() and not torch.cpu._init_amx():
+            raise SystemExit("bench_vllm_attention.py: the CPU has AMX tiles, but Linux refused this process their use")
         blocks_per_request = [-(-n // BLOCK) for n in lengths]
         num_blocks = sum(blocks_per_request)
         kv_cache = torch.zeros(num_blocks, NUM_KV_HEADS, BLOCK, 2 * dim, dtype=dtype)
