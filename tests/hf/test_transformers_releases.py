@@ -69,6 +69,25 @@ def test_compressed_tiny_models_decode_from_their_cache_as_they_recompute(method
     check_cache_against_recompute(model, ids, rng.randrange(4, 12), f"{family}: {replay}")
 
 
+@pytest.mark.parametrize("prompt", [(56, 63), (65, 127)])
+def test_decoding_past_the_cache_buffers_keeps_every_row(prompt):
+    """The compressed cache's buffers start at INITIAL_CAPACITY tokens per request (or the prompt's length) and grow
+    when a call needs more: a decode that outgrows them, either way, still equals the recompute."""
+    from fdc_ops.hf.modules import INITIAL_CAPACITY
+
+    generator, rng, replay = case_generator(f"cache_growth_{prompt[0]}", 0)
+    family = rng.choice(FAMILIES)
+    model = tiny_model(family, seed=rng.randrange(1000))
+    artifact = calibration.calibrate(model, text="random", num_tokens=128, seq_len=32, seed=rng.randrange(1000),
+                                     sensitivity_tokens=64, progress=False)
+    hf.compress(model, artifact, qk_dims=[[8, 16], [16, 8]], v_dims=[[16, 8], [8, 16]])
+    length = rng.randint(*prompt)
+    new_tokens = 12
+    assert length < max(INITIAL_CAPACITY, length) + 1 <= length + new_tokens  # the decode outgrows the buffers
+    ids = torch.randint(1, model.config.vocab_size, (2, length), generator=generator)
+    check_cache_against_recompute(model, ids, new_tokens, f"{family}, prompt of {length}: {replay}")
+
+
 def test_compressed_smollm2_decodes_from_its_cache_as_it_recomputes():
     """The bundled model with its shipped artifact at 10% KV compression, as a user runs it."""
     from fdc_ops.hf import loading
