@@ -681,8 +681,11 @@ def _validate_metadata(metadata: dict, path: Path) -> None:
         "qk_mode": (lambda v: v == "kv_head", "'kv_head'"), "source": (text, "a string"),
         "sampling": (text, "a string"), "seed": (lambda v: v is None or whole(0)(v), "a non-negative integer or null"),
         "balance": (balance, "null or a table with a positive v_to_qk"),
+        "pass_dtype": (lambda v: v in ("float32", "float16", "bfloat16", "float64"), "a float dtype's name"),
     }
-    optional = {"calibration.balance"}  # calibrations without the sensitivity pass have none
+    # Calibrations without the sensitivity pass have no balance; artifacts of format 3 made before the passes' dtype
+    # was recorded (fdc_ops.calibration.pass_dtype) have no pass_dtype: they computed in the model's dtype.
+    optional = {"calibration.balance", "calibration.pass_dtype"}
     for prefix, checks in (("", fields), ("shape.", shape_fields), ("calibration.", calibration_fields)):
         table = metadata if not prefix else metadata[prefix[:-1]]  # a table: the top level was checked first
         for name, (valid, expected) in checks.items():

@@ -10,6 +10,7 @@ values, from memory that does not grow with the token count, and sums over batch
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ from .artifact import (  # noqa: F401  (the artifact's names, re-exported: fdc_o
     require_number,
     require_widths,
 )
+from .defaults import DEFAULT_SEQ_LEN
 from .hf import families
 from .hf.loading import cache_dir
 from .identity import AttentionShape
@@ -169,6 +171,45 @@ def output_aware_factors(model, covariance: torch.Tensor) -> tuple[torch.Tensor,
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# The passes' arithmetic
+
+NATIVE_16_BIT = {torch.bfloat16: ("_is_avx512_bf16_supported", "_is_amx_tile_supported"),
+                 torch.float16: ("_is_amx_fp16_supported",)}  # torch.cpu's checks for a CPU's 16-bit matrix products
+
+
+def pass_dtype(model) -> torch.dtype:
+    """The dtype calibration's forward passes over ``model`` (the statistics, the balance fit) compute in: the
+    model's own, except for a bfloat16 or float16 model on a CPU without matrix instructions of that type
+    (AVX512-BF16 or AMX for bfloat16, AMX-FP16 for float16), which is computed in float32: there torch's 16-bit
+    matrix products convert every operand, and on a 2-core AMD EPYC (AVX2) a bfloat16 product ran at 19 GFLOPS
+    against float32's 130, and a 2048-token pass of Qwen2.5-Coder-1.5B took 314 s against 47 s. Its weights are
+    exact in float32, and the statistics are float64 sums either way. The sensitivity pass (forward and backward)
+    stays in the model's dtype: in float32 its saved activations doubled, and one 2048-token window of
+    Qwen2.5-Coder-1.5B peaked at 21.8 GB, beyond what a 24 GB machine leaves."""
+    parameter = next(model.parameters())
+    if parameter.device.type != "cpu" or parameter.dtype not in NATIVE_16_BIT:
+        return parameter.dtype
+    native = any(getattr(torch.cpu, check, lambda: False)() for check in NATIVE_16_BIT[parameter.dtype])
+    return parameter.dtype if native else torch.float32
+
+
+@contextlib.contextmanager
+def computed_in(model, dtype: torch.dtype):
+    """Within the context, ``model``'s 16-bit parameters and buffers are held in ``dtype`` (float32 or the model's
+    own: pass_dtype); after it, in their own dtype again, bit for bit (16-bit values are exact in float32). Tied
+    parameters stay tied: each is converted once, in place of its data."""
+    converted = [(tensor, tensor.dtype) for tensor in (*model.parameters(), *model.buffers())
+                 if tensor.dtype in NATIVE_16_BIT and tensor.dtype != dtype]
+    try:
+        for tensor, _ in converted:
+            tensor.data = tensor.data.to(dtype)
+        yield model
+    finally:
+        for tensor, original in converted:
+            tensor.data = tensor.data.to(original)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Capture
 
 
@@ -242,7 +283,8 @@ def capture_statistics(model, batches: Iterable[torch.Tensor], *, progress: bool
     hooks = [projection.register_forward_hook(key_hook(layer)) for layer, projection in enumerate(hooks)]
     device = next(model.parameters()).device
     try:
-        with families.override_attention(model, capture), torch.inference_mode():
+        with computed_in(model, pass_dtype(model)), families.override_attention(model, capture), \
+                torch.inference_mode():
             for batch in progress_bar(batches, description, "seq", enabled=progress):
                 if batch.dim() != 2:
                     raise ValueError(f"fdc_ops: calibration batches must be (batch, seq_len) token ids, got shape "
@@ -406,6 +448,7 @@ def artifact_from_statistics(model, stats: CalibrationStatistics, *, v_method: s
         "shape": dataclasses.asdict(stats.shape),
         "calibration": {**(source or {}), "num_tokens": stats.num_tokens, "seq_len": stats.positions,
                         "v_method": v_method, "qk_mode": "kv_head",
+                        "pass_dtype": str(pass_dtype(model)).removeprefix("torch."),
                         "sensitivity_tokens": sensitivity.num_tokens if sensitivity is not None else 0},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
@@ -415,7 +458,7 @@ def artifact_from_statistics(model, stats: CalibrationStatistics, *, v_method: s
                            v_decoder.to(torch.float64), v_values, key_basis.to(torch.float32), key_values,
                            value_basis.to(torch.float32), value_values, metadata, **extra)
     if sensitivity is not None:
-        metadata["calibration"]["balance"] = balance_sensitivity(model, artifact, balance_batches) \
+        metadata["calibration"]["balance"] = balance_sensitivity(model, artifact, balance_batches, progress=progress) \
             if len(balance_batches) else None
     return artifact
 
@@ -425,11 +468,6 @@ BALANCE_COMPRESSION = 0.075  # the budget at which the V-to-Q/K weight of the es
 BALANCE_RATIOS = (0.25, 0.5, 1.0, 2.0, 4.0)  # V-to-Q/K weights tried first (then the best one's sqrt(2) neighbours):
 # the raw estimates misjudged the halves' costs by up to 5x in either direction on SmolLM2
 
-# Calibration windows' length by default. Post-RoPE keys at positions calibration never saw turn further in their
-# low-frequency RoPE planes, into directions the basis ranks low: on SmolLM2, 8 windows of 1024 tokens kept 0.930 of the
-# score of 256 tokens after a 1536-token prompt at 0.1 compression, 4 windows of 2048 kept 0.975, and on 512-token
-# text both kept 99% to the same compression (0.062 and 0.060, one refinement step apart; bench/results/eval/README.md).
-DEFAULT_SEQ_LEN = 2048
 BALANCE_SEQUENCES = 2  # sequences after the calibration tokens the fit measures on: two windows resolve loss
 # differences of ~1e-3 nats (paired: the same tokens with and without compression) in ~3 s each on 2 cores. They must
 # be unseen: on the bases' own tokens the best fit lost 0.0003 nats where held-out text lost 0.035
@@ -448,7 +486,8 @@ def _mean_nll(model, batches: Sequence[torch.Tensor]) -> float:
     return total / count
 
 
-def balance_sensitivity(model, artifact: "FDCArtifact", batches: Sequence[torch.Tensor]) -> dict:
+def balance_sensitivity(model, artifact: "FDCArtifact", batches: Sequence[torch.Tensor], *,
+                        progress: bool = True) -> dict:
     """Fits the one thing the Taylor estimates get worst, the cost of V against Q/K (they rank heads within a half
     well, but over-predict shallow cuts against deep ones, differently for the two halves): the V damage table is
     weighted by the ratio, among BALANCE_RATIOS and the best one's sqrt(2) neighbours, whose knapsack allocation at
@@ -456,25 +495,26 @@ def balance_sensitivity(model, artifact: "FDCArtifact", batches: Sequence[torch.
     allocation; artifact.v_damage is multiplied by it in place. Returns the ratio and the measured losses."""
     from . import hf
 
-    base = _mean_nll(model, batches)
     v_raw = artifact.v_damage.clone()
     measured: dict[float, float] = {}
+    with computed_in(model, pass_dtype(model)):
+        base = _mean_nll(model, batches)
 
-    def loss(ratio: float) -> float:
-        if ratio not in measured:
-            artifact.v_damage = v_raw * ratio
-            hf.compress(model, artifact, compression=BALANCE_COMPRESSION, rule="sensitivity")
-            try:
-                measured[ratio] = _mean_nll(model, batches) - base
-            finally:
-                hf.restore(model)
-        return measured[ratio]
+        def loss(ratio: float) -> float:
+            if ratio not in measured:
+                artifact.v_damage = v_raw * ratio
+                hf.compress(model, artifact, compression=BALANCE_COMPRESSION, rule="sensitivity")
+                try:
+                    measured[ratio] = _mean_nll(model, batches) - base
+                finally:
+                    hf.restore(model)
+            return measured[ratio]
 
-    for ratio in BALANCE_RATIOS:
-        loss(ratio)
-    best = min(measured, key=measured.get)
-    for ratio in (best / 2**0.5, best * 2**0.5):
-        loss(ratio)
+        for ratio in progress_bar(BALANCE_RATIOS, "fitting the V-to-Q/K balance", "ratio", enabled=progress):
+            loss(ratio)
+        best = min(measured, key=measured.get)
+        for ratio in progress_bar((best / 2**0.5, best * 2**0.5), "refining the balance", "ratio", enabled=progress):
+            loss(ratio)
     best = min(measured, key=measured.get)
     artifact.v_damage = v_raw * best
     return {"compression": BALANCE_COMPRESSION, "v_to_qk": best,

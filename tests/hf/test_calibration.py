@@ -244,6 +244,35 @@ def test_sensitivity_is_a_non_negative_decreasing_tail_and_leaves_the_model_unch
         assert 0.25 <= allocation.compression_rate < 0.25 + 8 / (2 * HEAD_DIM), rule
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_a_bfloat16_model_calibrates_in_float32_where_the_cpu_has_no_bfloat16_products(monkeypatch, native):
+    """Where the CPU has no bfloat16 matrix instructions, calibration's forward passes compute in float32 (a bfloat16
+    product there is several times slower): the statistics are a float32 copy's, the sensitivities (in bfloat16) and
+    the balance fit run, and the model comes back bit for bit, in bfloat16, its tied weights still one tensor."""
+    for check in calibration.NATIVE_16_BIT[torch.bfloat16]:
+        monkeypatch.setattr(torch.cpu, check, lambda: native)
+    model = tiny_model("qwen2_coder", seed=3, tie_word_embeddings=True).to(torch.bfloat16)
+    assert calibration.pass_dtype(model) == (torch.bfloat16 if native else torch.float32)
+    assert calibration.pass_dtype(copy.deepcopy(model).float()) == torch.float32
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    generator = torch.Generator().manual_seed(3)
+    batches = [random_ids(model, generator, 1, 24) for _ in range(2)]
+    stats = calibration.capture_statistics(model, batches, progress=False)
+    computed = copy.deepcopy(model) if native else copy.deepcopy(model).float()
+    expected = calibration.capture_statistics(computed, batches, progress=False)
+    for name in ("q_gram", "k_gram", "v_gram", "key_gram", "z_gram"):
+        assert torch.equal(getattr(stats, name), getattr(expected, name)), name
+    artifact = calibration.calibrate(model, text="random", num_tokens=48, seq_len=24, sensitivity_tokens=48,
+                                     progress=False)
+    assert artifact.metadata["calibration"]["pass_dtype"] == ("bfloat16" if native else "float32")
+    assert artifact.metadata["calibration"]["balance"]["v_to_qk"] > 0
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    for name, tensor in before.items():
+        assert after[name].dtype == tensor.dtype and torch.equal(after[name], tensor), name
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
 def paper_kept_dims(values: list[float], removal_rate: float) -> int:
     """Direct evaluation of the paper's condition: the j with sum_{i>j} s / total <= r < sum_{i>=j} s / total;
     j + 1 dims are kept."""
@@ -407,7 +436,8 @@ def test_bad_metadata_is_rejected(saved):
         rewrite_metadata(directory, {**metadata, "shape": {**metadata["shape"], field: value}})
         with pytest.raises(ArtifactError, match=message):
             FDCArtifact.load(directory)
-    for field, value in (("num_tokens", -5), ("v_method", "svd"), ("balance", {"v_to_qk": -1.0})):
+    for field, value in (("num_tokens", -5), ("v_method", "svd"), ("balance", {"v_to_qk": -1.0}),
+                         ("pass_dtype", "int8")):
         rewrite_metadata(directory, {**metadata, "calibration": {**metadata["calibration"], field: value}})
         with pytest.raises(ArtifactError, match=f"'calibration.{field}' must be"):
             FDCArtifact.load(directory)
