@@ -6,7 +6,8 @@ for importing transformers (tests/meta/test_package.py checks it). The rest is i
 
 - the library: :mod:`fdc_ops.ops` (typed wrappers of the ops), :mod:`fdc_ops.plans` (the plan formats, decoded and
   built; loaded with the ops), :mod:`fdc_ops.reference` (float64 references),
-  :mod:`fdc_ops.calibration` (the FDC artifact: rotations, V factors, width allocation), :mod:`fdc_ops.datasets`
+  :mod:`fdc_ops.artifact` (the FDC artifact: rotations, V factors, width allocation; model-neutral),
+  :mod:`fdc_ops.calibration` (the procedure that makes one from a Hugging Face model), :mod:`fdc_ops.datasets`
   (the bundled calibration and evaluation text), :mod:`fdc_ops.progress`, :mod:`fdc_ops.parallel` (KV heads over
   tensor-parallel ranks);
 - :mod:`fdc_ops.hf`: the Hugging Face integration (compressed attention modules, model families, model loading);
@@ -15,20 +16,35 @@ for importing transformers (tests/meta/test_package.py checks it). The rest is i
 """
 
 import importlib
+import sys
 
-from . import ops
-from .ops import append_kv, decode_attention, decode_plan, prefill_attention, prefill_plan, rotate_compress
+_OPS = ("rotate_compress", "prefill_plan", "prefill_attention", "decode_plan", "decode_attention", "append_kv")
+_SUBMODULES = ("apps", "artifact", "calibration", "datasets", "hf", "parallel", "plans", "progress", "reference")
+_NAMES = {"FDCArtifact": "artifact", "calibrate": "calibration"}  # name: the module that defines it
 
-_SUBMODULES = ("apps", "calibration", "datasets", "hf", "parallel", "plans", "progress", "reference")
-_CALIBRATION_NAMES = ("FDCArtifact", "calibrate")
 
-__all__ = ["ops", "rotate_compress", "prefill_plan", "prefill_attention", "decode_plan", "decode_attention",
-           "append_kv", *_CALIBRATION_NAMES, *_SUBMODULES]
+def _imported_by_the_command_line() -> bool:
+    """Whether Python is importing this package to run ``python -m fdc_ops`` (while it locates the module to run,
+    ``sys.argv[0]`` is ``-m``; ``sys.orig_argv`` names the module). The command line then parses and checks its
+    arguments before torch is imported, and each command imports what it uses."""
+    arguments = getattr(sys, "orig_argv", [])
+    return sys.argv[:1] == ["-m"] and "-m" in arguments and arguments[arguments.index("-m") + 1:][:1] == ["fdc_ops"]
+
+
+if not _imported_by_the_command_line():
+    from . import ops  # noqa: F401, I001  (the package's names, __all__; one import a line would pass 120 columns)
+    from .ops import (  # noqa: F401
+        append_kv, decode_attention, decode_plan, prefill_attention, prefill_plan, rotate_compress)
+
+__all__ = ["ops", *_OPS, *_NAMES, *_SUBMODULES]
 
 
 def __getattr__(name: str):
+    if name == "ops" or name in _OPS:
+        ops = importlib.import_module(".ops", __name__)
+        return ops if name == "ops" else getattr(ops, name)
     if name in _SUBMODULES:
         return importlib.import_module(f".{name}", __name__)
-    if name in _CALIBRATION_NAMES:
-        return getattr(importlib.import_module(".calibration", __name__), name)
+    if name in _NAMES:
+        return getattr(importlib.import_module(f".{_NAMES[name]}", __name__), name)
     raise AttributeError(f"module 'fdc_ops' has no attribute {name!r}")

@@ -12,77 +12,20 @@
 import argparse
 import importlib.util
 import math
-import os
 import sys
 
-import torch
+from ..arguments import model_source, output_directory, share, whole
+from ..defaults import DEFAULT_SEQ_LEN, PERPLEXITY_WINDOW
 
-from ..calibration import DEFAULT_SEQ_LEN
-from .metrics import PERPLEXITY_WINDOW
-
-# argparse types: each refuses a bad value with an argparse-style message (exit code 2) before any model loads.
-
-
-def _number(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
-    return value
-
-
-def share(low: float, high: float, high_included: bool):
-    """A number in [low, high) or [low, high]: shares of a cache, rates, accuracy levels."""
-    def parse(text: str) -> float:
-        value = _number(text)
-        if not (low <= value < high or (high_included and value == high)):
-            raise argparse.ArgumentTypeError(f"{text} is not in [{low}, {high}{']' if high_included else ')'}")
-        return value
-    return parse
-
-
-def whole(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{value} is below {low}")
-        return value
-    return parse
-
-
-def model_source(text: str) -> str:
-    """A Hugging Face model directory, or a hub id (which only loading can check: no network is assumed)."""
-    looks_like_path = text.startswith(("/", ".", "~")) or os.path.exists(text) or text.count("/") != 1
-    if looks_like_path:
-        path = os.path.expanduser(text)
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise argparse.ArgumentTypeError(f"{text} is not a Hugging Face model directory (it has no config.json)")
-        return path
-    return text
-
-
-def output_directory(text: str) -> str:
-    """A directory that exists or can be made, and can be written to."""
-    if os.path.exists(text) and not os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"{text} exists and is not a directory")
-    try:
-        os.makedirs(text, exist_ok=True)
-    except OSError as error:
-        raise argparse.ArgumentTypeError(f"{text} cannot be made ({error.strerror})") from None
-    if not os.access(text, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"{text} is not writable")
-    return text
-
+# Nothing here imports torch at module level: the arguments are parsed and checked first (--help and a mistake answer
+# in well under a second), and each command imports what it uses.
 
 PLOTTING_COMMANDS = ("demo", "eval", "report")  # they draw PNGs with matplotlib
 
 
 def _calibrate(args) -> None:
+    import torch
+
     from .. import calibration
     from ..hf import loading
 
@@ -131,8 +74,9 @@ def main() -> None:
                           help="calibration tokens (default wikipedia: see bench/results/calibration/README.md)")
     main_job.add_argument("--context", type=whole(1), default=4096, help="prompt tokens of the speed table")
     main_job.add_argument("--decode-steps", type=whole(1), default=8, help="decode steps timed after the prompt")
-    main_job.add_argument("--out", type=output_directory, default="bench/results/demo",
-                          help="directory for demo.json and the curve's PNG")
+    main_job.add_argument("--out", type=output_directory, default=None,
+                          help="directory for demo.json and the curve's PNG (default: demo in $FDC_CACHE, else in "
+                               "~/.cache/fdc_ops; --out bench/results/demo regenerates the committed figures)")
     main_job.add_argument("--quiet", action="store_true", help="print the results only, no progress")
 
     evaluate = commands.add_parser("eval", help="accuracy vs KV compression: FDC (paper, defaults), uniform, Palu")
@@ -221,6 +165,8 @@ def _run(args) -> None:
         demo.run(target=args.target, text=args.text, context=args.context, decode_steps=args.decode_steps,
                  out=args.out, quiet=args.quiet)
     elif args.command == "ops-demo":
+        import torch
+
         from . import ops_demo
 
         ops_demo.run(removal_rate=args.removal_rate, dtype=getattr(torch, args.dtype), seed=args.seed)

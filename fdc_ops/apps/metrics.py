@@ -13,13 +13,13 @@ from typing import Callable
 
 import torch
 
+from ..defaults import PERPLEXITY_WINDOW
 from ..progress import bar as progress_bar
 
 # Where a HumanEval completion ends: the next top-level statement (the canonical solutions are one function body).
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\n```")
 
 
-PERPLEXITY_WINDOW = 512  # tokens per perplexity window: the shortest stream perplexity() takes
 
 
 def perplexity(model, token_ids: torch.Tensor, seq_len: int = PERPLEXITY_WINDOW, batch_size: int = 4,

@@ -10,6 +10,7 @@
 import argparse
 import json
 
+from ..arguments import share
 from . import METHODS, hf_overrides
 
 
@@ -24,8 +25,10 @@ def main() -> None:
                                 "'bundled' for the bundled SmolLM2's; left out for a directory written by "
                                 "fdc_ops.hf.save_compressed")
     budget = overrides.add_mutually_exclusive_group()
-    budget.add_argument("--compression", type=float, help="share of the KV cache to remove (a byte budget)")
-    budget.add_argument("--removal-rate", type=float, help="the paper's singular-value removal rate")
+    budget.add_argument("--compression", type=share(0.0, 1.0, False),
+                        help="share of the KV cache to remove (a byte budget), in [0, 1)")
+    budget.add_argument("--removal-rate", type=share(0.0, 1.0, True),
+                        help="the paper's singular-value removal rate, in [0, 1]")
     overrides.add_argument("--rule", default=None, help="width rule with --compression (fdc_ops.calibration.RULES)")
     overrides.add_argument("--method", choices=METHODS, default="fdc",
                            help="fdc, or palu for the Palu baseline (with an artifact directory)")

@@ -182,11 +182,23 @@ def test_command_line_mistakes_end_with_a_message_and_status_2_before_any_model_
     (tmp_path / "FILE").write_text("")
     arguments = [str(tmp_path / a) if a in ("OUT", "FILE") else a for a in arguments]
     message = message.replace("FILE", str(tmp_path / "FILE"))
-    result = subprocess.run([sys.executable, "-m", "fdc_ops", *arguments], capture_output=True, text=True,
-                            timeout=120, cwd=tmp_path)
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "fdc_ops", *arguments], capture_output=True,
+                            text=True, timeout=120, cwd=tmp_path)
     assert result.returncode == 2, result.stderr
-    assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.splitlines()
+    imports = [line.rpartition("|")[2].strip() for line in lines if line.startswith("import time:")]
+    errors = "\n".join(line for line in lines if not line.startswith("import time:"))
+    assert message in errors and "Traceback" not in errors, errors
     assert not result.stdout, "nothing ran"
+    assert "fdc_ops.apps.cli" in imports and "torch" not in imports, "the arguments are checked before torch loads"
+
+
+def test_the_command_lines_help_imports_no_torch():
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "fdc_ops", "--help"], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0 and "python -m fdc_ops demo" in result.stdout, result.stderr
+    imports = [line.rpartition("|")[2].strip() for line in result.stderr.splitlines()]
+    assert "fdc_ops.apps.cli" in imports and "torch" not in imports
 
 
 def test_a_missing_plotting_package_is_reported_before_work_starts(monkeypatch, capsys):

@@ -56,6 +56,19 @@ def test_overrides_refuse_what_the_plugin_cannot_serve(tmp_path):
                                                                                          compression=0.1)["fdc"]
 
 
+@pytest.mark.parametrize("arguments,message", [
+    (["--compression", "2"], "argument --compression: 2 is not in [0.0, 1.0)"),
+    (["--removal-rate", "nan"], "argument --removal-rate: 'nan' is not a finite number"),
+    (["--compression", "a"], "argument --compression: 'a' is not a number"),
+])
+def test_the_overrides_command_refuses_a_bad_number_in_one_line_before_writing_anything(tmp_path, arguments, message):
+    model = model_dir(tmp_path / "model", ["LlamaForCausalLM"])
+    result = subprocess.run([sys.executable, "-m", "fdc_ops.vllm", "overrides", str(model), str(tmp_path), *arguments],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and not result.stdout
+    assert result.stderr.splitlines()[-1] == f"python -m fdc_ops.vllm overrides: error: {message}"
+
+
 def test_one_family_table_serves_both_sides():
     """fdc_ops.model_families is what fdc_ops.hf accepts and what the plugin registers and serves."""
     import transformers
