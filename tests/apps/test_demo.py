@@ -56,10 +56,15 @@ def test_stages_print_one_line_each_unless_quiet(capsys, quiet):
         assert lines[0].startswith("[1/2] first: a result (") and lines[1].startswith("[2/2] second (")
 
 
-def test_bars_are_off_in_a_log(monkeypatch):
+def test_bars_are_a_line_per_item_in_a_log_and_off_when_quiet(monkeypatch, capsys):
     items = [1, 2, 3]
-    monkeypatch.setattr(progress, "_bars_allowed", False)
+    monkeypatch.setattr(progress, "_style", "off")
     assert progress.bar(items, "x", "item") is items
-    monkeypatch.setattr(progress, "_bars_allowed", True)
+    monkeypatch.setattr(progress, "_style", "lines")
+    assert list(progress.bar(items, "calibrating", "seq")) == items
+    assert capsys.readouterr().err.splitlines() == [f"calibrating: {n}/3 seq (0 s)" for n in (1, 2, 3)]
+    assert list(progress.bar(iter(items), "x", "item")) == items
+    assert capsys.readouterr().err.splitlines()[-1] == "x: 3 item (0 s)"
+    monkeypatch.setattr(progress, "_style", "bars")
     assert progress.bar(items, "x", "item", enabled=False) is items
     assert list(progress.bar(items, "x", "item")) == items
