@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .calibration import FDCArtifact, RankAllocation
+from .artifact import FDCArtifact, RankAllocation
 
 # Nodes of the exact search per layer after the greedy start, before the best partition found is kept: layers of up
 # to 8 KV heads (at most 105 equal-count partitions) are always searched to the end. Measured on random widths
