@@ -178,14 +178,12 @@ NATIVE_16_BIT = {torch.bfloat16: ("_is_avx512_bf16_supported", "_is_amx_tile_sup
 
 
 def pass_dtype(model) -> torch.dtype:
-    """The dtype calibration's forward passes over ``model`` (the statistics, the balance fit) compute in: the
-    model's own, except for a bfloat16 or float16 model on a CPU without matrix instructions of that type
+    """The dtype calibration's passes over ``model`` (the statistics, the sensitivities, the balance fit) compute
+    in: the model's own, except for a bfloat16 or float16 model on a CPU without matrix instructions of that type
     (AVX512-BF16 or AMX for bfloat16, AMX-FP16 for float16), which is computed in float32: there torch's 16-bit
     matrix products convert every operand, and on a 2-core AMD EPYC (AVX2) a bfloat16 product ran at 19 GFLOPS
     against float32's 130, and a 2048-token pass of Qwen2.5-Coder-1.5B took 314 s against 47 s. Its weights are
-    exact in float32, and the statistics are float64 sums either way. The sensitivity pass (forward and backward)
-    stays in the model's dtype: in float32 its saved activations doubled, and one 2048-token window of
-    Qwen2.5-Coder-1.5B peaked at 21.8 GB, beyond what a 24 GB machine leaves."""
+    exact in float32, and the statistics are float64 sums either way."""
     parameter = next(model.parameters())
     if parameter.device.type != "cpu" or parameter.dtype not in NATIVE_16_BIT:
         return parameter.dtype
@@ -320,6 +318,27 @@ def _tail_damage(terms: torch.Tensor) -> torch.Tensor:
     return 0.5 * tail.square().sum(-2)
 
 
+LOSS_CHUNK = 256  # positions whose logits a backward pass of the loss holds at once: a 2048-token window's logits
+# over Qwen2.5-Coder's 151,936-token vocabulary are 1.2 GB in float32, and the loss's backward held several such
+
+
+def backward_next_token_loss(model, hidden: torch.Tensor, batch: torch.Tensor) -> float:
+    """Backpropagates the summed next-token cross-entropy of the decoder's outputs ``hidden`` (B, S, hidden) on token
+    ids ``batch`` (B, S) through the graph that made ``hidden``, the logits LOSS_CHUNK positions at a time: the loss
+    is a sum over positions, so the gradient reaching ``hidden`` is the whole loss's. Returns the loss."""
+    outputs = hidden[:, :-1].detach().requires_grad_(True)
+    targets = batch[:, 1:]
+    total = 0.0
+    for start in range(0, targets.shape[1], LOSS_CHUNK):
+        logits = families.next_token_logits(model, outputs[:, start: start + LOSS_CHUNK]).float()
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1),
+                                                 targets[:, start: start + LOSS_CHUNK].flatten(), reduction="sum")
+        loss.backward()
+        total += loss.item()
+    hidden[:, :-1].backward(outputs.grad)
+    return total
+
+
 def measure_sensitivity(model, qk_rotation: torch.Tensor, v_encoder: torch.Tensor, v_decoder: torch.Tensor,
                         batches: Iterable[torch.Tensor], *, progress: bool = True) -> Sensitivity:
     """One forward and backward pass of the next-token loss per (batch, seq_len) batch of token ids, recording for
@@ -390,14 +409,13 @@ def measure_sensitivity(model, qk_rotation: torch.Tensor, v_encoder: torch.Tenso
     embed = model.get_input_embeddings()
     num_tokens, sequences = 0, 0
     try:
-        with families.override_attention(model, record), torch.enable_grad():
+        with computed_in(model, pass_dtype(model)), families.override_attention(model, record), \
+                torch.enable_grad():
             for batch in progress_bar(list(batches), "measuring sensitivity", "seq", enabled=progress):
                 batch = batch.to(device)
                 embeddings = embed(batch).detach().requires_grad_(True)  # gradients reach layer 0's queries too
-                logits = model(inputs_embeds=embeddings, use_cache=False).logits[:, :-1].float()
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(),
-                                                         reduction="sum")
-                loss.backward()
+                hidden = model.get_decoder()(inputs_embeds=embeddings, use_cache=False).last_hidden_state
+                backward_next_token_loss(model, hidden, batch)
                 for layer, module in enumerate(modules):
                     for index, grad in enumerate(kv_gradients(module)):
                         squared[layer][index] += grad.detach().to("cpu", torch.float64).square()

@@ -69,6 +69,16 @@ def logit_softcap(config) -> float:
     return float(getattr(config, "attn_logit_softcapping", None) or 0.0)
 
 
+def next_token_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """The causal LM's logits from its decoder's final hidden states (..., hidden), as its own forward computes them:
+    the output embedding, then the final soft-cap (Gemma 2's and 3's ``final_logit_softcapping``) where the config
+    sets one. Lets a caller compute them a few tokens at a time (a vocabulary-wide row per token is the largest
+    tensor of a pass)."""
+    logits = model.get_output_embeddings()(hidden)
+    cap = getattr(text_config(model), "final_logit_softcapping", None)
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
 def attention_shape(model) -> AttentionShape:
     return identity.attention_shape(model.config)
 

@@ -244,11 +244,44 @@ def test_sensitivity_is_a_non_negative_decreasing_tail_and_leaves_the_model_unch
         assert 0.25 <= allocation.compression_rate < 0.25 + 8 / (2 * HEAD_DIM), rule
 
 
+@pytest.mark.parametrize("family", [*FAMILIES, "gemma2", "gemma3"])
+def test_next_token_logits_from_the_decoder_are_the_models(family):
+    overrides = {"final_logit_softcapping": 0.2} if family.startswith("gemma") else {}  # a cap the logits reach
+    model = tiny_model(family, seed=5, **overrides)
+    ids = random_ids(model, torch.Generator().manual_seed(5), 2, 11)
+    with torch.no_grad():
+        hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state
+        expected = model(input_ids=ids, use_cache=False).logits
+        if overrides:  # the cap changed the logits
+            assert (model.get_output_embeddings()(hidden) - expected).abs().max() > 0.05
+        torch.testing.assert_close(families.next_token_logits(model, hidden), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_the_chunked_loss_backward_is_the_whole_losss(monkeypatch, family):
+    """The sensitivity pass's loss, its logits a few positions at a time, has the model's own summed next-token
+    loss and sends the same gradient into the embeddings (a chunk size that divides nothing: 23 targets by 7)."""
+    model = tiny_model(family, seed=6, **({"final_logit_softcapping": 0.2} if family == "gemma2" else {}))
+    ids = random_ids(model, torch.Generator().manual_seed(6), 2, 24)
+    embeddings = model.get_input_embeddings()(ids).detach().requires_grad_(True)
+    logits = model(inputs_embeds=embeddings, use_cache=False).logits[:, :-1]
+    whole = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+    whole.backward()
+    expected = embeddings.grad.clone()
+    embeddings.grad = None
+    monkeypatch.setattr(calibration, "LOSS_CHUNK", 7)
+    hidden = model.get_decoder()(inputs_embeds=embeddings, use_cache=False).last_hidden_state
+    chunked = calibration.backward_next_token_loss(model, hidden, ids)
+    assert chunked == pytest.approx(whole.item(), rel=1e-6)
+    torch.testing.assert_close(embeddings.grad, expected, rtol=1e-5, atol=1e-6)
+    model.zero_grad(set_to_none=True)
+
+
 @pytest.mark.parametrize("native", [False, True])
 def test_a_bfloat16_model_calibrates_in_float32_where_the_cpu_has_no_bfloat16_products(monkeypatch, native):
     """Where the CPU has no bfloat16 matrix instructions, calibration's forward passes compute in float32 (a bfloat16
-    product there is several times slower): the statistics are a float32 copy's, the sensitivities (in bfloat16) and
-    the balance fit run, and the model comes back bit for bit, in bfloat16, its tied weights still one tensor."""
+    product there is several times slower): the statistics are a float32 copy's, the sensitivities and the
+    balance fit run, and the model comes back bit for bit, in bfloat16, its tied weights still one tensor."""
     for check in calibration.NATIVE_16_BIT[torch.bfloat16]:
         monkeypatch.setattr(torch.cpu, check, lambda: native)
     model = tiny_model("qwen2_coder", seed=3, tie_word_embeddings=True).to(torch.bfloat16)
