@@ -39,8 +39,15 @@ def whole(low: int):
     return parse
 
 
+#: The bundled models' names (fdc_ops.hf.loading.MODELS, which needs torch; tests/hf/test_loading.py checks they agree).
+BUNDLED_MODELS = ("smollm2-135m", "qwen2.5-coder-1.5b")
+
+
 def model_source(text: str) -> str:
-    """A Hugging Face model directory, or a hub id (which only loading can check: no network is assumed)."""
+    """A bundled model's name, a Hugging Face model directory, or a hub id (which only loading can check: no network
+    is assumed)."""
+    if text in BUNDLED_MODELS:
+        return text
     looks_like_path = text.startswith(("/", ".", "~")) or os.path.exists(text) or text.count("/") != 1
     if looks_like_path:
         path = os.path.expanduser(text)

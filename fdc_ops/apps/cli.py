@@ -14,7 +14,7 @@ import importlib.util
 import math
 import sys
 
-from ..arguments import model_source, output_directory, share, whole
+from ..arguments import BUNDLED_MODELS, model_source, output_directory, share, whole
 from ..defaults import DEFAULT_SEQ_LEN, PERPLEXITY_WINDOW
 
 # Nothing here imports torch at module level: the arguments are parsed and checked first (--help and a mistake answer
@@ -30,8 +30,8 @@ def _calibrate(args) -> None:
     from ..hf import loading
 
     torch.manual_seed(args.seed)
-    if args.model is None:
-        model, tokenizer = loading.load_model()
+    if args.model is None or args.model in loading.MODELS:
+        model, tokenizer = loading.load_model(args.model)
     else:
         from transformers import AutoModelForCausalLM
 
@@ -118,7 +118,8 @@ def main() -> None:
 
     calibrate = commands.add_parser("calibrate", help="calibrate a model and save its artifact")
     calibrate.add_argument("--model", type=model_source, default=None,
-                           help="Hugging Face model directory or hub id (default: the bundled SmolLM2-135M)")
+                           help=f"a bundled model ({', '.join(BUNDLED_MODELS)}; in its own dtype), or a Hugging "
+                                "Face model directory or hub id (in float32); default: the bundled SmolLM2-135M")
     calibrate.add_argument("--out", type=output_directory, required=True, help="directory to write the artifact to")
     calibrate.add_argument("--text", choices=["random", "wikipedia", "humaneval"], default="wikipedia",
                            help="calibration tokens: bundled real text (default wikipedia), or uniformly random")

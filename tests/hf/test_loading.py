@@ -14,6 +14,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers", reason="the model side needs transformers")
+from fdc_ops import arguments  # noqa: E402
 from fdc_ops.hf import loading  # noqa: E402
 
 
@@ -72,7 +73,7 @@ def test_the_qwen_coder_parts_are_the_extras_packages():
     assert sum(part.size for part in loading.QWEN_CODER.parts) == loading.QWEN_CODER.size == 1_117_320_768
     assert '"qwen-coder"' in (root / "setup.py").read_text() and "--qwen-coder" in (root / "scripts" /
                                                                                     "setup.sh").read_text()
-    assert set(loading.MODELS) == {"smollm2-135m", "qwen2.5-coder-1.5b"}
+    assert set(loading.MODELS) == {"smollm2-135m", "qwen2.5-coder-1.5b"} == set(arguments.BUNDLED_MODELS)
     assert loading.QWEN_CODER.dtype == torch.bfloat16 and loading.SMOLLM2.dtype == torch.float32
 
 
