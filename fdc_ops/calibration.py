@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -454,41 +455,72 @@ def artifact_from_statistics(model, stats: CalibrationStatistics, *, v_method: s
     qk_values, qk_rotation = principal_axes(stats.qk_gram("kv_head"))
     key_values, key_basis = principal_axes(stats.key_gram)
     value_values, value_basis = principal_axes(stats.v_gram)
-    sensitivity = None
-    if len(sensitivity_batches):
-        sensitivity = measure_sensitivity(model, qk_rotation, v_encoder, v_decoder, sensitivity_batches,
-                                          progress=progress)
     import transformers
 
-    metadata = {
+    metadata = {  # before the passes, which hold a 16-bit model's weights in float32 (pass_dtype)
         "format": FORMAT, "format_version": FORMAT_VERSION, "model_id": families.model_id(model),
         "fingerprint": families.fingerprint(model), "identity": families.weight_identity(model),
         "shape": dataclasses.asdict(stats.shape),
         "calibration": {**(source or {}), "num_tokens": stats.num_tokens, "seq_len": stats.positions,
                         "v_method": v_method, "qk_mode": "kv_head",
-                        "pass_dtype": str(pass_dtype(model)).removeprefix("torch."),
-                        "sensitivity_tokens": sensitivity.num_tokens if sensitivity is not None else 0},
+                        "pass_dtype": str(pass_dtype(model)).removeprefix("torch."), "sensitivity_tokens": 0},
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
-    extra = {} if sensitivity is None else {"qk_damage": sensitivity.qk_damage, "v_damage": sensitivity.v_damage,
-                                            "palu_fisher": sensitivity.palu_fisher}
-    artifact = FDCArtifact(qk_rotation.to(torch.float32), qk_values, v_encoder.to(torch.float64),
+
+    def assemble(sensitivity: Sensitivity | None) -> FDCArtifact:
+        extra = {} if sensitivity is None else {"qk_damage": sensitivity.qk_damage, "v_damage": sensitivity.v_damage,
+                                                "palu_fisher": sensitivity.palu_fisher}
+        return FDCArtifact(qk_rotation.to(torch.float32), qk_values, v_encoder.to(torch.float64),
                            v_decoder.to(torch.float64), v_values, key_basis.to(torch.float32), key_values,
                            value_basis.to(torch.float32), value_values, metadata, **extra)
-    if sensitivity is not None:
+
+    if not len(sensitivity_batches):
+        return assemble(None)
+    with computed_in(model, pass_dtype(model)):  # one conversion for both passes (10 s for Qwen2.5-Coder's 6 GB)
+        sensitivity = measure_sensitivity(model, qk_rotation, v_encoder, v_decoder, sensitivity_batches,
+                                          progress=progress)
+        metadata["calibration"]["sensitivity_tokens"] = sensitivity.num_tokens
+        artifact = assemble(sensitivity)
         metadata["calibration"]["balance"] = balance_sensitivity(model, artifact, balance_batches, progress=progress) \
             if len(balance_batches) else None
     return artifact
 
 
-BALANCE_COMPRESSION = 0.075  # the budget at which the V-to-Q/K weight of the estimates is fitted to measured losses:
-# between where SmolLM2 keeps 99% and 90% of its perplexity score (bench/results/eval/README.md)
-BALANCE_RATIOS = (0.25, 0.5, 1.0, 2.0, 4.0)  # V-to-Q/K weights tried first (then the best one's sqrt(2) neighbours):
-# the raw estimates misjudged the halves' costs by up to 5x in either direction on SmolLM2
+BALANCE_NLL_INCREASE = 0.01  # the balance is fitted at the budget where the unweighted estimates put this loss
+# increase (nats per token: 1% of the perplexity score, where the 99% points are decided). Measured: SmolLM2's
+# estimates reach it at 0.075 (0.0098 nats), where the fitted allocation measured 0.0125 (bench/results/eval/README.md)
+BALANCE_GRID = 0.025  # the budgets the fit may take: steps of the eval tables' grid, from one step to half the cache
+BALANCE_MAX_STEPS = 2  # the V-to-Q/K weight walks from 1 by factors of 2, at most this many: 1/4 .. 4. The raw
+# estimates misjudged the halves' costs by up to 5x in either direction on SmolLM2
 
-BALANCE_SEQUENCES = 2  # sequences after the calibration tokens the fit measures on: two windows resolve loss
-# differences of ~1e-3 nats (paired: the same tokens with and without compression) in ~3 s each on 2 cores. They must
-# be unseen: on the bases' own tokens the best fit lost 0.0003 nats where held-out text lost 0.035
+BALANCE_SEQUENCES = 2  # sequences after the calibration tokens the fit measures on. Paired (the same tokens at each
+# weight), yet one 2048-token window does not decide: on SmolLM2's two, the weights 2.83 to 8 differed by up to 0.005
+# nats with opposite signs (best 8 on one, 4 on the other). They must be unseen: on the bases' own tokens the best fit
+# lost 0.0003 nats where held-out text lost 0.035
+
+
+def estimated_nll_increase(artifact: "FDCArtifact", allocation: RankAllocation) -> float:
+    """The loss increase (nats per token) the artifact's sensitivity tables estimate for ``allocation``'s widths."""
+    qk = artifact.qk_damage.gather(-1, allocation.qk_dims.unsqueeze(-1)).sum()
+    v = artifact.v_damage.gather(-1, allocation.v_dims.unsqueeze(-1)).sum()
+    return float(qk + v)
+
+
+def balance_compression(artifact: "FDCArtifact") -> float:
+    """The budget the V-to-Q/K balance is fitted at: among multiples of BALANCE_GRID up to half the cache (and what
+    the width quantum allows), the one whose sensitivity allocation the estimates put nearest (as a ratio) to
+    BALANCE_NLL_INCREASE: a budget of the model's own, where compression begins to cost, not one constant for all."""
+    head_dim = artifact.shape.head_dim
+    steps = int(min(0.5, 1.0 - 8 / head_dim) / BALANCE_GRID + 1e-9)
+    candidates = [round(step * BALANCE_GRID, 6) for step in range(1, steps + 1)]
+    if not candidates:
+        raise ValueError(f"fdc_ops.calibration: head_dim {head_dim} leaves no budget to fit the V-to-Q/K balance at")
+
+    def distance(compression: float) -> float:
+        estimate = estimated_nll_increase(artifact, artifact.allocate(compression=compression, rule="sensitivity"))
+        return abs(math.log(estimate / BALANCE_NLL_INCREASE)) if estimate > 0 else math.inf
+
+    return min(candidates, key=distance)
 
 
 def _mean_nll(model, batches: Sequence[torch.Tensor]) -> float:
@@ -508,35 +540,43 @@ def balance_sensitivity(model, artifact: "FDCArtifact", batches: Sequence[torch.
                         progress: bool = True) -> dict:
     """Fits the one thing the Taylor estimates get worst, the cost of V against Q/K (they rank heads within a half
     well, but over-predict shallow cuts against deep ones, differently for the two halves): the V damage table is
-    weighted by the ratio, among BALANCE_RATIOS and the best one's sqrt(2) neighbours, whose knapsack allocation at
-    the BALANCE_COMPRESSION budget loses the least measured loss on ``batches``. Only the ratio matters to the
-    allocation; artifact.v_damage is multiplied by it in place. Returns the ratio and the measured losses."""
+    weighted by the ratio whose knapsack allocation at the balance_compression budget loses the least measured loss
+    on ``batches``. The ratio walks from 1 by factors of 2 (up first, down if 2 is no better), at most
+    BALANCE_MAX_STEPS, and stops at the first that is no better: 3 or 4 measured compressions. Only the ratio
+    matters to the allocation; artifact.v_damage is multiplied by it in place. Returns the budget, the ratio and the
+    measured mean losses."""
     from . import hf
 
     v_raw = artifact.v_damage.clone()
+    compression = balance_compression(artifact)
     measured: dict[float, float] = {}
+
+    def walk() -> Iterator[float]:
+        best = 1.0
+        yield best
+        for factor in (2.0, 0.5):
+            ratio = best * factor
+            while abs(math.log2(ratio)) <= BALANCE_MAX_STEPS:
+                yield ratio
+                if measured[ratio] >= measured[best]:
+                    break
+                best, ratio = ratio, ratio * factor
+            if best != 1.0:
+                return
+
     with computed_in(model, pass_dtype(model)):
-        base = _mean_nll(model, batches)
-
-        def loss(ratio: float) -> float:
-            if ratio not in measured:
-                artifact.v_damage = v_raw * ratio
-                hf.compress(model, artifact, compression=BALANCE_COMPRESSION, rule="sensitivity")
-                try:
-                    measured[ratio] = _mean_nll(model, batches) - base
-                finally:
-                    hf.restore(model)
-            return measured[ratio]
-
-        for ratio in progress_bar(BALANCE_RATIOS, "fitting the V-to-Q/K balance", "ratio", enabled=progress):
-            loss(ratio)
-        best = min(measured, key=measured.get)
-        for ratio in progress_bar((best / 2**0.5, best * 2**0.5), "refining the balance", "ratio", enabled=progress):
-            loss(ratio)
+        for ratio in progress_bar(walk(), f"fitting the V-to-Q/K balance at {compression} compression", "weight",
+                                  enabled=progress):
+            artifact.v_damage = v_raw * ratio
+            hf.compress(model, artifact, compression=compression, rule="sensitivity")
+            try:
+                measured[ratio] = _mean_nll(model, batches)
+            finally:
+                hf.restore(model)
     best = min(measured, key=measured.get)
     artifact.v_damage = v_raw * best
-    return {"compression": BALANCE_COMPRESSION, "v_to_qk": best,
-            "measured_nll_increase": {f"{ratio:.4f}": value for ratio, value in sorted(measured.items())}}
+    return {"compression": compression, "v_to_qk": best,
+            "measured_nll": {f"{ratio:.4f}": value for ratio, value in sorted(measured.items())}}
 
 
 def calibrate(model, tokenizer=None, *, text: str = "wikipedia", num_tokens: int = 8192, seq_len: int = DEFAULT_SEQ_LEN,

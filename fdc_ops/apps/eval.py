@@ -222,7 +222,7 @@ def calibration_tag(settings: dict) -> str:
     are checked separately, by its key)."""
     settings = dict(settings)
     if isinstance(settings.get("balance"), dict):
-        settings["balance"] = {k: v for k, v in settings["balance"].items() if k != "measured_nll_increase"}
+        settings["balance"] = {k: v for k, v in settings["balance"].items() if k != "measured_nll"}
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 

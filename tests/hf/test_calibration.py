@@ -4,6 +4,7 @@ folding, the rank allocation, and the artifact file format."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import json
 import subprocess
@@ -234,8 +235,9 @@ def test_sensitivity_is_a_non_negative_decreasing_tail_and_leaves_the_model_unch
         assert (damage >= 0).all() and (damage[..., -1] == 0).all() and (damage[..., 0] > 0).all()
     assert (artifact.palu_fisher > 0).all()
     balance = artifact.metadata["calibration"]["balance"]  # fitted on the random sequences after the calibration ones
-    assert balance["measured_nll_increase"][f"{balance['v_to_qk']:.4f}"] == min(
-        balance["measured_nll_increase"].values())
+    measured = balance["measured_nll"]
+    assert measured[f"{balance['v_to_qk']:.4f}"] == min(measured.values()) and 3 <= len(measured) <= 4, measured
+    assert balance["compression"] in [round(step * calibration.BALANCE_GRID, 6) for step in range(1, 21)]
     terms = torch.randn(3, 5, 8, dtype=torch.float64)
     brute = torch.stack([0.5 * (terms[..., w:].sum(-1) ** 2).sum(-1) for w in range(9)], dim=-1)
     torch.testing.assert_close(calibration._tail_damage(terms), brute)
@@ -342,6 +344,28 @@ def small_artifact(seed: int = 0, model=None) -> FDCArtifact:
     model = model if model is not None else tiny_model("llama", seed=seed)
     return calibration.calibrate(model, text="random", num_tokens=96, seq_len=32, seed=seed, sensitivity_tokens=64,
                                  progress=False)
+
+
+def test_the_balance_is_fitted_where_the_estimates_reach_one_percent():
+    """balance_compression: the grid budget whose estimated loss increase is nearest BALANCE_NLL_INCREASE. With a
+    damage table that charges every removed dim the same, the estimate is that charge times the dims removed, so
+    the target (two 8-dim steps here) is met first by the smallest grid budget that removes 16 dims; twice the
+    charge meets it at half the dims."""
+    artifact = small_artifact()
+    L, Hkv, D = artifact.shape.num_layers, artifact.shape.num_kv_heads, artifact.shape.head_dim
+    total = 2 * L * Hkv * D
+    grid = [round(step * calibration.BALANCE_GRID, 6) for step in range(1, int(0.5 / calibration.BALANCE_GRID) + 1)]
+
+    def removed(compression: float) -> int:  # the dims a budget removes: whole 8-dim steps, at least the share
+        return 8 * -int(-(compression * total - 1e-9) // 8)
+
+    for dims, charge in ((16, calibration.BALANCE_NLL_INCREASE / 16), (8, calibration.BALANCE_NLL_INCREASE / 8)):
+        table = (D - torch.arange(D + 1, dtype=torch.float64)).expand(L, Hkv, D + 1) * charge
+        uniform = dataclasses.replace(artifact, qk_damage=table.clone(), v_damage=table.clone())
+        expected = min(c for c in grid if removed(c) == dims)
+        assert calibration.balance_compression(uniform) == expected, (dims, total)
+        widths = uniform.allocate(compression=expected, rule="sensitivity")
+        assert calibration.estimated_nll_increase(uniform, widths) == pytest.approx(calibration.BALANCE_NLL_INCREASE)
 
 
 def test_allocation_compression_rate_offsets_and_uniform_ablation():
